@@ -1,0 +1,1 @@
+"""The lighthouse: the job-wide coordinator that forms a quorum each step."""

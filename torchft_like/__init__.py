@@ -1,0 +1,1 @@
+"""torchft_like: per-step fault-tolerant data-parallel training for PyTorch."""
