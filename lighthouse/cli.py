@@ -1,0 +1,98 @@
+"""`torchft-lighthouse`: runs a lighthouse until interrupted."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import signal
+import sys
+import threading
+
+from lighthouse.server import LighthouseServer
+
+logger = logging.getLogger(__name__)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="torchft-lighthouse",
+        description="Coordinator of torchft_like replica groups: forms a quorum each step.",
+    )
+    # torchft's underscore spellings are accepted too, so its scripts run unchanged.
+    p.add_argument(
+        "--bind",
+        default="[::]:29510",
+        help="gRPC address to listen on, host:port (default [::]:29510; port 0 picks a free one)",
+    )
+    p.add_argument(
+        "--min-replicas",
+        "--min_replicas",
+        dest="min_replicas",
+        type=int,
+        required=True,
+        help="fewest replica groups a new quorum may have (>= 1, required)",
+    )
+    p.add_argument(
+        "--join-timeout-ms",
+        "--join_timeout_ms",
+        dest="join_timeout_ms",
+        type=int,
+        default=60000,
+        help="ms a valid quorum waits for healthy stragglers after the first join (default 60000)",
+    )
+    p.add_argument(
+        "--quorum-tick-ms",
+        "--quorum_tick_ms",
+        dest="quorum_tick_ms",
+        type=int,
+        default=100,
+        help="ms between re-runs of the quorum decision (default 100)",
+    )
+    p.add_argument(
+        "--heartbeat-timeout-ms",
+        "--heartbeat_timeout_ms",
+        dest="heartbeat_timeout_ms",
+        type=int,
+        default=5000,
+        help="ms of silence after which a replica is unhealthy (default 5000)",
+    )
+    p.add_argument(
+        "--http-bind",
+        "--http_bind",
+        dest="http_bind",
+        default="[::]:29511",
+        help="status page and /metrics address, host:port (default [::]:29511; empty: off)",
+    )
+    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(
+        level=args.log_level.upper(),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    try:
+        server = LighthouseServer(
+            bind=args.bind,
+            min_replicas=args.min_replicas,
+            join_timeout_ms=args.join_timeout_ms,
+            quorum_tick_ms=args.quorum_tick_ms,
+            heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+            http_bind=args.http_bind or None,
+        )
+    except (ValueError, OSError) as e:
+        print(f"torchft-lighthouse: error: {e}", file=sys.stderr)
+        return 2
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    stop.wait()
+    logger.info("shutting down")
+    server.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,194 @@
+"""Clients of the lighthouse: a blocking one and an asyncio one.
+
+Both check the connection first, bounded by `connect_timeout`, so an
+unreachable lighthouse is reported within that time instead of after the
+(much longer) quorum timeout.
+"""
+
+from __future__ import annotations
+
+import json
+from datetime import timedelta
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from lighthouse import wire
+from lighthouse._proto import torchft_pb2 as pb
+from lighthouse._proto import torchft_pb2_grpc as pb_grpc
+from lighthouse.address import url_to_target
+from lighthouse.errors import LighthouseUnavailableError, QuorumError, QuorumTimeoutError
+from lighthouse.quorum import Quorum, QuorumMember
+
+CHANNEL_OPTIONS = [
+    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+    # Keep idle connections alive, so the per-step call never pays a reconnect.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+]
+
+
+def map_rpc_error(e: grpc.RpcError, addr: str, what: str) -> Exception:
+    """One table from gRPC status to our errors, with the address in the text."""
+    code = e.code() if hasattr(e, "code") else None
+    details = e.details() if hasattr(e, "details") else str(e)
+    text = f"{what} at {addr} failed: {details}"
+    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
+        return QuorumTimeoutError(text)
+    if code == grpc.StatusCode.UNAVAILABLE:
+        return LighthouseUnavailableError(text)
+    if code == grpc.StatusCode.INVALID_ARGUMENT:
+        return ValueError(text)
+    return QuorumError(f"{text} ({code.name if code else 'unknown status'})")
+
+
+def unreachable(addr: str, connect_timeout: timedelta) -> LighthouseUnavailableError:
+    return LighthouseUnavailableError(
+        f"could not connect to {addr} within {connect_timeout.total_seconds():.1f} s; "
+        "is it running, and is the address right?"
+    )
+
+
+def quorum_request(
+    replica_id: str,
+    address: str = "",
+    store_address: str = "",
+    step: int = 0,
+    world_size: int = 1,
+    shrink_only: bool = False,
+    data: dict[str, Any] | str | None = None,
+    commit_failures: int = 0,
+) -> pb.LighthouseQuorumRequest:
+    member = QuorumMember(
+        replica_id=replica_id,
+        address=address,
+        store_address=store_address,
+        step=step,
+        world_size=world_size,
+        shrink_only=shrink_only,
+        data=data if isinstance(data, str) else json.dumps(data) if data is not None else "",
+        commit_failures=commit_failures,
+    )
+    return pb.LighthouseQuorumRequest(requester=wire.member_to_proto(member))
+
+
+class LighthouseClient:
+    """Blocking client. Quorum blocks until a quorum containing us is issued."""
+
+    def __init__(self, addr: str, connect_timeout: timedelta = timedelta(seconds=10)) -> None:
+        self.addr = addr
+        self._connect_timeout = connect_timeout
+        self._channel = grpc.insecure_channel(url_to_target(addr), options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.LighthouseServiceStub(self._channel)
+        self._connected = False
+
+    def _ensure_connected(self) -> None:
+        if self._connected:
+            return
+        try:
+            grpc.channel_ready_future(self._channel).result(
+                timeout=self._connect_timeout.total_seconds()
+            )
+        except grpc.FutureTimeoutError:
+            raise unreachable(f"lighthouse {self.addr}", self._connect_timeout) from None
+        self._connected = True
+
+    def quorum(
+        self,
+        replica_id: str,
+        timeout: timedelta,
+        address: str = "",
+        store_address: str = "",
+        step: int = 0,
+        world_size: int = 1,
+        shrink_only: bool = False,
+        data: dict[str, Any] | str | None = None,
+        commit_failures: int = 0,
+    ) -> Quorum:
+        """Joins the next quorum as `replica_id`; the other arguments describe
+        us to the other members (see QuorumMember). `data` is JSON-encoded.
+
+        Raises:
+            QuorumTimeoutError: no quorum with us was issued within `timeout`.
+            LighthouseUnavailableError: the lighthouse cannot be reached.
+            ValueError: the lighthouse refused the request as malformed.
+        """
+        self._ensure_connected()
+        try:
+            response = self._stub.Quorum(
+                quorum_request(
+                    replica_id,
+                    address,
+                    store_address,
+                    step,
+                    world_size,
+                    shrink_only,
+                    data,
+                    commit_failures,
+                ),
+                timeout=timeout.total_seconds(),
+            )
+        except grpc.RpcError as e:
+            self._connected = e.code() != grpc.StatusCode.UNAVAILABLE
+            raise map_rpc_error(e, f"lighthouse {self.addr}", "Quorum") from None
+        return wire.quorum_from_proto(response.quorum)
+
+    def heartbeat(self, replica_id: str, timeout: timedelta = timedelta(seconds=5)) -> None:
+        self._ensure_connected()
+        try:
+            self._stub.Heartbeat(
+                pb.LighthouseHeartbeatRequest(replica_id=replica_id),
+                timeout=timeout.total_seconds(),
+            )
+        except grpc.RpcError as e:
+            self._connected = e.code() != grpc.StatusCode.UNAVAILABLE
+            raise map_rpc_error(e, f"lighthouse {self.addr}", "Heartbeat") from None
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+class AsyncLighthouseClient:
+    """asyncio twin of LighthouseClient, for servers that run on an event loop."""
+
+    def __init__(self, addr: str, connect_timeout: timedelta = timedelta(seconds=10)) -> None:
+        self.addr = addr
+        self._connect_timeout = connect_timeout
+        self._channel = aio.insecure_channel(url_to_target(addr), options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.LighthouseServiceStub(self._channel)
+
+    async def _ensure_connected(self) -> None:
+        import asyncio
+
+        state = self._channel.get_state(try_to_connect=True)
+        if state == grpc.ChannelConnectivity.READY:
+            return
+        try:
+            await asyncio.wait_for(
+                self._channel.channel_ready(), self._connect_timeout.total_seconds()
+            )
+        except asyncio.TimeoutError:
+            raise unreachable(f"lighthouse {self.addr}", self._connect_timeout) from None
+
+    async def quorum(self, member: QuorumMember, timeout: timedelta) -> Quorum:
+        await self._ensure_connected()
+        request = pb.LighthouseQuorumRequest(requester=wire.member_to_proto(member))
+        try:
+            response = await self._stub.Quorum(request, timeout=timeout.total_seconds())
+        except grpc.RpcError as e:
+            raise map_rpc_error(e, f"lighthouse {self.addr}", "Quorum") from None
+        return wire.quorum_from_proto(response.quorum)
+
+    async def heartbeat(self, replica_id: str, timeout: timedelta) -> None:
+        await self._ensure_connected()
+        try:
+            await self._stub.Heartbeat(
+                pb.LighthouseHeartbeatRequest(replica_id=replica_id),
+                timeout=timeout.total_seconds(),
+            )
+        except grpc.RpcError as e:
+            raise map_rpc_error(e, f"lighthouse {self.addr}", "Heartbeat") from None
+
+    async def close(self) -> None:
+        await self._channel.close()

@@ -1,0 +1,175 @@
+"""The quorum decision: a pure function of time, members and heartbeats.
+
+Nothing here reads a clock, opens a socket or takes a lock. The server gathers
+the state, passes `now` in (monotonic seconds) and acts on the decision, so
+every clause of the rule is tested as a plain function (tests/unit).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class QuorumMember:
+    """One replica group as it presents itself to the lighthouse."""
+
+    replica_id: str
+    """`{name}:{uuid}`; a restarted process is a new member."""
+    address: str = ""
+    """URL of the group's ManagerServer, e.g. `http://host:port`."""
+    store_address: str = ""
+    """`host:port` of the group's TCPStore, used for the cross-group rendezvous."""
+    step: int = 0
+    world_size: int = 1
+    shrink_only: bool = False
+    data: str = ""
+    """Free-form JSON the member shares with the others."""
+    commit_failures: int = 0
+
+
+@dataclass(frozen=True)
+class Quorum:
+    """The members that train the next step together."""
+
+    quorum_id: int
+    participants: tuple[QuorumMember, ...]
+    created: float
+    """Wall-clock time of issue, seconds since the epoch."""
+
+    def replica_ids(self) -> tuple[str, ...]:
+        return tuple(m.replica_id for m in self.participants)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LighthouseConfig:
+    """Options of the quorum rule. Field names carry their unit."""
+
+    min_replicas: int
+    """Fewest participants a new quorum may have."""
+    join_timeout_ms: int = 60000
+    """How long a valid quorum waits for healthy stragglers after the first join."""
+    quorum_tick_ms: int = 100
+    """How often the server re-runs the decision for waiting callers."""
+    heartbeat_timeout_ms: int = 5000
+    """A replica silent for longer than this is no longer healthy."""
+
+    def __post_init__(self) -> None:
+        if self.min_replicas < 1:
+            raise ValueError(f"min_replicas ({self.min_replicas}) must be at least 1")
+        for name in ("join_timeout_ms", "quorum_tick_ms", "heartbeat_timeout_ms"):
+            value = getattr(self, name)
+            if value < 0 or (value == 0 and name != "join_timeout_ms"):
+                raise ValueError(f"{name} ({value}) must be positive")
+
+    @property
+    def forget_after_s(self) -> float:
+        """Silence after which a replica is forgotten (bounds memory under churn)."""
+        return max(10 * self.heartbeat_timeout_ms / 1000, 60.0)
+
+
+@dataclass(frozen=True)
+class Participant:
+    """A replica waiting in a Quorum call."""
+
+    member: QuorumMember
+    joined_at: float
+    """Monotonic seconds when it (re)joined."""
+
+
+@dataclass(frozen=True)
+class LighthouseState:
+    participants: Mapping[str, Participant]
+    heartbeats: Mapping[str, float]
+    """replica_id -> monotonic seconds of its last heartbeat or Quorum call."""
+    prev_quorum: Quorum | None = None
+
+
+@dataclass(frozen=True)
+class QuorumDecision:
+    members: tuple[QuorumMember, ...] | None
+    """The next quorum, sorted by replica_id; None while it cannot be formed."""
+    reason: str
+    """Why, in words; also the log line and the status-page text."""
+    kind: str
+    """Stable short code of the reason (`fast`, `valid`, `stragglers`, ...)."""
+
+
+def healthy_replicas(now: float, heartbeats: Mapping[str, float], timeout_ms: int) -> set[str]:
+    return {rid for rid, seen in heartbeats.items() if now - seen < timeout_ms / 1000}
+
+
+def compute_quorum(now: float, state: LighthouseState, config: LighthouseConfig) -> QuorumDecision:
+    """Decides whether a quorum can be issued now, following DESIGN.md's rule."""
+    healthy = healthy_replicas(now, state.heartbeats, config.heartbeat_timeout_ms)
+    joined = {rid: p for rid, p in state.participants.items() if rid in healthy}
+    shrink_only = any(p.member.shrink_only for p in joined.values())
+    prev_ids = set(state.prev_quorum.replica_ids()) if state.prev_quorum else set()
+    candidates = dict(joined)
+    if state.prev_quorum is not None and shrink_only:
+        candidates = {rid: p for rid, p in joined.items() if rid in prev_ids}
+    members = tuple(candidates[rid].member for rid in sorted(candidates))
+    tally = f"[{len(joined)}/{len(healthy)} participants healthy]"
+    if shrink_only:
+        tally += "[shrink_only]"
+
+    if state.prev_quorum is not None and prev_ids <= joined.keys() and members:
+        return QuorumDecision(members, f"fast quorum: every previous member joined {tally}", "fast")
+    if len(candidates) < config.min_replicas:
+        return QuorumDecision(
+            None,
+            f"waiting for replicas: {len(candidates)} joined, "
+            f"min_replicas is {config.min_replicas} {tally}",
+            "too_few",
+        )
+    if len(candidates) <= len(healthy) / 2:
+        return QuorumDecision(
+            None,
+            f"no majority: {len(candidates)} joined of {len(healthy)} healthy, "
+            f"need more than half to avoid split brain {tally}",
+            "split_brain",
+        )
+    stragglers = len(healthy) - len(joined)
+    if stragglers > 0:
+        first_join = min(p.joined_at for p in candidates.values())
+        left_s = config.join_timeout_ms / 1000 - (now - first_join)
+        if left_s > 0:
+            plural = "" if stragglers == 1 else "s"
+            return QuorumDecision(
+                None,
+                f"waiting for {stragglers} healthy straggler{plural}, "
+                f"join timeout in {left_s:.1f} s {tally}",
+                "stragglers",
+            )
+        return QuorumDecision(
+            members, f"join timeout passed, quorum without stragglers {tally}", "join_timeout"
+        )
+    return QuorumDecision(members, f"every healthy replica joined {tally}", "valid")
+
+
+def quorum_changed(prev: Quorum | None, members: tuple[QuorumMember, ...]) -> bool:
+    """Whether the next quorum needs a new id: new member list or a failed commit."""
+    if prev is None:
+        return True
+    if tuple(m.replica_id for m in members) != prev.replica_ids():
+        return True
+    return any(m.commit_failures > 0 for m in members)
+
+
+def next_quorum_id(prev_id: int, wall_ms: int) -> int:
+    """Next id: above the previous one and at least the wall clock in milliseconds.
+
+    Ids are never below the wall-clock time of their issue, so a restarted
+    lighthouse (starting from its own clock) never repeats an id issued before,
+    without persisting anything. Needs a clock that does not jump back by more
+    than the restart gap.
+    """
+    return max(prev_id + 1, wall_ms)
+
+
+def forgotten_replicas(
+    now: float, heartbeats: Mapping[str, float], forget_after_s: float
+) -> list[str]:
+    """Replicas silent for so long that the lighthouse drops every trace of them."""
+    return [rid for rid, seen in heartbeats.items() if now - seen > forget_after_s]

@@ -1,0 +1,309 @@
+"""The lighthouse server: gRPC service, waiting callers and the tick loop.
+
+All state lives on one asyncio loop (no locks). Each Quorum call registers a
+waiter; the decision (lighthouse.quorum) runs at once and on every tick, and
+an issued quorum answers every waiter it contains.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import grpc
+from grpc import aio
+
+from lighthouse import wire
+from lighthouse._aio import BackgroundLoop
+from lighthouse._proto import torchft_pb2 as pb
+from lighthouse._proto import torchft_pb2_grpc as pb_grpc
+from lighthouse.address import advertised_host, join_host_port, parse_bind
+from lighthouse.metrics import LighthouseMetrics
+from lighthouse.quorum import (
+    LighthouseConfig,
+    LighthouseState,
+    Participant,
+    Quorum,
+    QuorumMember,
+    compute_quorum,
+    forgotten_replicas,
+    healthy_replicas,
+    next_quorum_id,
+    quorum_changed,
+)
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Waiter:
+    participant: Participant
+    future: asyncio.Future[Quorum]
+
+
+class _Coordinator:
+    """The lighthouse's state and the actions taken on each decision."""
+
+    def __init__(self, config: LighthouseConfig, metrics: LighthouseMetrics) -> None:
+        self.config = config
+        self.metrics = metrics
+        self.waiters: dict[str, _Waiter] = {}
+        self.heartbeats: dict[str, float] = {}
+        self.members: dict[str, QuorumMember] = {}
+        """Last known self-description of each replica, for the status page."""
+        self.prev_quorum: Quorum | None = None
+        self.quorum_id = 0
+        self.reason = "idle: no replica is waiting for a quorum"
+        self._logged_status: tuple[str, int, int] | None = None
+
+    def heartbeat(self, replica_id: str) -> None:
+        self.heartbeats[replica_id] = time.monotonic()
+        self.metrics.heartbeats.inc()
+
+    async def quorum(self, member: QuorumMember) -> Quorum:
+        """Waits for the first issued quorum that contains `member`."""
+        now = time.monotonic()
+        self.heartbeats[member.replica_id] = now
+        self.members[member.replica_id] = member
+        old = self.waiters.pop(member.replica_id, None)
+        if old is not None and not old.future.done():
+            old.future.set_exception(
+                RuntimeError(
+                    f"replica {member.replica_id} called Quorum again; this call is superseded"
+                )
+            )
+        waiter = _Waiter(Participant(member, now), asyncio.get_running_loop().create_future())
+        self.waiters[member.replica_id] = waiter
+        self.decide()
+        try:
+            return await asyncio.shield(waiter.future)
+        finally:
+            # A cancelled call or one past its deadline must not be put into a
+            # quorum it will never hear of.
+            if self.waiters.get(member.replica_id) is waiter:
+                del self.waiters[member.replica_id]
+
+    def decide(self) -> None:
+        now = time.monotonic()
+        state = LighthouseState(
+            {rid: w.participant for rid, w in self.waiters.items()},
+            self.heartbeats,
+            self.prev_quorum,
+        )
+        decision = compute_quorum(now, state, self.config)
+        self._log_status(decision.kind, decision.reason)
+        if decision.members is None:
+            return
+        if quorum_changed(self.prev_quorum, decision.members):
+            self.quorum_id = next_quorum_id(self.quorum_id, int(time.time() * 1000))
+        quorum = Quorum(self.quorum_id, decision.members, time.time())
+        self.prev_quorum = quorum
+        self.metrics.on_quorum(quorum)
+        logger.info(
+            "quorum %d issued (%s): %s",
+            quorum.quorum_id,
+            decision.reason,
+            ", ".join(f"{m.replica_id} step={m.step}" for m in quorum.participants),
+        )
+        for member in quorum.participants:
+            waiter = self.waiters.pop(member.replica_id)
+            if not waiter.future.done():
+                waiter.future.set_result(quorum)
+        # Callers left out join again: their join timeout starts over.
+        for waiter in self.waiters.values():
+            waiter.participant = replace(waiter.participant, joined_at=now)
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        for rid in forgotten_replicas(now, self.heartbeats, self.config.forget_after_s):
+            if rid not in self.waiters:
+                logger.info(
+                    "forgetting replica %s: silent for over %.0f s", rid, self.config.forget_after_s
+                )
+                del self.heartbeats[rid]
+                self.members.pop(rid, None)
+        if self.waiters:
+            self.decide()
+        else:
+            self._log_status("idle", "idle: no replica is waiting for a quorum")
+        self.metrics.healthy_replicas.set(len(self._healthy(now)))
+
+    def _healthy(self, now: float) -> set[str]:
+        return healthy_replicas(now, self.heartbeats, self.config.heartbeat_timeout_ms)
+
+    def _log_status(self, kind: str, reason: str) -> None:
+        self.reason = reason
+        key = (kind, len(self.waiters), len(self._healthy(time.monotonic())))
+        if key != self._logged_status:
+            self._logged_status = key
+            logger.info("quorum status: %s", reason)
+
+    def snapshot(self) -> dict[str, Any]:
+        now = time.monotonic()
+        healthy = self._healthy(now)
+        in_quorum = set(self.prev_quorum.replica_ids()) if self.prev_quorum else set()
+        replicas = []
+        for rid in sorted(self.heartbeats):
+            member = self.members.get(rid, QuorumMember(replica_id=rid))
+            replicas.append(
+                {
+                    "replica_id": rid,
+                    "step": member.step,
+                    "address": member.address,
+                    "heartbeat_age_s": round(now - self.heartbeats[rid], 3),
+                    "healthy": rid in healthy,
+                    "waiting": rid in self.waiters,
+                    "in_quorum": rid in in_quorum,
+                }
+            )
+        return {
+            "quorum_id": self.prev_quorum.quorum_id if self.prev_quorum else None,
+            "quorum_members": sorted(in_quorum),
+            "reason": self.reason,
+            "min_replicas": self.config.min_replicas,
+            "replicas": replicas,
+        }
+
+
+class _LighthouseServicer(pb_grpc.LighthouseServiceServicer):
+    """Thin: converts, calls the coordinator, converts back, maps errors."""
+
+    def __init__(self, coordinator: _Coordinator) -> None:
+        self._coord = coordinator
+
+    async def Quorum(
+        self, request: pb.LighthouseQuorumRequest, context: aio.ServicerContext
+    ) -> pb.LighthouseQuorumResponse:
+        try:
+            member = wire.quorum_request_from_proto(request)
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        start = time.monotonic()
+        remaining = context.time_remaining()
+        try:
+            quorum = await asyncio.wait_for(self._coord.quorum(member), remaining)
+        except asyncio.TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED,
+                f"no quorum containing {member.replica_id} before the deadline; "
+                f"status: {self._coord.reason}",
+            )
+        except RuntimeError as e:
+            await context.abort(grpc.StatusCode.ABORTED, str(e))
+        self._coord.metrics.quorum_latency.observe(time.monotonic() - start)
+        return pb.LighthouseQuorumResponse(quorum=wire.quorum_to_proto(quorum))
+
+    async def Heartbeat(
+        self, request: pb.LighthouseHeartbeatRequest, context: aio.ServicerContext
+    ) -> pb.LighthouseHeartbeatResponse:
+        if not request.replica_id:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "replica_id must be a non-empty string"
+            )
+        self._coord.heartbeat(request.replica_id)
+        return pb.LighthouseHeartbeatResponse()
+
+
+class LighthouseServer:
+    """A lighthouse running in the background of the calling process.
+
+    Starts in the constructor; `address()` is its `http://host:port` URL and
+    `shutdown()` is idempotent. Quorum ids start at the wall clock in
+    milliseconds and never go below it (see `next_quorum_id`), so a restarted
+    lighthouse never repeats an id without persisting any state.
+
+    Raises:
+        ValueError: a bad option or an unparsable bind address.
+        OSError: the port is already in use.
+    """
+
+    def __init__(
+        self,
+        bind: str,
+        min_replicas: int,
+        join_timeout_ms: int = 60000,
+        quorum_tick_ms: int = 100,
+        heartbeat_timeout_ms: int = 5000,
+        http_bind: str | None = None,
+    ) -> None:
+        self.config = LighthouseConfig(
+            min_replicas=min_replicas,
+            join_timeout_ms=join_timeout_ms,
+            quorum_tick_ms=quorum_tick_ms,
+            heartbeat_timeout_ms=heartbeat_timeout_ms,
+        )
+        host, port = parse_bind(bind)
+        self.metrics = LighthouseMetrics()
+        self._coord = _Coordinator(self.config, self.metrics)
+        self._loop = BackgroundLoop("lighthouse")
+        self._http = None
+        self._stopped = False
+        try:
+            self._port = self._loop.run(self._start(host, port))
+            self._host = advertised_host(host)
+            if http_bind is not None:
+                from lighthouse.status import StatusServer
+
+                self._http = StatusServer(http_bind, self)
+        except BaseException:
+            self.shutdown()
+            raise
+        logger.info("lighthouse listening on %s (gRPC, bind %s)", self.address(), bind)
+
+    async def _start(self, host: str, port: int) -> int:
+        self._server = aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_LighthouseServiceServicer_to_server(
+            _LighthouseServicer(self._coord), self._server
+        )
+        try:
+            bound = self._server.add_insecure_port(join_host_port(host, port))
+        except RuntimeError:
+            bound = 0
+        if bound == 0:
+            raise OSError(
+                f"cannot listen on {join_host_port(host, port)}: the port is in use or the "
+                "address is not available; choose another --bind port (0 picks a free one)"
+            )
+        await self._server.start()
+        self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
+        return bound
+
+    async def _tick_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.quorum_tick_ms / 1000)
+            try:
+                self._coord.tick()
+            except Exception:
+                logger.exception("lighthouse tick failed; continuing")
+
+    def address(self) -> str:
+        return f"http://{join_host_port(self._host, self._port)}"
+
+    def http_address(self) -> str | None:
+        return self._http.address() if self._http else None
+
+    def status(self) -> dict[str, Any]:
+        """The status page's data (thread-safe: read on the server's loop)."""
+        return self._loop.run(self._async(self._coord.snapshot), timeout=5)
+
+    @staticmethod
+    async def _async(fn: Any) -> Any:
+        return fn()
+
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        if self._http is not None:
+            self._http.shutdown()
+        if hasattr(self, "_server"):
+            self._loop.run(self._stop(), timeout=10)
+        self._loop.stop()
+
+    async def _stop(self) -> None:
+        if hasattr(self, "_ticker"):
+            self._ticker.cancel()
+        await self._server.stop(grace=None)

@@ -1,0 +1,117 @@
+"""The lighthouse's HTTP status page, JSON status and Prometheus metrics."""
+
+from __future__ import annotations
+
+import html
+import json
+import logging
+import socket
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import TYPE_CHECKING, Any
+
+from lighthouse.address import advertised_host, join_host_port, parse_bind
+
+if TYPE_CHECKING:
+    from lighthouse.server import LighthouseServer
+
+logger = logging.getLogger(__name__)
+
+_PAGE = """<!doctype html>
+<html><head><meta charset="utf-8"><meta http-equiv="refresh" content="1">
+<title>torchft_like lighthouse</title>
+<style>body{{font-family:sans-serif;margin:2em}}td,th{{padding:2px 10px;text-align:left}}
+.bad{{color:#b00}}.ok{{color:#070}}</style></head><body>
+<h1>Lighthouse</h1>
+<p>Quorum id: <b>{quorum_id}</b> &middot; members: {num_members}
+&middot; min_replicas: {min_replicas}</p>
+<p>Status: {reason}</p>
+<table><tr><th>replica id</th><th>step</th><th>address</th><th>heartbeat age</th>
+<th>health</th><th>in quorum</th><th>waiting</th></tr>
+{rows}
+</table></body></html>
+"""
+
+
+def render_page(status: dict[str, Any]) -> str:
+    rows = []
+    for r in status["replicas"]:
+        health = (
+            '<span class="ok">healthy</span>' if r["healthy"] else '<span class="bad">silent</span>'
+        )
+        cells = [
+            html.escape(r["replica_id"]),
+            str(r["step"]),
+            html.escape(r["address"]),
+            f"{r['heartbeat_age_s']:.1f} s",
+            health,
+            "yes" if r["in_quorum"] else "",
+            "yes" if r["waiting"] else "",
+        ]
+        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
+    return _PAGE.format(
+        quorum_id=status["quorum_id"],
+        num_members=len(status["quorum_members"]),
+        min_replicas=status["min_replicas"],
+        reason=html.escape(status["reason"]),
+        rows="\n".join(rows),
+    )
+
+
+class StatusServer:
+    """Serves `/`, `/status.json` and `/metrics` from a daemon thread."""
+
+    def __init__(self, bind: str, lighthouse: LighthouseServer) -> None:
+        host, port = parse_bind(bind)
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                path = self.path.split("?", 1)[0]
+                if path == "/":
+                    self._send(
+                        200, "text/html; charset=utf-8", render_page(lighthouse.status()).encode()
+                    )
+                elif path == "/status.json":
+                    self._send(200, "application/json", json.dumps(lighthouse.status()).encode())
+                elif path == "/metrics":
+                    self._send(200, "text/plain; version=0.0.4", lighthouse.metrics.render())
+                else:
+                    self._send(404, "text/plain", b"not found; try /, /status.json or /metrics\n")
+
+            def _send(self, code: int, content_type: str, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:
+                logger.debug("status page: " + format, *args)
+
+        server_class = ThreadingHTTPServer
+        if ":" in host or host == "":
+            server_class = type(
+                "_V6Server", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6}
+            )
+        try:
+            self._server = server_class((host, port), Handler)
+        except OSError as e:
+            raise OSError(
+                f"cannot serve the status page on {bind}: {e.strerror}; choose another "
+                "--http-bind port (0 picks a free one)"
+            ) from e
+        self._server.daemon_threads = True
+        self._host = advertised_host(host)
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, name="lighthouse-http", daemon=True
+        )
+        self._thread.start()
+        logger.info("lighthouse status page on %s", self.address())
+
+    def address(self) -> str:
+        return f"http://{join_host_port(self._host, self._server.server_address[1])}"
+
+    def shutdown(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+        self._thread.join(timeout=5)

@@ -1,0 +1,68 @@
+"""Conversion between protobuf messages and the plain dataclasses of the logic.
+
+Pure code never sees a protobuf object; servicers and clients convert here,
+and bad input is turned into a ValueError naming the field.
+"""
+
+from __future__ import annotations
+
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from lighthouse._proto import torchft_pb2 as pb
+from lighthouse.quorum import Quorum, QuorumMember
+
+
+def member_from_proto(msg: pb.QuorumMember) -> QuorumMember:
+    if not msg.replica_id:
+        raise ValueError("requester.replica_id must be a non-empty string")
+    if msg.step < 0:
+        raise ValueError(f"requester.step ({msg.step}) must not be negative")
+    if msg.commit_failures < 0:
+        raise ValueError(f"requester.commit_failures ({msg.commit_failures}) must not be negative")
+    return QuorumMember(
+        replica_id=msg.replica_id,
+        address=msg.address,
+        store_address=msg.store_address,
+        step=msg.step,
+        world_size=msg.world_size,
+        shrink_only=msg.shrink_only,
+        data=msg.data,
+        commit_failures=msg.commit_failures,
+    )
+
+
+def member_to_proto(member: QuorumMember) -> pb.QuorumMember:
+    return pb.QuorumMember(
+        replica_id=member.replica_id,
+        address=member.address,
+        store_address=member.store_address,
+        step=member.step,
+        world_size=member.world_size,
+        shrink_only=member.shrink_only,
+        data=member.data,
+        commit_failures=member.commit_failures,
+    )
+
+
+def quorum_to_proto(quorum: Quorum) -> pb.Quorum:
+    created = Timestamp()
+    created.FromNanoseconds(int(quorum.created * 1e9))
+    return pb.Quorum(
+        quorum_id=quorum.quorum_id,
+        participants=[member_to_proto(m) for m in quorum.participants],
+        created=created,
+    )
+
+
+def quorum_from_proto(msg: pb.Quorum) -> Quorum:
+    return Quorum(
+        quorum_id=msg.quorum_id,
+        participants=tuple(member_from_proto(m) for m in msg.participants),
+        created=msg.created.ToNanoseconds() / 1e9,
+    )
+
+
+def quorum_request_from_proto(msg: pb.LighthouseQuorumRequest) -> QuorumMember:
+    if not msg.HasField("requester"):
+        raise ValueError("requester is missing from the Quorum request")
+    return member_from_proto(msg.requester)

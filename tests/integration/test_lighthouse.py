@@ -1,0 +1,173 @@
+"""The real lighthouse server in this process, with clients in threads."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+
+from lighthouse import (
+    LighthouseClient,
+    LighthouseServer,
+    LighthouseUnavailableError,
+    QuorumTimeoutError,
+)
+
+pytestmark = pytest.mark.timeout(60)
+T = timedelta(seconds=20)
+
+
+@pytest.fixture
+def make_server():
+    servers = []
+
+    def make(**kwargs) -> LighthouseServer:
+        kwargs.setdefault("bind", "127.0.0.1:0")
+        server = LighthouseServer(**kwargs)
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.shutdown()
+
+
+def join_all(addr: str, replica_ids: list[str], timeout: timedelta = T, **kwargs):
+    """Each replica asks for a quorum from its own thread and heartbeats every
+    100 ms meanwhile, as a ManagerServer does."""
+
+    def one(rid):
+        client = LighthouseClient(addr, connect_timeout=timedelta(seconds=5))
+        done = threading.Event()
+
+        def beat():
+            while not done.wait(0.1):
+                client.heartbeat(rid)
+
+        beater = threading.Thread(target=beat, daemon=True)
+        beater.start()
+        try:
+            return client.quorum(rid, timeout, **kwargs)
+        finally:
+            done.set()
+            beater.join(5)
+            client.close()
+
+    with ThreadPoolExecutor(len(replica_ids)) as pool:
+        return list(pool.map(one, replica_ids))
+
+
+def test_clients_in_threads_all_get_the_same_quorum(make_server):
+    server = make_server(min_replicas=3)
+    quorums = join_all(server.address(), ["a", "b", "c"])
+    assert len({q.quorum_id for q in quorums}) == 1
+    assert all(q.replica_ids() == ("a", "b", "c") for q in quorums)
+    assert quorums[0].quorum_id >= int(time.time() * 1000) - 60_000
+
+
+def test_quorum_id_stays_for_the_same_members_and_grows_on_change(make_server):
+    server = make_server(min_replicas=2)
+    first = join_all(server.address(), ["a", "b"])[0]
+    second = join_all(server.address(), ["a", "b"])[0]
+    assert second.quorum_id == first.quorum_id
+    third = join_all(server.address(), ["a", "b"], commit_failures=1)[0]
+    assert third.quorum_id > second.quorum_id
+
+
+def test_a_client_that_stops_heartbeating_is_dropped_after_the_timeout(make_server):
+    server = make_server(min_replicas=2, heartbeat_timeout_ms=500, join_timeout_ms=60_000)
+    client = LighthouseClient(server.address())
+    for rid in ["a", "b", "c"]:
+        client.heartbeat(rid)  # all healthy, so the first quorum waits for all three
+    assert join_all(server.address(), ["a", "b", "c"])[0].replica_ids() == ("a", "b", "c")
+    start = time.monotonic()
+    # c is silent now; a and b wait for it only until its heartbeat expires.
+    quorum = join_all(server.address(), ["a", "b"])[0]
+    elapsed = time.monotonic() - start
+    assert quorum.replica_ids() == ("a", "b")
+    assert 0.3 < elapsed < 5
+
+
+def test_a_cancelled_quorum_call_is_not_included(make_server):
+    server = make_server(min_replicas=2, join_timeout_ms=300, heartbeat_timeout_ms=5000)
+    client = LighthouseClient(server.address())
+    with pytest.raises(QuorumTimeoutError, match="lighthouse"):
+        client.quorum("gone", timedelta(seconds=0.3))
+    quorum = join_all(server.address(), ["b", "c"])[0]
+    assert quorum.replica_ids() == ("b", "c")
+    client.close()
+
+
+def test_a_caller_left_out_keeps_waiting_for_the_next_quorum(make_server):
+    server = make_server(min_replicas=1)
+    join_all(server.address(), ["a"])
+    result = {}
+
+    def late():
+        result["q"] = LighthouseClient(server.address()).quorum("b", T, shrink_only=False)
+
+    # "a" asks shrink_only, so "b" is left out of the first quorum and gets the next.
+    waiter = threading.Thread(target=late)
+    waiter.start()
+    time.sleep(0.2)
+    first = join_all(server.address(), ["a"], shrink_only=True)[0]
+    assert first.replica_ids() == ("a",)
+    second = join_all(server.address(), ["a"])[0]
+    waiter.join(10)
+    assert result["q"].replica_ids() == ("a", "b") == second.replica_ids()
+
+
+def test_a_restarted_lighthouse_on_the_same_port_issues_larger_ids(make_server):
+    server = make_server(min_replicas=1)
+    address = server.address()
+    first = join_all(address, ["a"])[0]
+    server.shutdown()
+    port = address.rsplit(":", 1)[1]
+    restarted = make_server(min_replicas=1, bind=f"127.0.0.1:{port}")
+    second = join_all(restarted.address(), ["b"])[0]
+    assert second.quorum_id > first.quorum_id
+
+
+def test_an_empty_replica_id_is_refused_naming_the_field(make_server):
+    server = make_server(min_replicas=1)
+    with pytest.raises(ValueError, match="replica_id"):
+        LighthouseClient(server.address()).quorum("", T)
+
+
+def test_an_unreachable_lighthouse_is_reported_within_the_connect_timeout():
+    client = LighthouseClient("http://127.0.0.1:1", connect_timeout=timedelta(seconds=1))
+    start = time.monotonic()
+    with pytest.raises(LighthouseUnavailableError, match="127.0.0.1:1"):
+        client.quorum("a", T)
+    assert time.monotonic() - start < 3
+
+
+def test_a_port_in_use_is_a_clear_error(make_server):
+    server = make_server(min_replicas=1)
+    port = server.address().rsplit(":", 1)[1]
+    with pytest.raises(OSError, match="port is in use"):
+        LighthouseServer(bind=f"127.0.0.1:{port}", min_replicas=1)
+
+
+def test_status_page_and_metrics_show_the_quorum(make_server):
+    server = make_server(min_replicas=2, http_bind="127.0.0.1:0")
+    quorum = join_all(server.address(), ["a", "b"], step=7)[0]
+    with urllib.request.urlopen(server.http_address() + "/status.json", timeout=5) as r:
+        status = json.load(r)
+    assert status["quorum_id"] == quorum.quorum_id
+    assert [(r["replica_id"], r["step"], r["healthy"]) for r in status["replicas"]] == [
+        ("a", 7, True),
+        ("b", 7, True),
+    ]
+    with urllib.request.urlopen(server.http_address() + "/metrics", timeout=5) as r:
+        metrics = r.read().decode()
+    assert "torchft_lighthouse_quorums_issued_total 1.0" in metrics
+    assert "torchft_lighthouse_quorum_size 2.0" in metrics
+    with urllib.request.urlopen(server.http_address() + "/", timeout=5) as r:
+        page = r.read().decode()
+    assert 'http-equiv="refresh"' in page and str(quorum.quorum_id) in page

@@ -1,0 +1,187 @@
+"""Table-driven tests of the pure quorum decision: no sockets, time passed in."""
+
+from __future__ import annotations
+
+import pytest
+
+from lighthouse.quorum import (
+    LighthouseConfig,
+    LighthouseState,
+    Participant,
+    Quorum,
+    QuorumMember,
+    compute_quorum,
+    forgotten_replicas,
+    next_quorum_id,
+    quorum_changed,
+)
+
+NOW = 1000.0
+CONFIG = LighthouseConfig(min_replicas=2, join_timeout_ms=5000, heartbeat_timeout_ms=1000)
+
+
+def member(rid: str, *, step: int = 0, shrink_only: bool = False, failures: int = 0) -> QuorumMember:
+    return QuorumMember(replica_id=rid, step=step, shrink_only=shrink_only, commit_failures=failures)
+
+
+def state(
+    joined: dict[str, float],
+    beats: dict[str, float] | None = None,
+    prev: list[str] | None = None,
+    shrink_only: tuple[str, ...] = (),
+) -> LighthouseState:
+    """joined: replica -> seconds ago it joined; beats: replica -> seconds since heartbeat.
+
+    Joined replicas heartbeat just now unless `beats` says otherwise.
+    """
+    heartbeats = {rid: NOW for rid in joined}
+    heartbeats.update({rid: NOW - ago for rid, ago in (beats or {}).items()})
+    participants = {
+        rid: Participant(member(rid, shrink_only=rid in shrink_only), NOW - ago)
+        for rid, ago in joined.items()
+    }
+    prev_quorum = Quorum(1, tuple(member(r) for r in prev), 0.0) if prev is not None else None
+    return LighthouseState(participants, heartbeats, prev_quorum)
+
+
+@pytest.mark.parametrize(
+    "name, st, expected_members, kind, reason_part",
+    [
+        ("too few replicas", state({"a": 0}), None, "too_few", "min_replicas is 2"),
+        (
+            "waits for a healthy straggler until the join timeout",
+            state({"a": 1, "b": 0}, beats={"c": 0.1}),
+            None,
+            "stragglers",
+            "waiting for 1 healthy straggler, join timeout in 4.0 s [2/3 participants healthy]",
+        ),
+        (
+            "forms without the straggler after the join timeout",
+            state({"a": 6, "b": 0}, beats={"c": 0.1}),
+            ["a", "b"],
+            "join_timeout",
+            "join timeout passed",
+        ),
+        ("forms when every healthy replica joined", state({"a": 0, "b": 0}), ["a", "b"], "valid", "[2/2"),
+        (
+            "split brain guard needs more than half of the healthy replicas",
+            state({"a": 0, "b": 0}, beats={"c": 0.1, "d": 0.1}),
+            None,
+            "split_brain",
+            "2 joined of 4 healthy",
+        ),
+        (
+            "fast quorum once every previous member joined",
+            state({"a": 0, "b": 0}, beats={"c": 0.1}, prev=["a", "b"]),
+            ["a", "b"],
+            "fast",
+            "fast quorum",
+        ),
+        (
+            "fast quorum takes new joiners along",
+            state({"a": 0, "b": 0, "c": 0}, prev=["a", "b"]),
+            ["a", "b", "c"],
+            "fast",
+            "fast quorum",
+        ),
+        (
+            "no fast quorum while a previous member is missing",
+            state({"a": 0, "c": 0}, beats={"b": 0.1}, prev=["a", "b"]),
+            None,
+            "stragglers",
+            "1 healthy straggler",
+        ),
+        (
+            "shrink_only keeps new replicas out",
+            state({"a": 0, "b": 0, "c": 0}, prev=["a", "b"], shrink_only=("a",)),
+            ["a", "b"],
+            "fast",
+            "[shrink_only]",
+        ),
+        (
+            "shrink_only without enough previous members waits",
+            state({"a": 0, "c": 0}, prev=["a", "b"], shrink_only=("a",)),
+            None,
+            "too_few",
+            "1 joined",
+        ),
+        (
+            "an expired heartbeat makes a replica unhealthy",
+            state({"a": 0, "b": 0}, beats={"c": 1.5}),
+            ["a", "b"],
+            "valid",
+            "[2/2 participants healthy]",
+        ),
+        (
+            "a participant with an expired heartbeat does not count",
+            state({"a": 0, "b": 0}, beats={"b": 2}),
+            None,
+            "too_few",
+            "[1/1 participants healthy]",
+        ),
+        (
+            "a dead previous member does not block after the others join",
+            state({"a": 0, "b": 0}, beats={"c": 3}, prev=["a", "b", "c"]),
+            ["a", "b"],
+            "valid",
+            "every healthy replica joined",
+        ),
+    ],
+)
+def test_compute_quorum(name, st, expected_members, kind, reason_part):
+    decision = compute_quorum(NOW, st, CONFIG)
+    got = None if decision.members is None else [m.replica_id for m in decision.members]
+    assert got == expected_members, decision.reason
+    assert decision.kind == kind
+    assert reason_part in decision.reason
+
+
+def test_members_are_sorted_by_replica_id():
+    decision = compute_quorum(NOW, state({"c": 0, "a": 0, "b": 0}), CONFIG)
+    assert [m.replica_id for m in decision.members] == ["a", "b", "c"]
+
+
+@pytest.mark.parametrize(
+    "prev, members, changed",
+    [
+        (None, ["a"], True),
+        (["a", "b"], ["a", "b"], False),
+        (["a", "b"], ["a", "b", "c"], True),
+        (["a", "b"], ["a"], True),
+        (["a", "b"], ["a", "c"], True),
+    ],
+)
+def test_quorum_id_grows_only_on_member_change(prev, members, changed):
+    prev_quorum = Quorum(7, tuple(member(r) for r in prev), 0.0) if prev else None
+    assert quorum_changed(prev_quorum, tuple(member(r) for r in members)) is changed
+
+
+def test_quorum_id_grows_when_a_member_reports_commit_failures():
+    prev = Quorum(7, (member("a"), member("b")), 0.0)
+    assert quorum_changed(prev, (member("a"), member("b", failures=1)))
+
+
+@pytest.mark.parametrize(
+    "prev_id, wall_ms, expected",
+    [(0, 1_700_000_000_000, 1_700_000_000_000), (1_700_000_000_005, 1_700_000_000_000, 1_700_000_000_006)],
+)
+def test_next_quorum_id_is_above_the_previous_and_the_clock(prev_id, wall_ms, expected):
+    assert next_quorum_id(prev_id, wall_ms) == expected
+
+
+def test_silent_replicas_are_forgotten():
+    beats = {"old": NOW - 100, "recent": NOW - 1}
+    assert forgotten_replicas(NOW, beats, 60) == ["old"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"min_replicas": 0}, "min_replicas (0) must be at least 1"),
+        ({"min_replicas": 1, "heartbeat_timeout_ms": 0}, "heartbeat_timeout_ms (0) must be positive"),
+        ({"min_replicas": 1, "quorum_tick_ms": -5}, "quorum_tick_ms (-5) must be positive"),
+    ],
+)
+def test_bad_config_is_refused_with_the_rule(kwargs, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        LighthouseConfig(**kwargs)
