@@ -1,3 +1,8 @@
+import os
+
+# Two cores are shared by every process of a test: one thread each.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
 import pytest
 
 from tests.procs import Children

@@ -18,12 +18,19 @@ class Children:
     def __init__(self) -> None:
         self.procs: list[subprocess.Popen] = []
 
-    def spawn(self, args: list[str], log: Path | None = None, env: dict | None = None, **kw) -> subprocess.Popen:
+    def spawn(
+        self, args: list[str], log: Path | None = None, env: dict | None = None, **kw
+    ) -> subprocess.Popen:
         full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
         out = open(log, "ab") if log else subprocess.PIPE
         proc = subprocess.Popen(
-            args, stdout=out, stderr=subprocess.STDOUT, env=full_env, cwd=REPO,
-            start_new_session=True, **kw,
+            args,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=REPO,
+            start_new_session=True,
+            **kw,
         )
         self.procs.append(proc)
         return proc
@@ -89,7 +96,9 @@ def wait_for_line(proc: subprocess.Popen, pattern: str, timeout: float) -> re.Ma
         match = re.search(pattern, line)
         if match:
             return match
-    raise AssertionError(f"no line matching {pattern!r} within {timeout} s; output:\n{''.join(seen)}")
+    raise AssertionError(
+        f"no line matching {pattern!r} within {timeout} s; output:\n{''.join(seen)}"
+    )
 
 
 PYTHON = sys.executable

@@ -20,8 +20,12 @@ NOW = 1000.0
 CONFIG = LighthouseConfig(min_replicas=2, join_timeout_ms=5000, heartbeat_timeout_ms=1000)
 
 
-def member(rid: str, *, step: int = 0, shrink_only: bool = False, failures: int = 0) -> QuorumMember:
-    return QuorumMember(replica_id=rid, step=step, shrink_only=shrink_only, commit_failures=failures)
+def member(
+    rid: str, *, step: int = 0, shrink_only: bool = False, failures: int = 0
+) -> QuorumMember:
+    return QuorumMember(
+        replica_id=rid, step=step, shrink_only=shrink_only, commit_failures=failures
+    )
 
 
 def state(
@@ -62,7 +66,13 @@ def state(
             "join_timeout",
             "join timeout passed",
         ),
-        ("forms when every healthy replica joined", state({"a": 0, "b": 0}), ["a", "b"], "valid", "[2/2"),
+        (
+            "forms when every healthy replica joined",
+            state({"a": 0, "b": 0}),
+            ["a", "b"],
+            "valid",
+            "[2/2",
+        ),
         (
             "split brain guard needs more than half of the healthy replicas",
             state({"a": 0, "b": 0}, beats={"c": 0.1, "d": 0.1}),
@@ -163,7 +173,10 @@ def test_quorum_id_grows_when_a_member_reports_commit_failures():
 
 @pytest.mark.parametrize(
     "prev_id, wall_ms, expected",
-    [(0, 1_700_000_000_000, 1_700_000_000_000), (1_700_000_000_005, 1_700_000_000_000, 1_700_000_000_006)],
+    [
+        (0, 1_700_000_000_000, 1_700_000_000_000),
+        (1_700_000_000_005, 1_700_000_000_000, 1_700_000_000_006),
+    ],
 )
 def test_next_quorum_id_is_above_the_previous_and_the_clock(prev_id, wall_ms, expected):
     assert next_quorum_id(prev_id, wall_ms) == expected
@@ -178,7 +191,10 @@ def test_silent_replicas_are_forgotten():
     "kwargs, message",
     [
         ({"min_replicas": 0}, "min_replicas (0) must be at least 1"),
-        ({"min_replicas": 1, "heartbeat_timeout_ms": 0}, "heartbeat_timeout_ms (0) must be positive"),
+        (
+            {"min_replicas": 1, "heartbeat_timeout_ms": 0},
+            "heartbeat_timeout_ms (0) must be positive",
+        ),
         ({"min_replicas": 1, "quorum_tick_ms": -5}, "quorum_tick_ms (-5) must be positive"),
     ],
 )
