@@ -1,0 +1,125 @@
+"""ManagerServer with a real lighthouse: ranks of a group as threads."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+
+from lighthouse import LighthouseServer, QuorumError, QuorumTimeoutError
+from torchft_like.manager_server import ManagerClient, ManagerServer
+
+pytestmark = pytest.mark.timeout(60)
+T = timedelta(seconds=20)
+
+
+@pytest.fixture
+def lighthouse():
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=2)
+    yield server
+    server.shutdown()
+
+
+@pytest.fixture
+def make_group(lighthouse):
+    servers = []
+
+    def make(name: str, world_size: int, **kwargs) -> ManagerServer:
+        server = ManagerServer(
+            replica_id=name,
+            lighthouse_addr=lighthouse.address(),
+            hostname="127.0.0.1",
+            bind="127.0.0.1:0",
+            store_addr=f"{name}-store:1234",
+            world_size=world_size,
+            **kwargs,
+        )
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        server.shutdown()
+
+
+def ask(server: ManagerServer, group_rank: int, step: int, metadata: str = ""):
+    return ManagerClient(server.address())._quorum(
+        group_rank=group_rank, step=step, checkpoint_metadata=metadata, shrink_only=False, timeout=T
+    )
+
+
+def test_two_groups_of_two_ranks_get_one_quorum_with_per_rank_views(make_group):
+    a, b = make_group("a", 2), make_group("b", 2)
+    with ThreadPoolExecutor(4) as pool:
+        futures = {
+            (name, rank): pool.submit(ask, server, rank, step, f"ckpt-{name}-{rank}")
+            for name, server, step in (("a", a, 3), ("b", b, 1))
+            for rank in range(2)
+        }
+        results = {key: f.result() for key, f in futures.items()}
+    assert len({r.quorum_id for r in results.values()}) == 1
+    assert results[("a", 0)].replica_rank == 0 and results[("b", 1)].replica_rank == 1
+    assert results[("b", 0)].heal and results[("b", 0)].recover_src_manager_address == a.address()
+    assert results[("a", 1)].recover_dst_replica_ranks == (1,)
+    assert results[("a", 0)].store_address == "a-store:1234"
+    # The source's metadata for each rank is what that rank registered.
+    client = ManagerClient(a.address())
+    assert client._checkpoint_metadata(1, T) == "ckpt-a-1"
+
+
+def test_the_group_asks_the_lighthouse_only_once_every_rank_asked(make_group):
+    a, b = make_group("a", 2), make_group("b", 1)
+    with ThreadPoolExecutor(3) as pool:
+        first = pool.submit(ask, a, 0, 0)
+        other_group = pool.submit(ask, b, 0, 0)
+        time.sleep(0.5)
+        assert not first.done() and not other_group.done()
+        pool.submit(ask, a, 1, 0).result()
+        assert first.result().quorum_id == other_group.result().quorum_id
+
+
+def test_commit_needs_every_rank_to_vote_yes(make_group):
+    a = make_group("a", 3)
+    client = ManagerClient(a.address())
+    with ThreadPoolExecutor(3) as pool:
+        yes = [pool.submit(client.should_commit, r, 5, True, T) for r in range(3)]
+        assert all(f.result() for f in yes)
+        mixed = [pool.submit(client.should_commit, r, 6, r != 1, T) for r in range(3)]
+        assert not any(f.result() for f in mixed)
+
+
+def test_unknown_rank_and_missing_metadata_are_clear_errors(make_group):
+    a = make_group("a", 2)
+    client = ManagerClient(a.address())
+    with pytest.raises(ValueError, match=r"group_rank \(7\) must be in \[0, 2\)"):
+        client.should_commit(7, 0, True, T)
+    with pytest.raises(QuorumError, match="group rank 1 of a has not asked for a quorum"):
+        client._checkpoint_metadata(1, T)
+
+
+def test_the_incoming_deadline_bounds_the_wait(make_group):
+    a = make_group("a", 2)
+    start = time.monotonic()
+    with pytest.raises(QuorumTimeoutError):
+        ManagerClient(a.address())._quorum(0, 0, "", False, timeout=timedelta(seconds=0.5))
+    assert time.monotonic() - start < 3
+
+
+def test_an_unreachable_lighthouse_reaches_the_ranks_after_retries(make_group):
+    server = ManagerServer(
+        replica_id="lonely",
+        lighthouse_addr="http://127.0.0.1:1",
+        hostname="127.0.0.1",
+        bind="127.0.0.1:0",
+        store_addr="x:1",
+        world_size=1,
+        connect_timeout=timedelta(seconds=0.5),
+        quorum_retries=2,
+    )
+    try:
+        with pytest.raises(QuorumError, match="127.0.0.1:1"):
+            ask(server, 0, 0)
+    finally:
+        server.shutdown()

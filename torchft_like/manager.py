@@ -1,0 +1,480 @@
+"""The Manager: the per-worker object a fault-tolerant training loop talks to.
+
+Each step: `start_quorum()` (from Optimizer.zero_grad) asks the group's
+ManagerServer for a quorum in a background thread, overlapping the forward
+pass; `allreduce()` averages over the replicas of the quorum; `should_commit()`
+(from Optimizer.step) applies a healed state if any, then votes. Errors in
+the step path are data: the first one is recorded, later collectives of the
+step become no-ops and the group votes no.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import uuid
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from datetime import timedelta
+from enum import Enum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp, TCPStore
+
+from torchft_like._work import FutureWork, completed_work
+from torchft_like.checkpointing import CheckpointTransport, HTTPTransport
+from torchft_like.manager_server import ManagerClient, ManagerServer
+from torchft_like.recovery import QuorumResult
+
+logger = logging.getLogger(__name__)
+
+MANAGER_ADDR_KEY = "manager_addr"
+REPLICA_ID_KEY = "replica_id"
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+MANAGER_PORT_ENV = "TORCHFT_MANAGER_PORT"
+TIMEOUT_SEC_ENV = "TORCHFT_TIMEOUT_SEC"
+QUORUM_TIMEOUT_SEC_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"
+CONNECT_TIMEOUT_SEC_ENV = "TORCHFT_CONNECT_TIMEOUT_SEC"
+QUORUM_RETRIES_ENV = "TORCHFT_QUORUM_RETRIES"
+
+
+class WorldSizeMode(Enum):
+    """How many replicas a step averages over.
+
+    DYNAMIC: every up-to-date replica of the quorum.
+    FIXED_WITH_SPARES: exactly `min_replica_size`; extra replicas are spares
+    that contribute zeros and are not counted, so the effective batch size
+    never changes.
+    """
+
+    DYNAMIC = 0
+    FIXED_WITH_SPARES = 1
+
+
+def _env_timeout(name: str, value: timedelta) -> timedelta:
+    """TORCHFT_*_SEC overrides win over arguments, so operators can change
+    timeouts without touching code."""
+    text = os.environ.get(name)
+    if not text:
+        return value
+    try:
+        return timedelta(seconds=float(text))
+    except ValueError:
+        raise ValueError(f"{name}={text!r} is not a number of seconds") from None
+
+
+class _ManagerLogger(logging.LoggerAdapter):
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        m: Manager = self.extra["manager"]  # type: ignore[index]
+        return f"[{m.replica_id}/{m._group_rank} step={m._step}] {msg}", kwargs
+
+
+class Manager:
+    """Quorum, fault-tolerant allreduce, commit vote and live healing for one rank.
+
+    Argument names follow pytorch/torchft's Manager. Unset arguments come from
+    torchrun's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) and
+    TORCHFT_LIGHTHOUSE / TORCHFT_MANAGER_PORT; TORCHFT_*_SEC override the
+    timeouts and TORCHFT_QUORUM_RETRIES the retries.
+
+    Args:
+        pg: reconfigurable process group for the cross-replica allreduce.
+        load_state_dict, state_dict: the user state to heal, registered as
+            "default" (more with `register_state_dict_fn`).
+        min_replica_size: fewest replicas a step may commit with.
+        use_async_quorum: overlap the quorum with the forward pass.
+        timeout: bound on collectives, votes and state transfers.
+        quorum_timeout: bound on one quorum.
+        connect_timeout: bound on reaching the lighthouse and the servers.
+        rank, world_size: this rank in its replica group, and the group size.
+        replica_id: name of the replica group; a uuid is appended per start.
+        port: ManagerServer port on group rank 0 (0 picks one).
+        checkpoint_transport: how healing state travels (HTTPTransport).
+        init_sync: at step 0 every replica copies the primary's weights.
+        max_retries: raise after this many consecutive uncommitted steps.
+        quorum_retries: lighthouse quorum failures retried by the server.
+    """
+
+    def __init__(
+        self,
+        pg: Any,
+        load_state_dict: Callable[[Any], None] | None = None,
+        state_dict: Callable[[], Any] | None = None,
+        min_replica_size: int = 1,
+        use_async_quorum: bool = True,
+        timeout: timedelta = timedelta(seconds=60),
+        quorum_timeout: timedelta = timedelta(seconds=60),
+        connect_timeout: timedelta = timedelta(seconds=60),
+        rank: int | None = None,
+        world_size: int | None = None,
+        world_size_mode: WorldSizeMode = WorldSizeMode.DYNAMIC,
+        store_addr: str | None = None,
+        store_port: int | None = None,
+        lighthouse_addr: str | None = None,
+        replica_id: str | None = None,
+        port: int | None = None,
+        hostname: str = socket.gethostname(),
+        heartbeat_interval: timedelta = timedelta(milliseconds=100),
+        checkpoint_transport: CheckpointTransport | None = None,
+        init_sync: bool = True,
+        max_retries: int | None = None,
+        quorum_retries: int = 0,
+    ) -> None:
+        if min_replica_size < 1:
+            raise ValueError(f"min_replica_size ({min_replica_size}) must be at least 1")
+        self._pg = pg
+        self._min_replica_size = min_replica_size
+        self._use_async_quorum = use_async_quorum
+        self._timeout = _env_timeout(TIMEOUT_SEC_ENV, timeout)
+        self._quorum_timeout = _env_timeout(QUORUM_TIMEOUT_SEC_ENV, quorum_timeout)
+        self._connect_timeout = _env_timeout(CONNECT_TIMEOUT_SEC_ENV, connect_timeout)
+        self._world_size_mode = world_size_mode
+        self._init_sync = init_sync
+        self._max_retries = max_retries
+        quorum_retries = int(os.environ.get(QUORUM_RETRIES_ENV, quorum_retries))
+        self._group_rank = rank if rank is not None else int(os.environ.get("RANK", 0))
+        self._group_world_size = (
+            world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
+        )
+        self._user_state: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
+        if load_state_dict is not None and state_dict is not None:
+            self.register_state_dict_fn("default", load_state_dict, state_dict)
+
+        self._step = 0
+        self._batches_committed = 0
+        self._commit_failures = 0
+        self._quorum_id = -1
+        self._errored: Exception | None = None
+        self._healing = False
+        self._pending_state_dict: dict[str, Any] | None = None
+        self._participating_rank: int | None = None
+        self._num_participants = 0
+        self._quorum_future: Future[None] | None = None
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_quorum")
+        self._lock = threading.Lock()
+        self.replica_id = replica_id or "replica"
+        self._logger = _ManagerLogger(logger, {"manager": self})
+
+        store_addr = store_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
+        store_port = store_port if store_port is not None else int(os.environ["MASTER_PORT"])
+        self._store = TCPStore(
+            store_addr,
+            store_port,
+            is_master=False,
+            wait_for_workers=False,
+            timeout=self._connect_timeout,
+        )
+        # A key per torchrun restart, so ranks never read a dead incarnation's address.
+        prefix = f"torchft/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
+        self._checkpoint_transport = checkpoint_transport or HTTPTransport(timeout=self._timeout)
+        self._manager_server: ManagerServer | None = None
+        if self._group_rank == 0:
+            lighthouse_addr = lighthouse_addr or os.environ.get(LIGHTHOUSE_ENV)
+            if not lighthouse_addr:
+                raise ValueError(
+                    f"no lighthouse address: pass lighthouse_addr or set {LIGHTHOUSE_ENV}, "
+                    "e.g. http://localhost:29510"
+                )
+            full_id = f"{self.replica_id}:{uuid.uuid4()}"
+            port = port if port is not None else int(os.environ.get(MANAGER_PORT_ENV, 0))
+            self._manager_server = ManagerServer(
+                replica_id=full_id,
+                lighthouse_addr=lighthouse_addr,
+                hostname=hostname,
+                bind=f"[::]:{port}",
+                store_addr=f"{store_addr}:{store_port}",
+                world_size=self._group_world_size,
+                heartbeat_interval=heartbeat_interval,
+                connect_timeout=self._connect_timeout,
+                quorum_retries=quorum_retries,
+            )
+            self._store.set(prefix + MANAGER_ADDR_KEY, self._manager_server.address())
+            self._store.set(prefix + REPLICA_ID_KEY, full_id)
+        manager_addr = self._store.get(prefix + MANAGER_ADDR_KEY).decode()
+        self.replica_id = self._store.get(prefix + REPLICA_ID_KEY).decode()
+        self._client = ManagerClient(manager_addr, connect_timeout=self._connect_timeout)
+        self._logger.info("manager ready, server %s", manager_addr)
+
+    # ---- state -------------------------------------------------------------
+
+    def register_state_dict_fn(
+        self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
+    ) -> None:
+        """Adds a piece of user state that healing copies from a live peer."""
+        if key in self._user_state:
+            raise ValueError(f"state dict key {key!r} is already registered")
+        self._user_state[key] = (load_state_dict, state_dict)
+
+    def state_dict(self) -> dict[str, int]:
+        """The manager's own progress, saved and restored with user checkpoints."""
+        return {"step": self._step, "batches_committed": self._batches_committed}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        self._step = state_dict["step"]
+        self._batches_committed = state_dict["batches_committed"]
+
+    def _full_state_dict(self) -> dict[str, Any]:
+        return {
+            "user": {key: fns[1]() for key, fns in self._user_state.items()},
+            "torchft": self.state_dict(),
+        }
+
+    # ---- quorum ------------------------------------------------------------
+
+    def start_quorum(
+        self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None
+    ) -> None:
+        """Begins the step: asks for a quorum, in the background when async."""
+        if self._quorum_future is not None:
+            self._quorum_future.result()
+        self._errored = None
+        self._healing = False
+        self._quorum_future = self._executor.submit(
+            self._async_quorum, allow_heal, shrink_only, timeout or self._quorum_timeout
+        )
+        if not self._use_async_quorum:
+            self.wait_quorum()
+            if self._healing:
+                self._apply_pending_state_dict()
+
+    def wait_quorum(self) -> None:
+        """Blocks until the quorum of this step is known and healing state received."""
+        assert self._quorum_future is not None, "call start_quorum() first"
+        self._quorum_future.result()
+
+    def _async_quorum(self, allow_heal: bool, shrink_only: bool, timeout: timedelta) -> None:
+        try:
+            result = self._client._quorum(
+                group_rank=self._group_rank,
+                step=self._step,
+                checkpoint_metadata=self._checkpoint_transport.metadata(),
+                shrink_only=shrink_only,
+                timeout=timeout,
+                init_sync=self._init_sync,
+                commit_failures=self._commit_failures,
+            )
+            self._apply_quorum(result, allow_heal)
+        except Exception as e:
+            self._logger.exception("quorum failed: %s", e)
+            self.report_error(e)
+
+    def _apply_quorum(self, result: QuorumResult, allow_heal: bool) -> None:
+        self._set_participation(result)
+        if result.quorum_id != self._quorum_id:
+            store = f"{result.store_address}/torchft/{result.quorum_id}/{self._group_rank}"
+            self._logger.info(
+                "reconfiguring for quorum %d: replica rank %d of %d, store %s",
+                result.quorum_id,
+                result.replica_rank,
+                result.replica_world_size,
+                store,
+            )
+            self._pg.configure(
+                store, self.replica_id, result.replica_rank, result.replica_world_size
+            )
+            self._quorum_id = result.quorum_id
+        if allow_heal and result.recover_dst_replica_ranks:
+            self._logger.info(
+                "serving state to replica ranks %s", list(result.recover_dst_replica_ranks)
+            )
+            self._checkpoint_transport.send_checkpoint(
+                list(result.recover_dst_replica_ranks),
+                self._step,
+                self._full_state_dict(),
+                self._timeout,
+            )
+        if allow_heal and result.heal:
+            self._healing = True
+            self._logger.info(
+                "healing from replica rank %d (%s) at step %d",
+                result.recover_src_replica_rank,
+                result.recover_src_manager_address,
+                result.max_step,
+            )
+            src = ManagerClient(result.recover_src_manager_address, self._connect_timeout)
+            try:
+                metadata = src._checkpoint_metadata(self._group_rank, self._timeout)
+            finally:
+                src.close()
+            assert result.recover_src_replica_rank is not None
+            self._pending_state_dict = self._checkpoint_transport.recv_checkpoint(
+                result.recover_src_replica_rank, metadata, result.max_step, self._timeout
+            )
+
+    def _set_participation(self, result: QuorumResult) -> None:
+        if self._init_sync and result.max_step == 0:
+            # Only the primary's initial weights survive init_sync; only it counts.
+            count, rank = 1, 0
+        else:
+            count, rank = result.max_world_size, result.max_replica_rank
+        if self._world_size_mode == WorldSizeMode.FIXED_WITH_SPARES:
+            count = min(count, self._min_replica_size)
+            if rank is not None and rank >= count:
+                rank = None
+        self._num_participants = count
+        self._participating_rank = None if result.heal else rank
+
+    def _apply_pending_state_dict(self) -> None:
+        assert self._pending_state_dict is not None, "healing without a received state"
+        state, self._pending_state_dict = self._pending_state_dict, None
+        for key, (load, _) in self._user_state.items():
+            load(state["user"][key])
+        self.load_state_dict(state["torchft"])
+        self._healing = False
+        self._logger.info("healed: loaded the live state at step %d", self._step)
+
+    # ---- collectives -------------------------------------------------------
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG) -> dist.Work:
+        """Sums `tensor` over the quorum in place and, for AVG, divides by the
+        number of participating replicas. A replica that is healing or a spare
+        contributes zeros. Never raises: an error is recorded and the step
+        will not commit.
+        """
+        if self._errored is not None:
+            return completed_work(tensor)
+        self.wait_quorum()
+        if self._errored is not None:
+            return completed_work(tensor)
+        if self._participating_rank is None:
+            tensor.zero_()
+        num_participants = self._num_participants
+        try:
+            work = self._pg.allreduce([tensor], ReduceOp.SUM)
+
+            def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
+                fut.value()
+                if reduce_op == ReduceOp.AVG:
+                    tensor.div_(num_participants)
+                return tensor
+
+            return FutureWork(self.wrap_future(work.get_future().then(finish), tensor))
+        except Exception as e:
+            self.report_error(e)
+            return completed_work(tensor)
+
+    def wrap_future(
+        self, fut: torch.futures.Future[Any], default: Any, timeout: timedelta | None = None
+    ) -> torch.futures.Future[Any]:
+        """Turns a failing (or, with `timeout`, late) future into `default`,
+        recording the error so the step does not commit."""
+        out: torch.futures.Future[Any] = torch.futures.Future()
+        settled = threading.Lock()
+
+        def settle(value: Any = None, error: Exception | None = None) -> None:
+            if not settled.acquire(blocking=False):
+                return
+            if error is not None:
+                self.report_error(error)
+                value = default
+            out.set_result(value)
+
+        def done(f: torch.futures.Future[Any]) -> None:
+            try:
+                settle(f.value())
+            except Exception as e:
+                settle(error=e)
+
+        if timeout is not None:
+            timer = threading.Timer(
+                timeout.total_seconds(),
+                lambda: settle(error=TimeoutError(f"future not done within {timeout}")),
+            )
+            timer.daemon = True
+            timer.start()
+        fut.add_done_callback(done)
+        return out
+
+    def report_error(self, e: Exception) -> None:
+        """Records the first error of the step; the step will not commit."""
+        with self._lock:
+            if self._errored is None:
+                self._errored = e
+                self._logger.warning("step error, this step will not commit: %s", e)
+
+    def errored(self) -> Exception | None:
+        return self._errored
+
+    # ---- commit ------------------------------------------------------------
+
+    def should_commit(self, timeout: timedelta | None = None) -> bool:
+        """Votes with the whole group; True means every rank may step.
+
+        Applies a pending healed state first, and stops serving our state so
+        the optimizer can write the weights. Raises RuntimeError after
+        `max_retries` consecutive uncommitted steps.
+        """
+        self.wait_quorum()
+        if self._healing and self._errored is None:
+            try:
+                self._apply_pending_state_dict()
+            except Exception as e:
+                self.report_error(e)
+        self._checkpoint_transport.disallow_checkpoint()
+        pg_error = self._pg.errored() if hasattr(self._pg, "errored") else None
+        if pg_error is not None:
+            self.report_error(pg_error)
+        enough = self._num_participants >= self._min_replica_size
+        vote = self._errored is None and enough and not self._healing
+        if self._errored is None and not enough:
+            self._logger.info(
+                "too few replicas to commit: %d < min_replica_size %d",
+                self._num_participants,
+                self._min_replica_size,
+            )
+        try:
+            decision = self._client.should_commit(
+                self._group_rank, self._step, vote, timeout or self._timeout
+            )
+        except Exception as e:
+            self.report_error(e)
+            decision = False
+        if decision:
+            self._step += 1
+            self._batches_committed += self._num_participants
+            self._commit_failures = 0
+        else:
+            self._commit_failures += 1
+            self._logger.info("step not committed (%d in a row)", self._commit_failures)
+            if self._max_retries is not None and self._commit_failures > self._max_retries:
+                raise RuntimeError(
+                    f"{self._commit_failures} steps in a row failed to commit, more than "
+                    f"max_retries={self._max_retries}; last error: {self._errored}"
+                )
+        return decision
+
+    # ---- introspection -----------------------------------------------------
+
+    def current_step(self) -> int:
+        return self._step
+
+    def batches_committed(self) -> int:
+        return self._batches_committed
+
+    def num_participants(self) -> int:
+        self.wait_quorum()
+        return self._num_participants
+
+    def participating_rank(self) -> int | None:
+        self.wait_quorum()
+        return self._participating_rank
+
+    def is_participating(self) -> bool:
+        return self.participating_rank() is not None
+
+    def quorum_id(self) -> int:
+        return self._quorum_id
+
+    def shutdown(self, wait: bool = True) -> None:
+        """Stops the servers and unblocks every background wait."""
+        self._client.close()
+        if self._manager_server is not None:
+            self._manager_server.shutdown()
+        self._checkpoint_transport.shutdown(wait=wait)
+        self._executor.shutdown(wait=wait, cancel_futures=True)
+        if hasattr(self._pg, "shutdown"):
+            self._pg.shutdown()

@@ -1,0 +1,407 @@
+"""The per-group ManagerServer (hosted by group rank 0) and its client.
+
+The server gathers one Quorum call from every rank of the group, asks the
+lighthouse once for the whole group, and answers each rank with its own view
+(torchft_like.recovery). It also collects the group's commit votes. It runs
+on a private asyncio loop, so waiting never holds the GIL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import grpc
+from grpc import aio
+
+from lighthouse._aio import BackgroundLoop
+from lighthouse._proto import torchft_pb2 as pb
+from lighthouse._proto import torchft_pb2_grpc as pb_grpc
+from lighthouse.address import advertised_host, join_host_port, parse_bind, url_to_target
+from lighthouse.client import CHANNEL_OPTIONS, AsyncLighthouseClient, map_rpc_error, unreachable
+from lighthouse.errors import QuorumError
+from lighthouse.quorum import Quorum, QuorumMember
+from torchft_like.recovery import QuorumResult, compute_quorum_result
+
+logger = logging.getLogger(__name__)
+
+
+def result_to_proto(r: QuorumResult) -> pb.ManagerQuorumResponse:
+    return pb.ManagerQuorumResponse(
+        quorum_id=r.quorum_id,
+        recover_src_manager_address=r.recover_src_manager_address,
+        recover_src_replica_rank=r.recover_src_replica_rank,
+        recover_dst_replica_ranks=r.recover_dst_replica_ranks,
+        store_address=r.store_address,
+        max_step=r.max_step,
+        max_replica_rank=r.max_replica_rank,
+        max_world_size=r.max_world_size,
+        replica_rank=r.replica_rank,
+        replica_world_size=r.replica_world_size,
+        heal=r.heal,
+        commit_failures=r.commit_failures,
+    )
+
+
+def result_from_proto(m: pb.ManagerQuorumResponse) -> QuorumResult:
+    return QuorumResult(
+        quorum_id=m.quorum_id,
+        replica_rank=m.replica_rank,
+        replica_world_size=m.replica_world_size,
+        store_address=m.store_address,
+        max_step=m.max_step,
+        max_replica_rank=m.max_replica_rank if m.HasField("max_replica_rank") else None,
+        max_world_size=m.max_world_size,
+        heal=m.heal,
+        recover_src_manager_address=m.recover_src_manager_address,
+        recover_src_replica_rank=(
+            m.recover_src_replica_rank if m.HasField("recover_src_replica_rank") else None
+        ),
+        recover_dst_replica_ranks=tuple(m.recover_dst_replica_ranks),
+        commit_failures=m.commit_failures,
+    )
+
+
+@dataclass
+class _Round:
+    """Calls of one collective gathering (a quorum or a commit vote) by group rank."""
+
+    calls: dict[int, object] = field(default_factory=dict)
+    futures: dict[int, asyncio.Future] = field(default_factory=dict)
+    deadline: float = float("inf")
+    """Earliest deadline (monotonic) of the calls: it bounds the whole wait."""
+
+
+class ManagerServer:
+    """Hosted by group rank 0 of each replica group.
+
+    Args:
+        replica_id: this group's `{name}:{uuid}`.
+        lighthouse_addr: URL of the lighthouse.
+        hostname: how peers reach this machine.
+        bind: `host:port` to listen on (port 0 picks one).
+        store_addr: `host:port` of this group's TCPStore.
+        world_size: ranks in this replica group.
+        heartbeat_interval: period of the lighthouse heartbeats.
+        connect_timeout: bound on reaching the lighthouse.
+        quorum_retries: lighthouse quorum failures retried before the ranks see one.
+    """
+
+    def __init__(
+        self,
+        replica_id: str,
+        lighthouse_addr: str,
+        hostname: str,
+        bind: str,
+        store_addr: str,
+        world_size: int,
+        heartbeat_interval: timedelta = timedelta(milliseconds=100),
+        connect_timeout: timedelta = timedelta(seconds=10),
+        quorum_retries: int = 0,
+    ) -> None:
+        if world_size < 1:
+            raise ValueError(f"world_size ({world_size}) must be at least 1")
+        self.replica_id = replica_id
+        self._lighthouse_addr = lighthouse_addr
+        self._store_addr = store_addr
+        self._world_size = world_size
+        self._heartbeat_interval = heartbeat_interval
+        self._connect_timeout = connect_timeout
+        self._quorum_retries = quorum_retries
+        self._checkpoint_metadata: dict[int, str] = {}
+        self._quorum_round = _Round()
+        self._votes: dict[int, _Round] = {}
+        self._stopped = False
+        host, port = parse_bind(bind)
+        self._loop = BackgroundLoop(f"manager-server-{replica_id}")
+        try:
+            self._port = self._loop.run(self._start(host, port))
+        except BaseException:
+            self._loop.stop()
+            raise
+        self._address = f"http://{join_host_port(hostname or advertised_host(host), self._port)}"
+        logger.info("[%s] manager server listening on %s", replica_id, self._address)
+
+    async def _start(self, host: str, port: int) -> int:
+        self._lighthouse = AsyncLighthouseClient(self._lighthouse_addr, self._connect_timeout)
+        self._server = aio.server(options=[("grpc.so_reuseport", 0)])
+        pb_grpc.add_ManagerServiceServicer_to_server(_ManagerServicer(self), self._server)
+        bound = 0
+        try:
+            bound = self._server.add_insecure_port(join_host_port(host, port))
+        except RuntimeError:
+            pass
+        if bound == 0:
+            raise OSError(
+                f"manager server cannot listen on {join_host_port(host, port)}: the port is in "
+                "use; set TORCHFT_MANAGER_PORT to a free port or 0"
+            )
+        await self._server.start()
+        self._heartbeater = asyncio.get_running_loop().create_task(self._heartbeat_loop())
+        return bound
+
+    def address(self) -> str:
+        return self._address
+
+    # ---- quorum --------------------------------------------------------------
+
+    async def quorum(
+        self, group_rank: int, req: pb.ManagerQuorumRequest, timeout_s: float | None
+    ) -> QuorumResult:
+        """Waits until every rank asked, then asks the lighthouse for the group."""
+        self._check_rank(group_rank)
+        self._checkpoint_metadata[group_rank] = req.checkpoint_metadata
+        rnd = self._quorum_round
+        if timeout_s is not None:
+            rnd.deadline = min(rnd.deadline, time.monotonic() + timeout_s)
+        future = asyncio.get_running_loop().create_future()
+        old = rnd.futures.get(group_rank)
+        if old is not None and not old.done():
+            old.set_exception(QuorumError(f"group rank {group_rank} asked again; superseded"))
+        rnd.calls[group_rank] = req
+        rnd.futures[group_rank] = future
+        if len(rnd.calls) == self._world_size:
+            self._quorum_round = _Round()
+            asyncio.get_running_loop().create_task(self._lighthouse_quorum(rnd))
+        try:
+            return await asyncio.shield(future)
+        finally:
+            if rnd.futures.get(group_rank) is future and not future.done():
+                del rnd.calls[group_rank], rnd.futures[group_rank]
+
+    async def _lighthouse_quorum(self, rnd: _Round) -> None:
+        reqs: list[pb.ManagerQuorumRequest] = list(rnd.calls.values())  # type: ignore[arg-type]
+        member = QuorumMember(
+            replica_id=self.replica_id,
+            address=self._address,
+            store_address=self._store_addr,
+            step=max(r.step for r in reqs),
+            world_size=self._world_size,
+            shrink_only=any(r.shrink_only for r in reqs),
+            commit_failures=max(r.commit_failures for r in reqs),
+        )
+        init_sync = any(r.init_sync for r in reqs)
+        timeout_s = min(rnd.deadline - time.monotonic(), 24 * 3600.0)
+        try:
+            quorum = await self._quorum_with_retries(
+                member, timedelta(seconds=max(timeout_s, 0.001))
+            )
+        except Exception as e:
+            for f in rnd.futures.values():
+                if not f.done():
+                    f.set_exception(e)
+            return
+        for rank, f in rnd.futures.items():
+            if f.done():
+                continue
+            try:
+                f.set_result(compute_quorum_result(quorum, self.replica_id, rank, init_sync))
+            except ValueError as e:
+                f.set_exception(QuorumError(str(e)))
+
+    async def _quorum_with_retries(self, member: QuorumMember, timeout: timedelta) -> Quorum:
+        for attempt in range(self._quorum_retries + 1):
+            try:
+                return await self._lighthouse.quorum(member, timeout)
+            except QuorumError as e:
+                if attempt == self._quorum_retries:
+                    raise
+                logger.warning(
+                    "[%s] lighthouse quorum failed (attempt %d of %d), retrying: %s",
+                    self.replica_id,
+                    attempt + 1,
+                    self._quorum_retries + 1,
+                    e,
+                )
+                await asyncio.sleep(min(1.0, 0.1 * 2**attempt))
+        raise AssertionError("unreachable")
+
+    # ---- commit vote -------------------------------------------------------
+
+    async def should_commit(self, group_rank: int, step: int, vote: bool) -> bool:
+        """True for every rank only if every rank of the group voted True."""
+        self._check_rank(group_rank)
+        rnd = self._votes.setdefault(step, _Round())
+        future = asyncio.get_running_loop().create_future()
+        rnd.calls[group_rank] = vote
+        rnd.futures[group_rank] = future
+        if len(rnd.calls) == self._world_size:
+            del self._votes[step]
+            decision = all(rnd.calls.values())
+            if not decision:
+                no = sorted(r for r, v in rnd.calls.items() if not v)
+                logger.info(
+                    "[%s step=%d] commit refused: group ranks %s voted no",
+                    self.replica_id,
+                    step,
+                    no,
+                )
+            for f in rnd.futures.values():
+                if not f.done():
+                    f.set_result(decision)
+        try:
+            return await asyncio.shield(future)
+        finally:
+            if not future.done() and self._votes.get(step) is rnd:
+                del rnd.calls[group_rank], rnd.futures[group_rank]
+
+    def checkpoint_metadata(self, rank: int) -> str | None:
+        return self._checkpoint_metadata.get(rank)
+
+    def _check_rank(self, group_rank: int) -> None:
+        if not 0 <= group_rank < self._world_size:
+            raise ValueError(f"group_rank ({group_rank}) must be in [0, {self._world_size})")
+
+    # ---- background ----------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        failing = False
+        interval = self._heartbeat_interval.total_seconds()
+        while True:
+            try:
+                await self._lighthouse.heartbeat(
+                    self.replica_id, timedelta(seconds=max(1.0, 10 * interval))
+                )
+                if failing:
+                    logger.info("[%s] lighthouse heartbeats succeed again", self.replica_id)
+                failing = False
+            except Exception as e:
+                if not failing:
+                    logger.warning(
+                        "[%s] lighthouse heartbeat failed, will keep trying: %s", self.replica_id, e
+                    )
+                failing = True
+            await asyncio.sleep(interval)
+
+    def shutdown(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self._loop.run(self._stop(), timeout=10)
+        self._loop.stop()
+
+    async def _stop(self) -> None:
+        self._heartbeater.cancel()
+        await self._server.stop(grace=None)
+        await self._lighthouse.close()
+
+
+class _ManagerServicer(pb_grpc.ManagerServiceServicer):
+    """Thin: converts, calls the server, converts back, maps errors."""
+
+    def __init__(self, server: ManagerServer) -> None:
+        self._s = server
+
+    async def _bounded(self, coro, context: aio.ServicerContext):  # type: ignore[no-untyped-def]
+        try:
+            return await asyncio.wait_for(coro, context.time_remaining())
+        except asyncio.TimeoutError:
+            await context.abort(
+                grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while waiting for the group"
+            )
+        except ValueError as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except QuorumError as e:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+
+    async def Quorum(
+        self, request: pb.ManagerQuorumRequest, context: aio.ServicerContext
+    ) -> pb.ManagerQuorumResponse:
+        result = await self._bounded(
+            self._s.quorum(request.group_rank, request, context.time_remaining()), context
+        )
+        return result_to_proto(result)
+
+    async def ShouldCommit(
+        self, request: pb.ShouldCommitRequest, context: aio.ServicerContext
+    ) -> pb.ShouldCommitResponse:
+        decision = await self._bounded(
+            self._s.should_commit(request.group_rank, request.step, request.should_commit), context
+        )
+        return pb.ShouldCommitResponse(should_commit=decision)
+
+    async def CheckpointMetadata(
+        self, request: pb.CheckpointMetadataRequest, context: aio.ServicerContext
+    ) -> pb.CheckpointMetadataResponse:
+        metadata = self._s.checkpoint_metadata(request.rank)
+        if metadata is None:
+            await context.abort(
+                grpc.StatusCode.NOT_FOUND,
+                f"group rank {request.rank} of {self._s.replica_id} has not asked for a quorum yet",
+            )
+        return pb.CheckpointMetadataResponse(checkpoint_metadata=metadata)
+
+    async def Kill(self, request: pb.KillRequest, context: aio.ServicerContext) -> pb.KillResponse:
+        logger.error("[%s] killed by request: %s", self._s.replica_id, request.msg)
+        asyncio.get_running_loop().call_later(0.1, os._exit, 1)
+        return pb.KillResponse()
+
+
+class ManagerClient:
+    """Blocking client of a ManagerServer, used by every rank of the group."""
+
+    def __init__(self, addr: str, connect_timeout: timedelta = timedelta(seconds=10)) -> None:
+        self.addr = addr
+        self._connect_timeout = connect_timeout
+        self._channel = grpc.insecure_channel(url_to_target(addr), options=CHANNEL_OPTIONS)
+        self._stub = pb_grpc.ManagerServiceStub(self._channel)
+        self._connected = False
+
+    def _call(self, method, request, timeout: timedelta, what: str):  # type: ignore[no-untyped-def]
+        if not self._connected:
+            try:
+                grpc.channel_ready_future(self._channel).result(
+                    self._connect_timeout.total_seconds()
+                )
+            except grpc.FutureTimeoutError:
+                raise unreachable(f"manager server {self.addr}", self._connect_timeout) from None
+            self._connected = True
+        try:
+            return method(request, timeout=timeout.total_seconds())
+        except grpc.RpcError as e:
+            self._connected = e.code() != grpc.StatusCode.UNAVAILABLE
+            raise map_rpc_error(e, f"manager server {self.addr}", what) from None
+
+    def _quorum(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        timeout: timedelta,
+        init_sync: bool = True,
+        commit_failures: int = 0,
+    ) -> QuorumResult:
+        request = pb.ManagerQuorumRequest(
+            group_rank=group_rank,
+            step=step,
+            checkpoint_metadata=checkpoint_metadata,
+            shrink_only=shrink_only,
+            init_sync=init_sync,
+            commit_failures=commit_failures,
+        )
+        return result_from_proto(self._call(self._stub.Quorum, request, timeout, "Quorum"))
+
+    def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
+        request = pb.CheckpointMetadataRequest(rank=rank)
+        return self._call(
+            self._stub.CheckpointMetadata, request, timeout, "CheckpointMetadata"
+        ).checkpoint_metadata
+
+    def should_commit(
+        self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
+    ) -> bool:
+        request = pb.ShouldCommitRequest(
+            should_commit=should_commit, group_rank=group_rank, step=step
+        )
+        return self._call(self._stub.ShouldCommit, request, timeout, "ShouldCommit").should_commit
+
+    def _kill(self, msg: str, timeout: timedelta = timedelta(seconds=5)) -> None:
+        self._call(self._stub.Kill, pb.KillRequest(msg=msg), timeout, "Kill")
+
+    def close(self) -> None:
+        self._channel.close()
