@@ -154,6 +154,8 @@ class Manager:
         self._participating_rank: int | None = None
         self._num_participants = 0
         self._quorum_future: Future[None] | None = None
+        self._pending_work: list[dist.Work] = []
+        self._commit_hooks: list[Callable[[], None]] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_quorum")
         self._lock = threading.Lock()
         self.replica_id = replica_id or "replica"
@@ -209,6 +211,12 @@ class Manager:
             raise ValueError(f"state dict key {key!r} is already registered")
         self._user_state[key] = (load_state_dict, state_dict)
 
+    def register_commit_hook(self, hook: Callable[[], None]) -> None:
+        """Runs `hook` in should_commit, after a healed state is applied and
+        before the vote, on every replica in the same order. DDP syncs module
+        buffers here, so a healed replica ends the step with the same buffers."""
+        self._commit_hooks.append(hook)
+
     def state_dict(self) -> dict[str, int]:
         """The manager's own progress, saved and restored with user checkpoints."""
         return {"step": self._step, "batches_committed": self._batches_committed}
@@ -233,6 +241,7 @@ class Manager:
             self._quorum_future.result()
         self._errored = None
         self._healing = False
+        self._pending_work = []
         self._quorum_future = self._executor.submit(
             self._async_quorum, allow_heal, shrink_only, timeout or self._quorum_timeout
         )
@@ -352,7 +361,9 @@ class Manager:
                     tensor.div_(num_participants)
                 return tensor
 
-            return FutureWork(self.wrap_future(work.get_future().then(finish), tensor))
+            managed = FutureWork(self.wrap_future(work.get_future().then(finish), tensor))
+            self._pending_work.append(managed)
+            return managed
         except Exception as e:
             self.report_error(e)
             return completed_work(tensor)
@@ -414,6 +425,11 @@ class Manager:
                 self._apply_pending_state_dict()
             except Exception as e:
                 self.report_error(e)
+        for hook in self._commit_hooks:
+            hook()
+        for work in self._pending_work:
+            work.wait()  # never raises: wrap_future recorded any error
+        self._pending_work = []
         self._checkpoint_transport.disallow_checkpoint()
         pg_error = self._pg.errored() if hasattr(self._pg, "errored") else None
         if pg_error is not None:

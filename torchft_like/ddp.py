@@ -1,0 +1,187 @@
+"""Fault-tolerant DistributedDataParallel: gradients travel through the Manager.
+
+DDP is built over a ProcessGroupDummy, which absorbs its init-time parameter
+check and broadcast, so a replica can be created while others are
+mid-training (init_sync healing gives it the live weights instead). A comm
+hook sends each gradient bucket through `Manager.allreduce`.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from enum import Enum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ReduceOp
+from torch.nn import parallel
+
+from torchft_like.manager import Manager
+from torchft_like.process_group import ProcessGroupDummy
+
+_REFUSED_KWARGS = {
+    "process_group": "gradients must go through the Manager, not a fixed process group",
+    "device_mesh": "gradients must go through the Manager, not a fixed device mesh",
+    "find_unused_parameters": "bucket layout is fixed by torchft_like (see _NoRebuildReducer)",
+    "static_graph": "bucket layout is fixed by torchft_like (see _NoRebuildReducer)",
+}
+_HAS_BUCKET_CAP_LIST = (
+    "bucket_cap_mb_list" in inspect.signature(parallel.DistributedDataParallel).parameters
+)
+
+
+class BufferSync(Enum):
+    """How a module buffer is kept identical across replicas each step."""
+
+    BROADCAST = "broadcast"
+    """Copied from the first replica at max step (DDP's broadcast_buffers)."""
+    AVERAGE = "average"
+    """Averaged over the participating replicas (e.g. running statistics)."""
+    NONE = "none"
+    """Left alone: each replica keeps its own (e.g. a local counter)."""
+
+
+class _NoRebuildReducer:
+    """Delegates to DDP's C++ Reducer but never rebuilds buckets.
+
+    Why: DDP rebuilds its buckets after the first backward, in the order the
+    gradients became ready. A replica that restarts mid-run would use the
+    initial layout for its first step while the others use the rebuilt one,
+    and the bucket allreduces would no longer match. torchft avoids the
+    rebuild with find_unused_parameters=True, which walks the autograd graph
+    on every step; refusing the rebuild here costs nothing per step. The
+    initial layout (parameters in reverse order, a small first bucket, then
+    `bucket_cap_mb` buckets) is then the layout of the whole run, on every
+    replica.
+    """
+
+    def __init__(self, reducer: Any) -> None:
+        self._reducer = reducer
+
+    def _rebuild_buckets(self) -> bool:
+        return False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._reducer, name)
+
+
+def _comm_hook(manager: Manager, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    return manager.allreduce(bucket.buffer()).get_future()
+
+
+class DistributedDataParallel(parallel.DistributedDataParallel):
+    """torch DDP whose gradient averaging goes through the Manager's quorum.
+
+    Args:
+        manager: this rank's Manager.
+        module: the model, with all parameters on one device.
+        buffer_sync: BufferSync for every buffer, or a mapping from buffer
+            name (as in `module.named_buffers()`) to BufferSync; unnamed
+            buffers default to BROADCAST.
+        **kwargs: passed to torch DDP, except those that would break the
+            fault-tolerance guarantees (process_group, device_mesh,
+            find_unused_parameters, static_graph), which raise ValueError.
+    """
+
+    def __init__(
+        self,
+        manager: Manager,
+        module: nn.Module,
+        buffer_sync: BufferSync | Mapping[str, BufferSync] = BufferSync.BROADCAST,
+        **kwargs: Any,
+    ) -> None:
+        for key, why in _REFUSED_KWARGS.items():
+            if key in kwargs:
+                raise ValueError(f"DistributedDataParallel does not take {key}: {why}")
+        devices = {p.device for p in module.parameters()}
+        if len(devices) > 1:
+            raise ValueError(
+                f"module has parameters on several devices {sorted(map(str, devices))}; "
+                "fault-tolerant DDP needs a module on one device (move it with .to(device))"
+            )
+        kwargs.setdefault("broadcast_buffers", False)  # buffers are synced by the Manager
+        if _HAS_BUCKET_CAP_LIST:
+            # Layout = [1 MB first bucket, then bucket_cap_mb] in parameter order,
+            # from the start (torch puts all in one bucket until its rebuild).
+            cap = kwargs.pop("bucket_cap_mb", None) or 25
+            kwargs.setdefault("bucket_cap_mb_list", [min(1, cap), cap])
+        else:
+            kwargs["find_unused_parameters"] = True  # older torch: no rebuild this way
+        super().__init__(module, process_group=ProcessGroupDummy(), **kwargs)
+        self.register_comm_hook(manager, _comm_hook)
+        if _HAS_BUCKET_CAP_LIST:
+            self.reducer = _NoRebuildReducer(self.reducer)
+        self._manager = manager
+        self._buffer_groups = _group_buffers(module, buffer_sync)
+        if self._buffer_groups:
+            manager.register_commit_hook(self._sync_buffers_through_manager)
+
+    def _sync_buffers_through_manager(self) -> None:
+        """Runs in should_commit, after healing, so healed replicas match too."""
+        source = self._manager.participating_rank() == 0
+        for (policy, _dtype), buffers in self._buffer_groups.items():
+            flat = torch.cat([b.detach().reshape(-1) for b in buffers])
+            if policy == BufferSync.BROADCAST:
+                if not source:
+                    flat.zero_()
+                work = self._manager.allreduce(flat, reduce_op=ReduceOp.SUM)
+            else:
+                work = self._manager.allreduce(flat, reduce_op=ReduceOp.AVG)
+            work.wait()
+            if self._manager.errored() is None:
+                offset = 0
+                with torch.no_grad():
+                    for b in buffers:
+                        b.copy_(flat[offset : offset + b.numel()].view_as(b))
+                        offset += b.numel()
+
+
+def _group_buffers(
+    module: nn.Module, buffer_sync: BufferSync | Mapping[str, BufferSync]
+) -> dict[tuple[BufferSync, torch.dtype], list[torch.Tensor]]:
+    named = dict(module.named_buffers())
+    if isinstance(buffer_sync, BufferSync):
+        policies = {name: buffer_sync for name in named}
+    else:
+        unknown = sorted(set(buffer_sync) - set(named))
+        if unknown:
+            raise ValueError(f"buffer_sync names unknown buffers {unknown}; known: {sorted(named)}")
+        policies = {name: buffer_sync.get(name, BufferSync.BROADCAST) for name in named}
+    groups: dict[tuple[BufferSync, torch.dtype], list[torch.Tensor]] = {}
+    for name, buf in named.items():
+        policy = policies[name]
+        if policy == BufferSync.NONE:
+            continue
+        if policy == BufferSync.AVERAGE and not buf.is_floating_point():
+            raise ValueError(
+                f"buffer {name} ({buf.dtype}) cannot be averaged; use BufferSync.BROADCAST or NONE"
+            )
+        groups.setdefault((policy, buf.dtype), []).append(buf)
+    return groups
+
+
+class PureDistributedDataParallel(nn.Module):
+    """No reducer: one Manager allreduce per gradient, as soon as it is ready.
+
+    For models torch DDP cannot wrap. Simpler and slower than
+    DistributedDataParallel (no bucketing); the Manager waits for every
+    allreduce before the commit vote.
+    """
+
+    def __init__(self, manager: Manager, module: nn.Module) -> None:
+        super().__init__()
+        self.module = module
+        self._manager = manager
+        for p in module.parameters():
+            if p.requires_grad:
+                p.register_post_accumulate_grad_hook(self._allreduce_grad)
+
+    def _allreduce_grad(self, param: torch.Tensor) -> None:
+        if param.grad is not None:
+            self._manager.allreduce(param.grad)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        return self.module(*args, **kwargs)
