@@ -145,6 +145,18 @@ class LighthouseClient:
             self._connected = e.code() != grpc.StatusCode.UNAVAILABLE
             raise map_rpc_error(e, f"lighthouse {self.addr}", "Heartbeat") from None
 
+    def leave(self, replica_id: str, timeout: timedelta = timedelta(seconds=5)) -> None:
+        """Tells the lighthouse we stop on purpose. A lighthouse that does not
+        know Leave (pytorch/torchft's) is fine: our heartbeats just expire."""
+        self._ensure_connected()
+        try:
+            self._stub.Leave(
+                pb.LighthouseLeaveRequest(replica_id=replica_id), timeout=timeout.total_seconds()
+            )
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise map_rpc_error(e, f"lighthouse {self.addr}", "Leave") from None
+
     def close(self) -> None:
         self._channel.close()
 
@@ -189,6 +201,17 @@ class AsyncLighthouseClient:
             )
         except grpc.RpcError as e:
             raise map_rpc_error(e, f"lighthouse {self.addr}", "Heartbeat") from None
+
+    async def leave(self, replica_id: str, timeout: timedelta) -> None:
+        """See LighthouseClient.leave."""
+        await self._ensure_connected()
+        try:
+            await self._stub.Leave(
+                pb.LighthouseLeaveRequest(replica_id=replica_id), timeout=timeout.total_seconds()
+            )
+        except grpc.RpcError as e:
+            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
+                raise map_rpc_error(e, f"lighthouse {self.addr}", "Leave") from None
 
     async def close(self) -> None:
         await self._channel.close()

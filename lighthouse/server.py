@@ -63,6 +63,17 @@ class _Coordinator:
         self.heartbeats[replica_id] = time.monotonic()
         self.metrics.heartbeats.inc()
 
+    def leave(self, replica_id: str) -> None:
+        """Forgets a replica that stops on purpose, and re-decides at once."""
+        logger.info("replica %s left", replica_id)
+        self.heartbeats.pop(replica_id, None)
+        self.members.pop(replica_id, None)
+        waiter = self.waiters.pop(replica_id, None)
+        if waiter is not None and not waiter.future.done():
+            waiter.future.set_exception(RuntimeError(f"replica {replica_id} left"))
+        if self.waiters:
+            self.decide()
+
     async def quorum(self, member: QuorumMember) -> Quorum:
         """Waits for the first issued quorum that contains `member`."""
         now = time.monotonic()
@@ -205,6 +216,16 @@ class _LighthouseServicer(pb_grpc.LighthouseServiceServicer):
             )
         self._coord.heartbeat(request.replica_id)
         return pb.LighthouseHeartbeatResponse()
+
+    async def Leave(
+        self, request: pb.LighthouseLeaveRequest, context: aio.ServicerContext
+    ) -> pb.LighthouseLeaveResponse:
+        if not request.replica_id:
+            await context.abort(
+                grpc.StatusCode.INVALID_ARGUMENT, "replica_id must be a non-empty string"
+            )
+        self._coord.leave(request.replica_id)
+        return pb.LighthouseLeaveResponse()
 
 
 class LighthouseServer:

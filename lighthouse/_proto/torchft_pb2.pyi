@@ -61,6 +61,16 @@ class LighthouseHeartbeatResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class LighthouseLeaveRequest(_message.Message):
+    __slots__ = ("replica_id",)
+    REPLICA_ID_FIELD_NUMBER: _ClassVar[int]
+    replica_id: str
+    def __init__(self, replica_id: _Optional[str] = ...) -> None: ...
+
+class LighthouseLeaveResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
 class ManagerQuorumRequest(_message.Message):
     __slots__ = ("group_rank", "step", "checkpoint_metadata", "shrink_only", "init_sync", "commit_failures")
     GROUP_RANK_FIELD_NUMBER: _ClassVar[int]

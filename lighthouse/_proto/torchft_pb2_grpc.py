@@ -44,6 +44,11 @@ class LighthouseServiceStub:
                 request_serializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatRequest.SerializeToString,
                 response_deserializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Leave = channel.unary_unary(
+                '/torchft.LighthouseService/Leave',
+                request_serializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseLeaveRequest.SerializeToString,
+                response_deserializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseLeaveResponse.FromString,
+                _registered_method=True)
 
 
 class LighthouseServiceServicer:
@@ -61,6 +66,12 @@ class LighthouseServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Leave(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LighthouseServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -73,6 +84,11 @@ def add_LighthouseServiceServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatRequest.FromString,
                     response_serializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatResponse.SerializeToString,
+            ),
+            'Leave': grpc.unary_unary_rpc_method_handler(
+                    servicer.Leave,
+                    request_deserializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseLeaveRequest.FromString,
+                    response_serializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseLeaveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -129,6 +145,33 @@ class LighthouseService:
             '/torchft.LighthouseService/Heartbeat',
             lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatRequest.SerializeToString,
             lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Leave(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchft.LighthouseService/Leave',
+            lighthouse_dot___proto_dot_torchft__pb2.LighthouseLeaveRequest.SerializeToString,
+            lighthouse_dot___proto_dot_torchft__pb2.LighthouseLeaveResponse.FromString,
             options,
             channel_credentials,
             insecure,

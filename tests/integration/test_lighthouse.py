@@ -171,3 +171,16 @@ def test_status_page_and_metrics_show_the_quorum(make_server):
     with urllib.request.urlopen(server.http_address() + "/", timeout=5) as r:
         page = r.read().decode()
     assert 'http-equiv="refresh"' in page and str(quorum.quorum_id) in page
+
+
+def test_a_replica_that_leaves_lets_the_others_go_on_at_once(make_server):
+    server = make_server(min_replicas=1, heartbeat_timeout_ms=30_000, join_timeout_ms=30_000)
+    client = LighthouseClient(server.address())
+    for rid in ["a", "b"]:
+        client.heartbeat(rid)
+    join_all(server.address(), ["a", "b"])
+    client.leave("b")
+    start = time.monotonic()
+    quorum = join_all(server.address(), ["a"])[0]
+    assert quorum.replica_ids() == ("a",)
+    assert time.monotonic() - start < 2  # not the 30 s heartbeat or join timeout
