@@ -1,1 +1,27 @@
 """torchft_like: per-step fault-tolerant data-parallel training for PyTorch."""
+
+from torchft_like.data import DistributedSampler
+from torchft_like.ddp import BufferSync, DistributedDataParallel, PureDistributedDataParallel
+from torchft_like.manager import Manager, WorldSizeMode
+from torchft_like.optim import Optimizer, OptimizerWrapper
+from torchft_like.process_group import (
+    ErrorSwallowingProcessGroupWrapper,
+    ManagedProcessGroup,
+    ProcessGroupDummy,
+    ProcessGroupGloo,
+)
+
+__all__ = [
+    "BufferSync",
+    "DistributedDataParallel",
+    "DistributedSampler",
+    "ErrorSwallowingProcessGroupWrapper",
+    "ManagedProcessGroup",
+    "Manager",
+    "Optimizer",
+    "OptimizerWrapper",
+    "ProcessGroupDummy",
+    "ProcessGroupGloo",
+    "PureDistributedDataParallel",
+    "WorldSizeMode",
+]

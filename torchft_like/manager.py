@@ -14,6 +14,7 @@ import logging
 import os
 import socket
 import threading
+import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -155,6 +156,8 @@ class Manager:
         self._num_participants = 0
         self._quorum_future: Future[None] | None = None
         self._pending_work: list[dist.Work] = []
+        self._healed = False
+        self._timings: dict[str, float] = {}
         self._commit_hooks: list[Callable[[], None]] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_quorum")
         self._lock = threading.Lock()
@@ -241,6 +244,7 @@ class Manager:
             self._quorum_future.result()
         self._errored = None
         self._healing = False
+        self._healed = False
         self._pending_work = []
         self._quorum_future = self._executor.submit(
             self._async_quorum, allow_heal, shrink_only, timeout or self._quorum_timeout
@@ -256,6 +260,8 @@ class Manager:
         self._quorum_future.result()
 
     def _async_quorum(self, allow_heal: bool, shrink_only: bool, timeout: timedelta) -> None:
+        start = time.monotonic()
+        self._timings = {}
         try:
             result = self._client._quorum(
                 group_rank=self._group_rank,
@@ -266,6 +272,7 @@ class Manager:
                 init_sync=self._init_sync,
                 commit_failures=self._commit_failures,
             )
+            self._timings["quorum_s"] = time.monotonic() - start
             self._apply_quorum(result, allow_heal)
         except Exception as e:
             self._logger.exception("quorum failed: %s", e)
@@ -297,7 +304,8 @@ class Manager:
                 self._timeout,
             )
         if allow_heal and result.heal:
-            self._healing = True
+            heal_start = time.monotonic()
+            self._healing = self._healed = True
             self._logger.info(
                 "healing from replica rank %d (%s) at step %d",
                 result.recover_src_replica_rank,
@@ -313,6 +321,7 @@ class Manager:
             self._pending_state_dict = self._checkpoint_transport.recv_checkpoint(
                 result.recover_src_replica_rank, metadata, result.max_step, self._timeout
             )
+            self._timings["heal_recv_s"] = time.monotonic() - heal_start
 
     def _set_participation(self, result: QuorumResult) -> None:
         if self._init_sync and result.max_step == 0:
@@ -484,6 +493,15 @@ class Manager:
 
     def quorum_id(self) -> int:
         return self._quorum_id
+
+    def did_heal(self) -> bool:
+        """Whether this step's quorum made us copy the state from a peer."""
+        return self._healed
+
+    def timings(self) -> dict[str, float]:
+        """Seconds spent on this step's quorum (`quorum_s`), and on receiving a
+        healing state (`heal_recv_s`) when there was one."""
+        return dict(self._timings)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stops the servers and unblocks every background wait."""

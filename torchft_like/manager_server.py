@@ -140,6 +140,8 @@ class ManagerServer:
                 f"manager server cannot listen on {join_host_port(host, port)}: the port is in "
                 "use; set TORCHFT_MANAGER_PORT to a free port or 0"
             )
+        # Fail fast with the address when the lighthouse is not there at all.
+        await self._lighthouse.heartbeat(self.replica_id, self._connect_timeout)
         await self._server.start()
         self._heartbeater = asyncio.get_running_loop().create_task(self._heartbeat_loop())
         return bound
@@ -277,14 +279,23 @@ class ManagerServer:
                 failing = True
             await asyncio.sleep(interval)
 
-    def shutdown(self) -> None:
+    def shutdown(self, leave: bool = True) -> None:
+        """Stops serving; with `leave`, first tells the lighthouse we go on
+        purpose so the other groups do not wait for our heartbeat to expire."""
         if self._stopped:
             return
         self._stopped = True
-        self._loop.run(self._stop(), timeout=10)
+        self._loop.run(self._stop(leave), timeout=15)
         self._loop.stop()
 
-    async def _stop(self) -> None:
+    async def _stop(self, leave: bool) -> None:
+        if leave:
+            try:
+                await self._lighthouse.leave(self.replica_id, self._connect_timeout)
+            except Exception as e:
+                logger.warning(
+                    "[%s] could not tell the lighthouse we leave: %s", self.replica_id, e
+                )
         self._heartbeater.cancel()
         await self._server.stop(grace=None)
         await self._lighthouse.close()

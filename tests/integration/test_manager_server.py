@@ -8,7 +8,12 @@ from datetime import timedelta
 
 import pytest
 
-from lighthouse import LighthouseServer, QuorumError, QuorumTimeoutError
+from lighthouse import (
+    LighthouseServer,
+    LighthouseUnavailableError,
+    QuorumError,
+    QuorumTimeoutError,
+)
 from torchft_like.manager_server import ManagerClient, ManagerServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -107,19 +112,23 @@ def test_the_incoming_deadline_bounds_the_wait(make_group):
     assert time.monotonic() - start < 3
 
 
-def test_an_unreachable_lighthouse_reaches_the_ranks_after_retries(make_group):
-    server = ManagerServer(
-        replica_id="lonely",
-        lighthouse_addr="http://127.0.0.1:1",
-        hostname="127.0.0.1",
-        bind="127.0.0.1:0",
-        store_addr="x:1",
-        world_size=1,
-        connect_timeout=timedelta(seconds=0.5),
-        quorum_retries=2,
-    )
-    try:
-        with pytest.raises(QuorumError, match="127.0.0.1:1"):
-            ask(server, 0, 0)
-    finally:
-        server.shutdown()
+def test_a_manager_server_without_a_lighthouse_fails_fast_naming_it():
+    start = time.monotonic()
+    with pytest.raises(LighthouseUnavailableError, match="127.0.0.1:1"):
+        ManagerServer(
+            replica_id="lonely",
+            lighthouse_addr="http://127.0.0.1:1",
+            hostname="127.0.0.1",
+            bind="127.0.0.1:0",
+            store_addr="x:1",
+            world_size=1,
+            connect_timeout=timedelta(seconds=0.5),
+        )
+    assert time.monotonic() - start < 3
+
+
+def test_a_lost_lighthouse_reaches_the_ranks_after_retries(lighthouse, make_group):
+    a = make_group("a", 1, connect_timeout=timedelta(seconds=0.5), quorum_retries=2)
+    lighthouse.shutdown()
+    with pytest.raises(QuorumError, match=lighthouse.address().split("//")[1]):
+        ask(a, 0, 0)

@@ -1,0 +1,307 @@
+"""Kill-and-recover demo: the project's main job, on this one machine.
+
+    .venv/bin/python examples/demo.py            # no argument needed
+
+Starts a lighthouse and replica groups (each a real `torchrun` running
+examples/train_ddp.py), SIGKILLs one group's whole process tree mid-training,
+restarts it, lets it heal from a live peer, trains to the end, then prints a
+summary, says whether the replicas ended bit-identical, and draws the step
+timeline of each group (PNG) with the kill and the recovery marked.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+# --- arguments --------------------------------------------------------------
+
+parser = argparse.ArgumentParser(description="torchft_like kill-and-recover demo")
+parser.add_argument("--groups", type=int, default=2, help="replica groups")
+parser.add_argument("--nproc-per-group", type=int, default=1, help="ranks per replica group")
+parser.add_argument("--steps", type=int, default=300, help="committed steps to train")
+parser.add_argument("--hidden", type=int, default=512, help="hidden width of the MLP")
+parser.add_argument("--kill-at-step", type=int, default=None, help="default: a third of --steps")
+parser.add_argument("--victim", type=int, default=1, help="replica group to kill")
+parser.add_argument("--restart-after", type=float, default=1.0, help="seconds before restarting")
+parser.add_argument("--step-sleep", type=float, default=0.02, help="seconds each step sleeps")
+parser.add_argument("--out", default="demo_out", help="folder for logs, JSON and the PNG")
+parser.add_argument("--timeout", type=float, default=600, help="give up after this many seconds")
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Job:
+    """Every child process of the demo, each in its own session, killed at exit."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.procs: list[subprocess.Popen] = []
+
+    def spawn(
+        self, args: list[str], log_name: str, env: dict[str, str] | None = None
+    ) -> subprocess.Popen:
+        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
+        log = open(self.out / log_name, "ab")
+        proc = subprocess.Popen(
+            args,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=full_env,
+            cwd=REPO,
+            start_new_session=True,
+        )
+        self.procs.append(proc)
+        return proc
+
+    def kill(self, proc: subprocess.Popen) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+    def kill_all(self) -> None:
+        for proc in self.procs:
+            self.kill(proc)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass  # a line cut by the SIGKILL
+    return records
+
+
+def progress(done: int, total: int, note: str) -> None:
+    width = 30
+    filled = int(width * min(done, total) / total)
+    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} steps  {note:<40}")
+    sys.stderr.flush()
+
+
+def main() -> int:
+    args = parser.parse_args()
+    kill_at = args.kill_at_step if args.kill_at_step is not None else args.steps // 3
+    out = REPO / args.out
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    job = Job(out)
+    python = sys.executable
+    torchrun = [python, "-m", "torch.distributed.run"]
+
+    def interrupted(*_: object) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupted)
+    try:
+        # --- lighthouse ------------------------------------------------------
+        port = free_port()
+        job.spawn(
+            [
+                python,
+                "-m",
+                "lighthouse",
+                "--min-replicas",
+                "1",
+                "--bind",
+                f"127.0.0.1:{port}",
+                "--http-bind",
+                "127.0.0.1:0",
+                "--heartbeat-timeout-ms",
+                "1000",
+                "--join-timeout-ms",
+                "1000",
+            ],
+            "lighthouse.log",
+        )
+        lighthouse = f"http://127.0.0.1:{port}"
+
+        def launch(group: int) -> subprocess.Popen:
+            return job.spawn(
+                torchrun
+                + [
+                    "--standalone",
+                    "--nproc_per_node",
+                    str(args.nproc_per_group),
+                    "examples/train_ddp.py",
+                    "--steps",
+                    str(args.steps),
+                    "--hidden",
+                    str(args.hidden),
+                    "--step-sleep",
+                    str(args.step_sleep),
+                    "--log-json",
+                    str(out / f"group{group}.jsonl"),
+                ],
+                f"group{group}.log",
+                env={
+                    "TORCHFT_LIGHTHOUSE": lighthouse,
+                    "REPLICA_GROUP_ID": str(group),
+                    "NUM_REPLICA_GROUPS": str(args.groups),
+                },
+            )
+
+        groups = {g: launch(g) for g in range(args.groups)}
+        print(
+            f"lighthouse {lighthouse}; {args.groups} replica groups; "
+            f"kill group {args.victim} at step {kill_at}"
+        )
+        events: dict[str, float] = {}
+        deadline = time.time() + args.timeout
+        while time.time() < deadline:
+            steps = {
+                g: max(
+                    [
+                        r["step"]
+                        for r in read_jsonl(out / f"group{g}.jsonl")
+                        if r["event"] == "step"
+                    ],
+                    default=0,
+                )
+                for g in groups
+            }
+            finished = {g: groups[g].poll() is not None for g in groups}
+            note = "killed, restarting" if "kill" in events and "restart" not in events else ""
+            progress(min(steps.values()), args.steps, note)
+            if "kill" not in events and steps[args.victim] >= kill_at:
+                job.kill(groups[args.victim])
+                events["kill"] = time.time()
+            elif (
+                "kill" in events
+                and "restart" not in events
+                and time.time() - events["kill"] >= args.restart_after
+            ):
+                groups[args.victim] = launch(args.victim)
+                events["restart"] = time.time()
+            if all(finished.values()):
+                break
+            time.sleep(0.1)
+        else:
+            print(f"\ngave up after {args.timeout:.0f} s; logs in {out}")
+            return 1
+        sys.stderr.write("\n")
+    except KeyboardInterrupt:
+        print("\ninterrupted; stopping every process")
+        return 130
+    finally:
+        job.kill_all()
+
+    return report(out, args, events)
+
+
+# --- report -----------------------------------------------------------------
+
+
+def report(out: Path, args: argparse.Namespace, events: dict[str, float]) -> int:
+    rows, finals = [], {}
+    for g in range(args.groups):
+        records = read_jsonl(out / f"group{g}.jsonl")
+        steps = [r for r in records if r["event"] == "step"]
+        final = next((r for r in reversed(records) if r["event"] == "final"), None)
+        finals[g] = final
+        row = {
+            "group": g,
+            "committed": sum(r["committed"] for r in steps),
+            "missed": sum(not r["committed"] for r in steps),
+            "final_loss": steps[-1]["loss"] if steps else float("nan"),
+            "hash": final["hash"] if final else "-",
+            "step": final["step"] if final else "-",
+        }
+        if g == args.victim and "restart" in events:
+            starts = [
+                r for r in records if r["event"] == "start" and r["t"] >= events["restart"] - 5
+            ]
+            after = [r for r in steps if r["t"] >= events["restart"]]
+            first_commit = next((r for r in after if r["committed"]), None)
+            if starts and first_commit:
+                first = after[0]
+                row["startup_s"] = starts[-1]["ready"] - events["restart"]
+                row["quorum_s"] = first.get("quorum_s", 0.0)
+                row["transfer_s"] = first.get("heal_recv_s", 0.0)
+                row["restart_to_commit_s"] = first_commit["t"] - events["restart"]
+        rows.append(row)
+
+    print(
+        "\n group | committed | missed | final step | final loss | state hash       "
+        "| restart -> first commit"
+    )
+    for r in rows:
+        recovery = ""
+        if "restart_to_commit_s" in r:
+            recovery = (
+                f"{r['restart_to_commit_s']:.2f} s (start-up {r['startup_s']:.2f} s, "
+                f"quorum {r['quorum_s']:.2f} s, transfer {r['transfer_s']:.3f} s)"
+            )
+        print(
+            f" {r['group']:>5} | {r['committed']:>9} | {r['missed']:>6} | {r['step']!s:>10} | "
+            f"{r['final_loss']:>10.4f} | {r['hash']:<16} | {recovery}"
+        )
+    hashes = {f["hash"] for f in finals.values() if f}
+    same_step = len({f["step"] for f in finals.values() if f}) == 1
+    identical = (
+        len(finals) == args.groups and all(finals.values()) and len(hashes) == 1 and same_step
+    )
+    print("\nreplicas ended BIT-IDENTICAL" if identical else "\nreplicas did NOT end bit-identical")
+    draw_timeline(out, args, events)
+    (out / "summary.json").write_text(
+        json.dumps({"groups": rows, "identical": identical, "events": events})
+    )
+    print(f"timeline: {out / 'timeline.png'}; logs: {out}")
+    return 0 if identical else 1
+
+
+def draw_timeline(out: Path, args: argparse.Namespace, events: dict[str, float]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    t0 = min(r["t"] for g in range(args.groups) for r in read_jsonl(out / f"group{g}.jsonl"))
+    fig, ax = plt.subplots(figsize=(10, 4))
+    for g in range(args.groups):
+        steps = [r for r in read_jsonl(out / f"group{g}.jsonl") if r["event"] == "step"]
+        ok = [(r["t"] - t0, r["step"]) for r in steps if r["committed"]]
+        missed = [(r["t"] - t0, r["step"]) for r in steps if not r["committed"]]
+        healed = [(r["t"] - t0, r["step"]) for r in steps if r["healed"]]
+        line = (
+            ax.plot(*zip(*ok), ".", markersize=3, label=f"group {g} committed")[0] if ok else None
+        )
+        color = line.get_color() if line else None
+        if missed:
+            ax.plot(*zip(*missed), "x", color=color, label=f"group {g} not committed")
+        if healed:
+            ax.plot(*zip(*healed), "*", markersize=14, color=color, label=f"group {g} healed")
+    for name, style in (("kill", "r--"), ("restart", "g--")):
+        if name in events:
+            ax.axvline(events[name] - t0, color=style[0], linestyle="--", label=name)
+    ax.set_xlabel("seconds")
+    ax.set_ylabel("committed step")
+    ax.set_title("torchft_like: step timeline per replica group")
+    ax.legend(loc="upper left", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out / "timeline.png", dpi=100)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,197 @@
+"""Fault-tolerant data-parallel training of an MLP on generated data.
+
+Start a lighthouse, then one torchrun per replica group:
+
+    torchft-lighthouse --min-replicas 1 --bind 127.0.0.1:29510 --http-bind 127.0.0.1:29511
+    TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510 REPLICA_GROUP_ID=0 NUM_REPLICA_GROUPS=2 \\
+        torchrun --standalone --nproc_per_node 1 examples/train_ddp.py --steps 500
+    TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510 REPLICA_GROUP_ID=1 NUM_REPLICA_GROUPS=2 \\
+        torchrun --standalone --nproc_per_node 1 examples/train_ddp.py --steps 500
+
+Kill either group (Ctrl-C or kill -9) and start it again: it copies the live
+weights from the other group and rejoins; the other never stops.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import logging
+import os
+import sys
+import time
+from datetime import timedelta
+
+START_TIME = time.time()  # before the heavy imports: start-up includes them
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
+
+from lighthouse import LighthouseUnavailableError  # noqa: E402
+from torchft_like import (  # noqa: E402
+    DistributedDataParallel,
+    DistributedSampler,
+    Manager,
+    Optimizer,
+    ProcessGroupGloo,
+)
+
+# --- arguments --------------------------------------------------------------
+
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser.add_argument("--steps", type=int, default=500, help="committed steps to train")
+parser.add_argument("--hidden", type=int, default=256, help="hidden width of the MLP")
+parser.add_argument("--layers", type=int, default=3, help="hidden layers of the MLP")
+parser.add_argument("--batch-size", type=int, default=32, help="samples per rank per step")
+parser.add_argument("--lr", type=float, default=1e-3, help="AdamW learning rate")
+parser.add_argument("--seed", type=int, default=0, help="seed of the data and the weights")
+parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step")
+parser.add_argument("--log-json", default=None, help="append one JSON line per step here")
+parser.add_argument("--timeout-s", type=float, default=10, help="collective/transfer timeout")
+args = parser.parse_args()
+
+REPLICA_GROUP_ID = int(os.environ.get("REPLICA_GROUP_ID", 0))
+NUM_REPLICA_GROUPS = int(os.environ.get("NUM_REPLICA_GROUPS", 2))
+RANK = int(os.environ.get("RANK", 0))
+torch.set_num_threads(1)
+device = (
+    torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if torch.cuda.is_available()
+    else torch.device("cpu")
+)
+logging.basicConfig(
+    level=logging.INFO,
+    format=f"%(asctime)s group{REPLICA_GROUP_ID}/rank{RANK} %(levelname)s %(name)s: %(message)s",
+)
+log = logging.getLogger("train_ddp")
+
+# --- data: a fixed random teacher network labels random inputs --------------
+
+NUM_FEATURES, NUM_CLASSES, NUM_SAMPLES = 64, 10, 8192
+gen = torch.Generator().manual_seed(args.seed)
+inputs = torch.randn(NUM_SAMPLES, NUM_FEATURES, generator=gen)
+teacher = torch.randn(NUM_FEATURES, NUM_CLASSES, generator=gen)
+labels = (inputs @ teacher).argmax(dim=1)
+dataset = TensorDataset(inputs, labels)
+sampler = DistributedSampler(
+    dataset, replica_rank=REPLICA_GROUP_ID, num_replica_groups=NUM_REPLICA_GROUPS, seed=args.seed
+)
+loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+
+# --- model, manager, optimizer ----------------------------------------------
+
+torch.manual_seed(args.seed)
+layers: list[nn.Module] = [nn.Linear(NUM_FEATURES, args.hidden), nn.ReLU()]
+for _ in range(args.layers - 1):
+    layers += [nn.Linear(args.hidden, args.hidden), nn.ReLU()]
+layers.append(nn.Linear(args.hidden, NUM_CLASSES))
+model = nn.Sequential(*layers).to(device)
+inner_optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+
+
+def load_state_dict(state: dict) -> None:
+    model.load_state_dict(state["model"])
+    inner_optimizer.load_state_dict(state["optim"])
+
+
+def state_dict() -> dict:
+    return {"model": model.state_dict(), "optim": inner_optimizer.state_dict()}
+
+
+timeout = timedelta(seconds=args.timeout_s)
+try:
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=timeout),
+        load_state_dict=load_state_dict,
+        state_dict=state_dict,
+        min_replica_size=1,
+        replica_id=f"train_ddp_{REPLICA_GROUP_ID}",
+        timeout=timeout,
+        quorum_timeout=timedelta(seconds=60),
+        connect_timeout=timedelta(seconds=10),
+        max_retries=50,
+    )
+except LighthouseUnavailableError as e:
+    log.error("%s", e)
+    sys.exit(2)
+ddp_model = DistributedDataParallel(manager, model)
+optimizer = Optimizer(manager, inner_optimizer)
+criterion = nn.CrossEntropyLoss()
+json_log = open(args.log_json, "a") if args.log_json and RANK == 0 else None
+ready_time = time.time()
+log.info("ready in %.2f s (replica %s)", ready_time - START_TIME, manager.replica_id)
+
+
+def state_hash() -> str:
+    digest = hashlib.sha256()
+    for key, value in sorted(model.state_dict().items()):
+        digest.update(key.encode())
+        digest.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    for group in inner_optimizer.state.values():
+        for key, value in sorted(group.items()):
+            digest.update(key.encode())
+            if torch.is_tensor(value):
+                digest.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
+def emit(record: dict) -> None:
+    if json_log is not None:
+        json_log.write(json.dumps(record) + "\n")
+        json_log.flush()
+
+
+emit({"event": "start", "t": START_TIME, "ready": ready_time, "replica_id": manager.replica_id})
+
+# --- training loop ----------------------------------------------------------
+
+epoch = 0
+batches = iter(loader)
+while manager.current_step() < args.steps:
+    try:
+        x, y = next(batches)
+    except StopIteration:
+        epoch += 1
+        sampler.set_epoch(epoch)
+        batches = iter(loader)
+        continue
+    x, y = x.to(device), y.to(device)
+    step_start = time.time()
+    optimizer.zero_grad()
+    loss = criterion(ddp_model(x), y)
+    loss.backward()
+    step_before = manager.current_step()
+    optimizer.step()
+    committed = manager.current_step() > step_before
+    healed = manager.did_heal()
+    log.info(
+        "step %d loss %.4f participants %d committed %s%s",
+        manager.current_step(),
+        loss.item(),
+        manager.num_participants(),
+        committed,
+        " healed" if healed else "",
+    )
+    emit(
+        {
+            "event": "step",
+            "t": time.time(),
+            "step_s": time.time() - step_start,
+            "step": manager.current_step(),
+            "loss": loss.item(),
+            "participants": manager.num_participants(),
+            "committed": committed,
+            "healed": healed,
+            "quorum_id": manager.quorum_id(),
+            **manager.timings(),
+        }
+    )
+    if args.step_sleep:
+        time.sleep(args.step_sleep)
+
+final_hash = state_hash()
+log.info("finished at step %d, state hash %s", manager.current_step(), final_hash)
+emit({"event": "final", "t": time.time(), "step": manager.current_step(), "hash": final_hash})
+manager.shutdown()

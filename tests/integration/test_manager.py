@@ -1,0 +1,158 @@
+"""Manager with a real lighthouse, real gloo and real HTTP transfers; replica
+groups are threads in this process, each with its own TCPStore."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed import TCPStore
+
+from lighthouse import LighthouseServer
+from torchft_like import Manager, Optimizer, ProcessGroupGloo
+from torchft_like.process_group import FakeProcessGroupWrapper
+
+pytestmark = pytest.mark.timeout(90)
+TIMEOUT = timedelta(seconds=10)
+
+
+@pytest.fixture
+def lighthouse():
+    server = LighthouseServer(
+        bind="127.0.0.1:0", min_replicas=1, join_timeout_ms=500, heartbeat_timeout_ms=1000
+    )
+    yield server
+    server.shutdown()
+
+
+@dataclass
+class Faults:
+    """Failures to inject: (replica group, step) -> error on the next collective."""
+
+    at: dict[tuple[int, int], Exception] = field(default_factory=dict)
+
+
+def train(
+    lighthouse_addr: str,
+    group: int,
+    steps: int,
+    group_world_size: int = 1,
+    faults: Faults | None = None,
+    start: threading.Event | None = None,
+    min_replica_size: int = 1,
+    step_sleep: float = 0.0,
+) -> list[dict]:
+    """One replica group: `group_world_size` ranks as threads, each training a
+    small model with the Optimizer wrapper. Returns each rank's final state."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    if start is not None:
+        start.wait(30)
+
+    def rank_main(rank: int) -> dict:
+        torch.manual_seed(100 + group)  # different init per group: init_sync must fix it
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+        pg = FakeProcessGroupWrapper(ProcessGroupGloo(timeout=TIMEOUT))
+        manager = Manager(
+            pg=pg,
+            load_state_dict=lambda sd: (
+                model.load_state_dict(sd["m"]),
+                inner.load_state_dict(sd["o"]),
+            ),
+            state_dict=lambda: {"m": model.state_dict(), "o": inner.state_dict()},
+            min_replica_size=min_replica_size,
+            rank=rank,
+            world_size=group_world_size,
+            store_addr="127.0.0.1",
+            store_port=store.port,
+            lighthouse_addr=lighthouse_addr,
+            replica_id=f"group{group}",
+            hostname="127.0.0.1",
+            timeout=TIMEOUT,
+            quorum_timeout=timedelta(seconds=30),
+            connect_timeout=TIMEOUT,
+        )
+        optimizer = Optimizer(manager, inner)
+        commits = []
+        data = torch.Generator().manual_seed(7)
+        try:
+            while manager.current_step() < steps:
+                x = torch.randn(16, 4, generator=data)
+                optimizer.zero_grad()
+                step = manager.current_step()
+                if faults and (group, step) in faults.at:
+                    pg.fail_next_collective(faults.at.pop((group, step)))
+                model(x).sum().backward()
+                for p in model.parameters():
+                    manager.allreduce(p.grad)
+                optimizer.step()
+                commits.append((step, manager.current_step() > step))
+                time.sleep(step_sleep)
+            return {
+                "step": manager.current_step(),
+                "params": [p.detach().clone() for p in model.parameters()],
+                "optim": inner.state_dict(),
+                "commits": commits,
+                "healed": manager.batches_committed(),
+            }
+        finally:
+            manager.shutdown()
+
+    with ThreadPoolExecutor(group_world_size) as pool:
+        return list(pool.map(rank_main, range(group_world_size)))
+
+
+def run_groups(lighthouse, num_groups: int, steps: int, **kwargs) -> list[list[dict]]:
+    with ThreadPoolExecutor(num_groups) as pool:
+        futures = [
+            pool.submit(train, lighthouse.address(), g, steps, **kwargs) for g in range(num_groups)
+        ]
+        return [f.result(timeout=80) for f in futures]
+
+
+def assert_identical(a: dict, b: dict) -> None:
+    assert a["step"] == b["step"]
+    for pa, pb in zip(a["params"], b["params"]):
+        assert torch.equal(pa, pb)
+    for sa, sb in zip(a["optim"]["state"].values(), b["optim"]["state"].values()):
+        for key in sa:
+            assert torch.equal(torch.as_tensor(sa[key]), torch.as_tensor(sb[key]))
+
+
+def test_healthy_run_of_two_groups_ends_bit_identical(lighthouse):
+    results = run_groups(lighthouse, 2, steps=5)
+    assert_identical(results[0][0], results[1][0])
+    assert results[0][0]["step"] == 5
+
+
+def test_groups_of_two_ranks_train_and_match_rank_by_rank(lighthouse):
+    results = run_groups(lighthouse, 2, steps=4, group_world_size=2)
+    for rank in range(2):
+        assert_identical(results[0][rank], results[1][rank])
+
+
+def test_a_late_replica_heals_from_a_peer_and_ends_bit_identical(lighthouse):
+    with ThreadPoolExecutor(2) as pool:
+        early = pool.submit(train, lighthouse.address(), 0, 20, step_sleep=0.1)
+        late_start = threading.Event()
+        late = pool.submit(train, lighthouse.address(), 1, 20, start=late_start, step_sleep=0.1)
+        threading.Timer(1.0, late_start.set).start()
+        early_result, late_result = early.result(timeout=80)[0], late.result(timeout=80)[0]
+    assert_identical(early_result, late_result)
+    # The late group joined mid-run: it did fewer steps of its own than the early one.
+    assert len(late_result["commits"]) < len(early_result["commits"])
+
+
+def test_an_injected_allreduce_failure_uncommits_that_step_on_every_group(lighthouse):
+    faults = Faults({(0, 2): RuntimeError("injected collective failure")})
+    results = run_groups(lighthouse, 2, steps=5, faults=faults)
+    for group in results:
+        failed = [step for step, committed in group[0]["commits"] if not committed]
+        assert failed == [2]
+    assert_identical(results[0][0], results[1][0])

@@ -1,0 +1,383 @@
+"""Process groups for fault tolerance: reconfigurable, dummy and error-swallowing.
+
+All are `torch.distributed.ProcessGroup` subclasses, so torch code (DDP
+included) accepts them; torch dispatches their collectives to the Python
+methods below.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed import ReduceOp
+
+from torchft_like._work import FutureWork, completed_work
+
+logger = logging.getLogger(__name__)
+
+SUPPORTED_OPS = ("allreduce", "allgather", "broadcast", "barrier", "send", "recv")
+
+
+def parse_store_addr(store_addr: str) -> tuple[str, int, str]:
+    """`host:port/prefix` (prefix may hold slashes, host may be `[v6]`) to parts."""
+    hostport, sep, prefix = store_addr.partition("/")
+    host, colon, port = hostport.rpartition(":")
+    if not sep or not prefix or not colon or not host or not port.isdigit():
+        raise ValueError(
+            f"store address {store_addr!r} is not host:port/prefix, "
+            "e.g. 127.0.0.1:29500/torchft/3/0"
+        )
+    return host.strip("[]"), int(port), prefix
+
+
+def _reduce_op(opts: Any) -> ReduceOp:
+    if opts is None:
+        return ReduceOp.SUM
+    if isinstance(opts, dist.AllreduceOptions):
+        return opts.reduceOp
+    return opts
+
+
+def _unsupported(name: str) -> Callable[..., Any]:
+    def method(self: Any, *args: Any, **kwargs: Any) -> Any:
+        raise NotImplementedError(
+            f"{type(self).__name__} does not support {name}; supported: {', '.join(SUPPORTED_OPS)}"
+        )
+
+    return method
+
+
+class ProcessGroupGloo(dist.ProcessGroup):
+    """Gloo process group that is rebuilt on every new quorum.
+
+    `configure()` drops the previous gloo group and meets the new members in
+    `PrefixStore(prefix, TCPStore(host, port))`. Every collective fails
+    (instead of hanging) within `timeout` when a peer is gone, and the failure
+    is kept for `errored()`.
+    """
+
+    def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:
+        super().__init__(0, 1)
+        self._timeout = timeout
+        self._backend: Any = None
+        self._error: Exception | None = None
+        self._rank, self._world_size = 0, 1
+        self._lock = threading.Lock()
+
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
+        """Joins the group at `store_addr` as `rank` of `world_size`; blocks until
+        every member has joined or `timeout` passes."""
+        host, port, prefix = parse_store_addr(store_addr)
+        self._abort_backend()
+        store = dist.TCPStore(
+            host, port, is_master=False, wait_for_workers=False, timeout=self._timeout
+        )
+        backend = dist.ProcessGroupGloo(
+            dist.PrefixStore(prefix, store), rank, world_size, self._timeout
+        )
+        with self._lock:
+            self._backend, self._error = backend, None
+            self._rank, self._world_size = rank, world_size
+        logger.debug("%s configured: rank %d of %d at %s", replica_id, rank, world_size, store_addr)
+
+    def _abort_backend(self) -> None:
+        with self._lock:
+            backend, self._backend = self._backend, None
+        if backend is not None:
+            try:
+                backend.abort()
+            except Exception as e:  # an already broken group may refuse; drop it anyway
+                logger.debug("aborting the previous gloo group: %s", e)
+
+    def _run(self, name: str, start: Callable[[Any], dist.Work]) -> dist.Work:
+        backend = self._backend
+        if backend is None:
+            raise RuntimeError(f"{name} before configure(): this process group has no members yet")
+        try:
+            work = start(backend)
+        except Exception as e:
+            self._error = e
+            raise
+        try:
+            work.get_future().add_done_callback(self._record_failure)
+        except RuntimeError:
+            pass  # send/recv work has no future in gloo; errors surface in wait()
+        return work
+
+    def _record_failure(self, fut: torch.futures.Future[Any]) -> None:
+        try:
+            fut.value()
+        except Exception as e:
+            self._error = e
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        op = _reduce_op(opts)
+        if op == ReduceOp.AVG:  # gloo has no AVG: SUM, then divide
+            work = self._run("allreduce", lambda b: b.allreduce(tensors, dist.AllreduceOptions()))
+            size = self._world_size
+
+            def divide(fut: torch.futures.Future[Any]) -> list[torch.Tensor]:
+                fut.value()
+                for t in tensors:
+                    t.div_(size)
+                return tensors
+
+            return FutureWork(work.get_future().then(divide))
+        options = dist.AllreduceOptions()
+        options.reduceOp = op
+        return self._run("allreduce", lambda b: b.allreduce(tensors, options))
+
+    def allgather(
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensor: list[torch.Tensor],
+        opts: Any = None,
+    ) -> dist.Work:
+        return self._run("allgather", lambda b: b.allgather(output_tensors, input_tensor))
+
+    def broadcast(self, tensor_list: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        options = opts if isinstance(opts, dist.BroadcastOptions) else dist.BroadcastOptions()
+        if isinstance(opts, int):
+            options.rootRank = opts
+        return self._run("broadcast", lambda b: b.broadcast(tensor_list, options))
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        return self._run("barrier", lambda b: b.barrier(dist.BarrierOptions()))
+
+    def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int = 0) -> dist.Work:
+        return self._run("send", lambda b: b.send(tensors, dst_rank, tag))
+
+    def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist.Work:
+        return self._run("recv", lambda b: b.recv(tensors, src_rank, tag))
+
+    reduce_scatter = _unsupported("reduce_scatter")
+    alltoall = _unsupported("alltoall")
+    gather = _unsupported("gather")
+    scatter = _unsupported("scatter")
+
+    def errored(self) -> Exception | None:
+        """The failure of a collective since the last configure(), if any."""
+        return self._error
+
+    def size(self) -> int:
+        return self._world_size
+
+    def rank(self) -> int:
+        return self._rank
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return "torchft-gloo"
+
+    def shutdown(self) -> None:
+        self._abort_backend()
+
+
+class ProcessGroupDummy(dist.ProcessGroup):
+    """Completes every collective at once without communicating.
+
+    DDP is built over it so that its init-time parameter check and broadcast
+    are absorbed: a replica can start while the others are mid-training.
+    """
+
+    def __init__(self, rank: int = 0, world: int = 1) -> None:
+        super().__init__(rank, world)
+        self.num_ops = 0
+        """Collectives absorbed so far (tests check DDP went through here)."""
+
+    def _done(self, value: Any) -> dist.Work:
+        self.num_ops += 1
+        return completed_work(value)
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
+        return self._done(tensors)
+
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> dist.Work:
+        return self._done(tensors)
+
+    def broadcast(self, tensor_list: Any, opts: Any = None) -> dist.Work:
+        return self._done(tensor_list)
+
+    def allgather(self, output_tensors: Any, input_tensor: Any, opts: Any = None) -> dist.Work:
+        for outputs, tensor in zip(output_tensors, input_tensor):
+            for out in outputs:
+                out.copy_(tensor)
+        return self._done(output_tensors)
+
+    def _allgather_base(
+        self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
+    ) -> dist.Work:
+        output.copy_(
+            input.reshape(-1).repeat(output.numel() // max(input.numel(), 1)).view_as(output)
+        )
+        return self._done(output)
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        return self._done(None)
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return "torchft-dummy"
+
+
+class _ProcessGroupWrapper(dist.ProcessGroup):
+    """Delegates every supported collective to `pg` through `_dispatch`."""
+
+    def __init__(self, pg: Any) -> None:
+        super().__init__(0, 1)
+        self._pg = pg
+
+    @property
+    def parent(self) -> Any:
+        return self._pg
+
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
+        self._pg.configure(store_addr, replica_id, rank, world_size)
+
+    def _dispatch(self, start: Callable[[], dist.Work], default: Any) -> dist.Work:
+        return start()
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
+        return self._dispatch(lambda: self._pg.allreduce(tensors, opts), tensors)
+
+    def allgather(self, output_tensors: Any, input_tensor: Any, opts: Any = None) -> dist.Work:
+        return self._dispatch(
+            lambda: self._pg.allgather(output_tensors, input_tensor, opts), output_tensors
+        )
+
+    def broadcast(self, tensor_list: Any, opts: Any = None) -> dist.Work:
+        return self._dispatch(lambda: self._pg.broadcast(tensor_list, opts), tensor_list)
+
+    def barrier(self, opts: Any = None) -> dist.Work:
+        return self._dispatch(lambda: self._pg.barrier(opts), None)
+
+    def send(self, tensors: Any, dst_rank: int, tag: int = 0) -> dist.Work:
+        return self._dispatch(lambda: self._pg.send(tensors, dst_rank, tag), tensors)
+
+    def recv(self, tensors: Any, src_rank: int, tag: int = 0) -> dist.Work:
+        return self._dispatch(lambda: self._pg.recv(tensors, src_rank, tag), tensors)
+
+    def errored(self) -> Exception | None:
+        return self._pg.errored() if hasattr(self._pg, "errored") else None
+
+    def size(self) -> int:
+        return self._pg.size()
+
+    def rank(self) -> int:
+        return self._pg.rank()
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return self._pg.getBackendName()
+
+    def shutdown(self) -> None:
+        if hasattr(self._pg, "shutdown"):
+            self._pg.shutdown()
+
+
+class ErrorSwallowingProcessGroupWrapper(_ProcessGroupWrapper):
+    """Turns collective errors into a recorded error and completed work.
+
+    The training loop never sees an exception from a peer's death; after the
+    first error the collectives are no-ops until `configure()` is called.
+    """
+
+    def __init__(self, pg: Any) -> None:
+        super().__init__(pg)
+        self._error: Exception | None = None
+
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
+        self._error = None
+        super().configure(store_addr, replica_id, rank, world_size)
+
+    def report_error(self, e: Exception) -> None:
+        if self._error is None:
+            logger.warning(
+                "collective failed, later collectives are no-ops until reconfigured: %s", e
+            )
+            self._error = e
+
+    def error(self) -> Exception | None:
+        return self._error
+
+    def errored(self) -> Exception | None:
+        return self._error or super().errored()
+
+    def _dispatch(self, start: Callable[[], dist.Work], default: Any) -> dist.Work:
+        if self._error is not None:
+            return completed_work(default)
+        try:
+            work = start()
+        except Exception as e:
+            self.report_error(e)
+            return completed_work(default)
+        out: torch.futures.Future[Any] = torch.futures.Future()
+
+        def settle(fut: torch.futures.Future[Any]) -> None:
+            try:
+                out.set_result(fut.value())
+            except Exception as e:
+                self.report_error(e)
+                out.set_result(default)
+
+        work.get_future().add_done_callback(settle)
+        return FutureWork(out)
+
+
+class FakeProcessGroupWrapper(_ProcessGroupWrapper):
+    """Injects failures on demand, for tests of the failure paths."""
+
+    def __init__(self, pg: Any) -> None:
+        super().__init__(pg)
+        self._raise_next: Exception | None = None
+        self._future_error: Exception | None = None
+
+    def fail_next_collective(self, e: Exception) -> None:
+        """The next collective raises `e` when called."""
+        self._raise_next = e
+
+    def report_future_error(self, e: Exception) -> None:
+        """The next collective's future completes with `e`."""
+        self._future_error = e
+
+    def _dispatch(self, start: Callable[[], dist.Work], default: Any) -> dist.Work:
+        if self._raise_next is not None:
+            e, self._raise_next = self._raise_next, None
+            raise e
+        work = start()
+        if self._future_error is None:
+            return work
+        e, self._future_error = self._future_error, None
+        failed: torch.futures.Future[Any] = torch.futures.Future()
+        work.get_future().add_done_callback(lambda _: failed.set_exception(e))
+        return FutureWork(failed)
+
+
+class ManagedProcessGroup(dist.ProcessGroup):
+    """A process group whose allreduce goes through `manager.allreduce`, for
+    libraries that want a process group; its size is the quorum's."""
+
+    def __init__(self, manager: Any) -> None:
+        super().__init__(0, 1)
+        self._manager = manager
+
+    def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        if len(tensors) != 1:
+            raise ValueError(f"ManagedProcessGroup.allreduce takes one tensor, got {len(tensors)}")
+        return self._manager.allreduce(tensors[0], reduce_op=_reduce_op(opts))
+
+    allgather = _unsupported("allgather")
+    broadcast = _unsupported("broadcast")
+    barrier = _unsupported("barrier")
+
+    def size(self) -> int:
+        return self._manager.num_participants()
+
+    def rank(self) -> int:
+        return self._manager.participating_rank() or 0
+
+    def getBackendName(self) -> str:  # noqa: N802 (torch's name)
+        return "torchft-managed"
