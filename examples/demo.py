@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from torchft_like._procs import kill_tree
+
 REPO = Path(__file__).resolve().parent.parent
 
 # --- arguments --------------------------------------------------------------
@@ -28,12 +30,12 @@ REPO = Path(__file__).resolve().parent.parent
 parser = argparse.ArgumentParser(description="torchft_like kill-and-recover demo")
 parser.add_argument("--groups", type=int, default=2, help="replica groups")
 parser.add_argument("--nproc-per-group", type=int, default=1, help="ranks per replica group")
-parser.add_argument("--steps", type=int, default=300, help="committed steps to train")
+parser.add_argument("--steps", type=int, default=400, help="committed steps to train")
 parser.add_argument("--hidden", type=int, default=512, help="hidden width of the MLP")
 parser.add_argument("--kill-at-step", type=int, default=None, help="default: a third of --steps")
 parser.add_argument("--victim", type=int, default=1, help="replica group to kill")
 parser.add_argument("--restart-after", type=float, default=1.0, help="seconds before restarting")
-parser.add_argument("--step-sleep", type=float, default=0.02, help="seconds each step sleeps")
+parser.add_argument("--step-sleep", type=float, default=0.05, help="seconds each step sleeps")
 parser.add_argument("--out", default="demo_out", help="folder for logs, JSON and the PNG")
 parser.add_argument("--timeout", type=float, default=600, help="give up after this many seconds")
 
@@ -70,10 +72,8 @@ class Job:
         return proc
 
     def kill(self, proc: subprocess.Popen) -> None:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        """SIGKILLs the process and all its descendants (torchrun's workers)."""
+        kill_tree(proc.pid)
         proc.wait()
 
     def kill_all(self) -> None:
@@ -185,8 +185,8 @@ def main() -> int:
             note = "killed, restarting" if "kill" in events and "restart" not in events else ""
             progress(min(steps.values()), args.steps, note)
             if "kill" not in events and steps[args.victim] >= kill_at:
-                job.kill(groups[args.victim])
                 events["kill"] = time.time()
+                job.kill(groups[args.victim])
             elif (
                 "kill" in events
                 and "restart" not in events
@@ -196,6 +196,10 @@ def main() -> int:
                 events["restart"] = time.time()
             if all(finished.values()):
                 break
+            crashed = [g for g in groups if groups[g].poll() not in (None, 0)]
+            if crashed and not (crashed == [args.victim] and "restart" not in events):
+                print(f"\nreplica group {crashed[0]} failed; see {out}/group{crashed[0]}.log")
+                return 1
             time.sleep(0.1)
         else:
             print(f"\ngave up after {args.timeout:.0f} s; logs in {out}")
@@ -277,15 +281,21 @@ def draw_timeline(out: Path, args: argparse.Namespace, events: dict[str, float])
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    t0 = min(r["t"] for g in range(args.groups) for r in read_jsonl(out / f"group{g}.jsonl"))
+    times = [r["t"] for g in range(args.groups) for r in read_jsonl(out / f"group{g}.jsonl")]
+    if not times:
+        return
+    t0 = min(times)
     fig, ax = plt.subplots(figsize=(10, 4))
     for g in range(args.groups):
         steps = [r for r in read_jsonl(out / f"group{g}.jsonl") if r["event"] == "step"]
         ok = [(r["t"] - t0, r["step"]) for r in steps if r["committed"]]
         missed = [(r["t"] - t0, r["step"]) for r in steps if not r["committed"]]
         healed = [(r["t"] - t0, r["step"]) for r in steps if r["healed"]]
+        width = 2 * (args.groups - g) + 1  # later groups thinner, drawn on top
         line = (
-            ax.plot(*zip(*ok), ".", markersize=3, label=f"group {g} committed")[0] if ok else None
+            ax.plot(*zip(*ok), "-", linewidth=width, label=f"group {g} committed")[0]
+            if ok
+            else None
         )
         color = line.get_color() if line else None
         if missed:

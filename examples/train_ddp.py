@@ -125,15 +125,14 @@ log.info("ready in %.2f s (replica %s)", ready_time - START_TIME, manager.replic
 
 
 def state_hash() -> str:
+    """Hash of the model and optimizer state: equal only if bit-identical."""
     digest = hashlib.sha256()
-    for key, value in sorted(model.state_dict().items()):
+    tensors = list(model.state_dict().items())
+    for index, state in sorted(inner_optimizer.state_dict()["state"].items()):
+        tensors += [(f"optim.{index}.{k}", v) for k, v in sorted(state.items())]
+    for key, value in tensors:
         digest.update(key.encode())
-        digest.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
-    for group in inner_optimizer.state.values():
-        for key, value in sorted(group.items()):
-            digest.update(key.encode())
-            if torch.is_tensor(value):
-                digest.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+        digest.update(value.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
     return digest.hexdigest()[:16]
 
 

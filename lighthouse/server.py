@@ -56,7 +56,7 @@ class _Coordinator:
         """Last known self-description of each replica, for the status page."""
         self.prev_quorum: Quorum | None = None
         self.quorum_id = 0
-        self.reason = "idle: no replica is waiting for a quorum"
+        self.reason = "no replica has asked for a quorum yet"
         self._logged_status: tuple[str, int, int] | None = None
 
     def heartbeat(self, replica_id: str) -> None:
@@ -105,15 +105,20 @@ class _Coordinator:
             self.prev_quorum,
         )
         decision = compute_quorum(now, state, self.config)
-        self._log_status(decision.kind, decision.reason)
+        self.reason = decision.reason
         if decision.members is None:
+            self._log_waiting(decision.kind, decision.reason)
             return
-        if quorum_changed(self.prev_quorum, decision.members):
+        self._logged_status = None
+        changed = quorum_changed(self.prev_quorum, decision.members)
+        if changed:
             self.quorum_id = next_quorum_id(self.quorum_id, int(time.time() * 1000))
         quorum = Quorum(self.quorum_id, decision.members, time.time())
         self.prev_quorum = quorum
         self.metrics.on_quorum(quorum)
-        logger.info(
+        # A new quorum is news; the same members again (every step) is not.
+        logger.log(
+            logging.INFO if changed else logging.DEBUG,
             "quorum %d issued (%s): %s",
             quorum.quorum_id,
             decision.reason,
@@ -138,15 +143,13 @@ class _Coordinator:
                 self.members.pop(rid, None)
         if self.waiters:
             self.decide()
-        else:
-            self._log_status("idle", "idle: no replica is waiting for a quorum")
         self.metrics.healthy_replicas.set(len(self._healthy(now)))
 
     def _healthy(self, now: float) -> set[str]:
         return healthy_replicas(now, self.heartbeats, self.config.heartbeat_timeout_ms)
 
-    def _log_status(self, kind: str, reason: str) -> None:
-        self.reason = reason
+    def _log_waiting(self, kind: str, reason: str) -> None:
+        """One line per change of why no quorum can be issued, not one per tick."""
         key = (kind, len(self.waiters), len(self._healthy(time.monotonic())))
         if key != self._logged_status:
             self._logged_status = key

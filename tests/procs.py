@@ -4,12 +4,15 @@ checked gone at teardown, so no test can leave a process behind."""
 from __future__ import annotations
 
 import os
+import queue
 import re
-import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
+
+from torchft_like._procs import kill_tree
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -36,61 +39,33 @@ class Children:
         return proc
 
     def kill_all(self) -> None:
+        """SIGKILLs every child's whole tree and checks every pid is gone."""
+        alive = []
         for proc in self.procs:
-            kill_tree(proc)
-        for proc in self.procs:
-            assert_gone(proc)
-
-
-def kill_tree(proc: subprocess.Popen, sig: int = signal.SIGKILL) -> None:
-    """Signals the whole session of `proc` (torchrun and its workers)."""
-    try:
-        os.killpg(proc.pid, sig)
-    except ProcessLookupError:
-        pass
-    if sig == signal.SIGKILL:
-        try:
+            alive += kill_tree(proc.pid)
             proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            pass
-
-
-def session_pids(sid: int) -> list[int]:
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[3]) == sid and fields[0] != "Z":  # session id, not a zombie
-            pids.append(int(entry))
-    return pids
-
-
-def assert_gone(proc: subprocess.Popen, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while session_pids(proc.pid) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    left = session_pids(proc.pid)
-    assert not left, f"processes of session {proc.pid} still alive: {left}"
+        assert not alive, f"processes still alive after SIGKILL: {[p.pid for p in alive]}"
 
 
 def wait_for_line(proc: subprocess.Popen, pattern: str, timeout: float) -> re.Match:
-    """Reads the child's output until a line matches; fails at the deadline."""
-    import selectors
+    """Reads the child's output until a line matches; fails at the deadline.
 
-    sel = selectors.DefaultSelector()
-    sel.register(proc.stdout, selectors.EVENT_READ)
+    A reader thread per child feeds a queue, so lines already buffered are
+    never missed and the wait is bounded whatever the child does."""
+    if not hasattr(proc, "lines"):
+        proc.lines = queue.Queue()
+
+        def pump() -> None:
+            for raw in proc.stdout:
+                proc.lines.put(raw.decode(errors="replace"))
+
+        threading.Thread(target=pump, daemon=True).start()
     deadline = time.monotonic() + timeout
     seen = []
     while time.monotonic() < deadline:
-        if not sel.select(timeout=max(0.0, deadline - time.monotonic())):
-            break
-        line = proc.stdout.readline().decode(errors="replace")
-        if not line:
+        try:
+            line = proc.lines.get(timeout=max(0.0, deadline - time.monotonic()))
+        except queue.Empty:
             break
         seen.append(line)
         match = re.search(pattern, line)

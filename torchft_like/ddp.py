@@ -14,7 +14,6 @@ from enum import Enum
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.distributed import ReduceOp
 from torch.nn import parallel
@@ -28,8 +27,10 @@ _REFUSED_KWARGS = {
     "find_unused_parameters": "bucket layout is fixed by torchft_like (see _NoRebuildReducer)",
     "static_graph": "bucket layout is fixed by torchft_like (see _NoRebuildReducer)",
 }
-_HAS_BUCKET_CAP_LIST = (
-    "bucket_cap_mb_list" in inspect.signature(parallel.DistributedDataParallel).parameters
+_DDP_PARAMS = inspect.signature(parallel.DistributedDataParallel).parameters
+_HAS_BUCKET_CAP_LIST = "bucket_cap_mb_list" in _DDP_PARAMS
+_BUFFER_FLAG = (
+    "forward_sync_buffers" if "forward_sync_buffers" in _DDP_PARAMS else "broadcast_buffers"
 )
 
 
@@ -68,7 +69,9 @@ class _NoRebuildReducer:
         return getattr(self._reducer, name)
 
 
-def _comm_hook(manager: Manager, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def _comm_hook(manager, bucket):  # type: ignore[no-untyped-def]
+    # Unannotated on purpose: DDP compares the annotation with dist.GradBucket,
+    # and this module's postponed annotations would be strings.
     return manager.allreduce(bucket.buffer()).get_future()
 
 
@@ -102,7 +105,8 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
                 f"module has parameters on several devices {sorted(map(str, devices))}; "
                 "fault-tolerant DDP needs a module on one device (move it with .to(device))"
             )
-        kwargs.setdefault("broadcast_buffers", False)  # buffers are synced by the Manager
+        # Buffers are synced by the Manager, not by DDP before each forward.
+        kwargs.setdefault(_BUFFER_FLAG, False)
         if _HAS_BUCKET_CAP_LIST:
             # Layout = [1 MB first bucket, then bucket_cap_mb] in parameter order,
             # from the start (torch puts all in one bucket until its rebuild).

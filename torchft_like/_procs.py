@@ -1,0 +1,48 @@
+"""Killing whole process trees: torchrun puts each worker in its own session,
+so a signal to torchrun's process group would leave the workers running."""
+
+from __future__ import annotations
+
+import signal
+import time
+
+import psutil
+
+
+def tree(pid: int) -> list[psutil.Process]:
+    """`pid` and all its descendants that are alive now."""
+    try:
+        root = psutil.Process(pid)
+        return [root, *root.children(recursive=True)]
+    except psutil.NoSuchProcess:
+        return []
+
+
+def signal_tree(pid: int, sig: int = signal.SIGKILL) -> list[psutil.Process]:
+    """Sends `sig` to `pid` and every descendant at once; returns them."""
+    procs = tree(pid)
+    for proc in procs:
+        try:
+            proc.send_signal(sig)
+        except psutil.NoSuchProcess:
+            pass
+    return procs
+
+
+def kill_tree(pid: int, timeout: float = 10) -> list[psutil.Process]:
+    """SIGKILLs the tree and waits until every process is gone (a zombie
+    counts as gone: it runs nothing); returns those still running."""
+    procs = signal_tree(pid, signal.SIGKILL)
+    deadline = time.monotonic() + timeout
+    while True:
+        alive = [p for p in procs if _running(p)]
+        if not alive or time.monotonic() > deadline:
+            return alive
+        time.sleep(0.01)
+
+
+def _running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
