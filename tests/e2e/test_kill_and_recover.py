@@ -1,0 +1,111 @@
+"""End to end: a lighthouse process and replica groups as real torchrun jobs
+running examples/train_ddp.py; real SIGKILL of a whole group, real restart."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.procs import PYTHON, wait_for_line
+from torchft_like._procs import kill_tree
+
+pytestmark = pytest.mark.timeout(150)
+
+
+def read_jsonl(path: Path) -> list[dict]:
+    records = []
+    if path.exists():
+        for line in path.read_text().splitlines():
+            try:
+                records.append(json.loads(line))
+            except json.JSONDecodeError:
+                pass  # a line cut by SIGKILL
+    return records
+
+
+def last_step(path: Path) -> int:
+    return max((r["step"] for r in read_jsonl(path) if r["event"] == "step"), default=0)
+
+
+def wait_until(condition, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
+        time.sleep(0.1)
+
+
+def start_lighthouse(children, heartbeat_timeout_ms: int) -> str:
+    proc = children.spawn(
+        [PYTHON, "-m", "lighthouse", "--min-replicas", "1", "--bind", "127.0.0.1:0",
+         "--http-bind", "", "--heartbeat-timeout-ms", str(heartbeat_timeout_ms),
+         "--join-timeout-ms", "1000"]
+    )  # fmt: skip
+    return wait_for_line(proc, r"listening on (http://\S+)", timeout=15).group(1)
+
+
+def start_group(children, tmp_path: Path, lighthouse: str, group: int, steps: int):
+    return children.spawn(
+        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+         "examples/train_ddp.py", "--steps", str(steps), "--hidden", "64",
+         "--step-sleep", "0.05", "--log-json", str(tmp_path / f"group{group}.jsonl")],
+        log=tmp_path / f"group{group}.log",
+        env={"TORCHFT_LIGHTHOUSE": lighthouse, "REPLICA_GROUP_ID": str(group),
+             "NUM_REPLICA_GROUPS": "2", "TORCHFT_TIMEOUT_SEC": "5"},
+    )  # fmt: skip
+
+
+def finals(tmp_path: Path) -> list[dict]:
+    return [
+        next(r for r in read_jsonl(tmp_path / f"group{g}.jsonl") if r["event"] == "final")
+        for g in range(2)
+    ]
+
+
+def test_a_killed_group_restarts_heals_and_ends_bit_identical(children, tmp_path):
+    lighthouse = start_lighthouse(children, heartbeat_timeout_ms=1000)
+    steps = 250
+    survivor = start_group(children, tmp_path, lighthouse, 0, steps)
+    victim = start_group(children, tmp_path, lighthouse, 1, steps)
+    log0, log1 = tmp_path / "group0.jsonl", tmp_path / "group1.jsonl"
+
+    wait_until(lambda: last_step(log1) >= 30, 60, "the victim to reach step 30")
+    assert not kill_tree(victim.pid), "the victim's processes survived SIGKILL"
+    killed_at = time.time()
+    time.sleep(1.0)
+    victim = start_group(children, tmp_path, lighthouse, 1, steps)
+    assert survivor.wait(timeout=90) == 0
+    assert victim.wait(timeout=30) == 0
+
+    after_restart = [r for r in read_jsonl(log1) if r["event"] == "step" and r["t"] > killed_at]
+    assert after_restart[0]["healed"], "the restarted group did not heal first"
+    assert any(r["committed"] for r in after_restart[1:]), "the restarted group never committed"
+    rejoined_at = after_restart[0]["t"]
+    during_outage = [
+        r for r in read_jsonl(log0)
+        if r["event"] == "step" and killed_at < r["t"] < rejoined_at and r["committed"]
+    ]  # fmt: skip
+    assert len(during_outage) >= 5, "the survivor stopped committing while its peer was down"
+    a, b = finals(tmp_path)
+    assert a["step"] == b["step"] == steps
+    assert a["hash"] == b["hash"], "replicas are not bit-identical at the same step"
+
+
+def test_a_group_that_leaves_on_purpose_does_not_stall_the_other(children, tmp_path):
+    # A 20 s heartbeat timeout: only the Leave call can explain a short stall.
+    lighthouse = start_lighthouse(children, heartbeat_timeout_ms=20_000)
+    stayer = start_group(children, tmp_path, lighthouse, 0, 80)
+    leaver = start_group(children, tmp_path, lighthouse, 1, 30)
+    assert leaver.wait(timeout=90) == 0
+    assert stayer.wait(timeout=60) == 0
+    left_at = next(r["t"] for r in read_jsonl(tmp_path / "group1.jsonl") if r["event"] == "final")
+    after = [
+        r
+        for r in read_jsonl(tmp_path / "group0.jsonl")
+        if r["event"] == "step" and r["t"] > left_at
+    ]
+    assert after and all(r["committed"] for r in after)
+    assert after[0]["t"] - left_at < 5, "the stayer waited for the leaver's heartbeat to expire"
+    assert after[-1]["participants"] == 1
