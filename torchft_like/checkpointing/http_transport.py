@@ -79,7 +79,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._server = ThreadingHTTPServer(("", port), self._handler_class())
         self._server.daemon_threads = True
         self._thread = threading.Thread(
-            target=self._server.serve_forever, name="checkpoint-http", daemon=True
+            target=self._server.serve_forever, args=(0.05,), name="checkpoint-http", daemon=True
         )
         self._thread.start()
         host = hostname or socket.gethostname()
