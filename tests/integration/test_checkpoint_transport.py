@@ -110,22 +110,21 @@ def test_an_unreachable_source_is_a_clear_error_within_the_timeout(make_transpor
 
 
 def test_disallow_waits_for_a_transfer_in_flight(make_transport):
-    source, receiver = make_transport(), make_transport()
-    big = {"w": torch.randn(16 << 20)}  # 64 MB: long enough to catch in flight
+    source = make_transport()
+    big = {"w": torch.randn(16 << 20)}  # 64 MB: more than the socket buffers hold
     original = big["w"].clone()
     source.send_checkpoint([1], 1, big, T)
-    fetched = {}
-    fetch = threading.Thread(
-        target=lambda: fetched.update(receiver.recv_checkpoint(0, source.metadata(), 1, T))
+    response = urllib.request.urlopen(
+        source.metadata() + "/checkpoint/1/data?chunk=0&of=1", timeout=5
     )
-    fetch.start()
-    deadline = time.monotonic() + 5
-    while source._active == 0 and time.monotonic() < deadline:
-        time.sleep(0.001)
-    source.disallow_checkpoint()
+    first = response.read(1)  # the transfer is now in flight, stalled on us
+    disallowed = threading.Event()
+    threading.Thread(target=lambda: (source.disallow_checkpoint(), disallowed.set())).start()
+    assert not disallowed.wait(0.3), "disallow returned while a transfer was reading the state"
+    data = first + response.read()
+    assert disallowed.wait(5)
     big["w"].zero_()  # the "optimizer" writes only after disallow returned
-    fetch.join(10)
-    assert torch.equal(fetched["w"], original)
+    assert torch.equal(torch.frombuffer(bytearray(data), dtype=torch.float32), original)
 
 
 def test_unsupported_values_are_named_by_their_path():
