@@ -8,6 +8,7 @@ unreachable lighthouse is reported within that time instead of after the
 from __future__ import annotations
 
 import json
+import socket
 from datetime import timedelta
 from typing import Any
 
@@ -17,7 +18,7 @@ from grpc import aio
 from lighthouse import wire
 from lighthouse._proto import torchft_pb2 as pb
 from lighthouse._proto import torchft_pb2_grpc as pb_grpc
-from lighthouse.address import url_to_target
+from lighthouse.address import parse_bind, url_to_target
 from lighthouse.errors import LighthouseUnavailableError, QuorumError, QuorumTimeoutError
 from lighthouse.quorum import Quorum, QuorumMember
 
@@ -43,11 +44,27 @@ def map_rpc_error(e: grpc.RpcError, addr: str, what: str) -> Exception:
     return QuorumError(f"{text} ({code.name if code else 'unknown status'})")
 
 
-def unreachable(addr: str, connect_timeout: timedelta) -> LighthouseUnavailableError:
+def unreachable(
+    addr: str, connect_timeout: timedelta, cause: Exception | None = None
+) -> LighthouseUnavailableError:
+    why = f" ({cause})" if cause else ""
     return LighthouseUnavailableError(
-        f"could not connect to {addr} within {connect_timeout.total_seconds():.1f} s; "
+        f"could not connect to {addr} within {connect_timeout.total_seconds():.1f} s{why}; "
         "is it running, and is the address right?"
     )
+
+
+def check_reachable(target: str, what: str, connect_timeout: timedelta) -> None:
+    """Opens and closes a TCP connection to `target`, bounded by the timeout.
+
+    A plain socket, not grpc.channel_ready_future: the latter starts a
+    connectivity-polling thread that can deadlock a later channel.close().
+    """
+    host, port = parse_bind(target)
+    try:
+        socket.create_connection((host, port), timeout=connect_timeout.total_seconds()).close()
+    except OSError as e:
+        raise unreachable(what, connect_timeout, e) from None
 
 
 def quorum_request(
@@ -79,20 +96,15 @@ class LighthouseClient:
     def __init__(self, addr: str, connect_timeout: timedelta = timedelta(seconds=10)) -> None:
         self.addr = addr
         self._connect_timeout = connect_timeout
-        self._channel = grpc.insecure_channel(url_to_target(addr), options=CHANNEL_OPTIONS)
+        self._target = url_to_target(addr)
+        self._channel = grpc.insecure_channel(self._target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.LighthouseServiceStub(self._channel)
         self._connected = False
 
     def _ensure_connected(self) -> None:
-        if self._connected:
-            return
-        try:
-            grpc.channel_ready_future(self._channel).result(
-                timeout=self._connect_timeout.total_seconds()
-            )
-        except grpc.FutureTimeoutError:
-            raise unreachable(f"lighthouse {self.addr}", self._connect_timeout) from None
-        self._connected = True
+        if not self._connected:
+            check_reachable(self._target, f"lighthouse {self.addr}", self._connect_timeout)
+            self._connected = True
 
     def quorum(
         self,

@@ -249,9 +249,12 @@ class Manager:
         self._quorum_future = self._executor.submit(
             self._async_quorum, allow_heal, shrink_only, timeout or self._quorum_timeout
         )
-        if not self._use_async_quorum:
+        # A replica at step 0 may receive the initial weights (init_sync):
+        # applying them before the forward pass makes its first gradient
+        # valid, so every replica of a fresh job counts from the first step.
+        if not self._use_async_quorum or (self._init_sync and self._step == 0):
             self.wait_quorum()
-            if self._healing:
+            if self._healing and self._errored is None:
                 self._apply_pending_state_dict()
 
     def wait_quorum(self) -> None:
@@ -324,17 +327,17 @@ class Manager:
             self._timings["heal_recv_s"] = time.monotonic() - heal_start
 
     def _set_participation(self, result: QuorumResult) -> None:
-        if self._init_sync and result.max_step == 0:
-            # Only the primary's initial weights survive init_sync; only it counts.
-            count, rank = 1, 0
-        else:
-            count, rank = result.max_world_size, result.max_replica_rank
+        """Replicas at max_step count; every replica derives the same count
+        from the quorum. One behind heals this step and contributes zeros (at
+        max_step 0 the init_sync healing is applied before the forward pass,
+        see start_quorum, so those replicas count)."""
+        count, rank = result.max_world_size, result.max_replica_rank
         if self._world_size_mode == WorldSizeMode.FIXED_WITH_SPARES:
             count = min(count, self._min_replica_size)
             if rank is not None and rank >= count:
                 rank = None
         self._num_participants = count
-        self._participating_rank = None if result.heal else rank
+        self._participating_rank = rank
 
     def _apply_pending_state_dict(self) -> None:
         assert self._pending_state_dict is not None, "healing without a received state"

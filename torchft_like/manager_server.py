@@ -22,7 +22,12 @@ from lighthouse._aio import BackgroundLoop
 from lighthouse._proto import torchft_pb2 as pb
 from lighthouse._proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.address import advertised_host, join_host_port, parse_bind, url_to_target
-from lighthouse.client import CHANNEL_OPTIONS, AsyncLighthouseClient, map_rpc_error, unreachable
+from lighthouse.client import (
+    CHANNEL_OPTIONS,
+    AsyncLighthouseClient,
+    check_reachable,
+    map_rpc_error,
+)
 from lighthouse.errors import QuorumError
 from lighthouse.quorum import Quorum, QuorumMember
 from torchft_like.recovery import QuorumResult, compute_quorum_result
@@ -358,18 +363,14 @@ class ManagerClient:
     def __init__(self, addr: str, connect_timeout: timedelta = timedelta(seconds=10)) -> None:
         self.addr = addr
         self._connect_timeout = connect_timeout
-        self._channel = grpc.insecure_channel(url_to_target(addr), options=CHANNEL_OPTIONS)
+        self._target = url_to_target(addr)
+        self._channel = grpc.insecure_channel(self._target, options=CHANNEL_OPTIONS)
         self._stub = pb_grpc.ManagerServiceStub(self._channel)
         self._connected = False
 
     def _call(self, method, request, timeout: timedelta, what: str):  # type: ignore[no-untyped-def]
         if not self._connected:
-            try:
-                grpc.channel_ready_future(self._channel).result(
-                    self._connect_timeout.total_seconds()
-                )
-            except grpc.FutureTimeoutError:
-                raise unreachable(f"manager server {self.addr}", self._connect_timeout) from None
+            check_reachable(self._target, f"manager server {self.addr}", self._connect_timeout)
             self._connected = True
         try:
             return method(request, timeout=timeout.total_seconds())

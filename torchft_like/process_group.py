@@ -60,6 +60,10 @@ class ProcessGroupGloo(dist.ProcessGroup):
     `PrefixStore(prefix, TCPStore(host, port))`. Every collective fails
     (instead of hanging) within `timeout` when a peer is gone, and the failure
     is kept for `errored()`.
+
+    Use it through the Manager: torch gives a ProcessGroup no way to change
+    its C++ size, so C++ code that reads it (torch DDP given this group
+    directly) sees 1; `size()` and `rank()` from Python are right.
     """
 
     def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:

@@ -1,0 +1,167 @@
+"""DistributedDataParallel with a Manager double (the only double in the suite:
+these tests pin what DDP asks of the Manager, in one process, without peers)."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed import ReduceOp
+
+from torchft_like import BufferSync, DistributedDataParallel, PureDistributedDataParallel
+from torchft_like._work import completed_work
+
+pytestmark = pytest.mark.timeout(60)
+
+
+class ManagerDouble:
+    """Acts as if one more replica contributed zeros: SUM is the identity and
+    AVG halves. Records every allreduce and runs commit hooks on demand."""
+
+    def __init__(self, participating_rank: int | None = 0) -> None:
+        self.sizes: list[int] = []
+        self.ops: list[ReduceOp] = []
+        self.hooks = []
+        self._rank = participating_rank
+
+    def allreduce(self, tensor, reduce_op=ReduceOp.AVG):
+        self.sizes.append(tensor.numel())
+        self.ops.append(reduce_op)
+        if reduce_op == ReduceOp.AVG:
+            tensor.div_(2)
+        return completed_work(tensor)
+
+    def register_commit_hook(self, hook) -> None:
+        self.hooks.append(hook)
+
+    def commit(self) -> None:
+        for hook in self.hooks:
+            hook()
+
+    def participating_rank(self):
+        return self._rank
+
+    def errored(self):
+        return None
+
+
+def mlp() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4)
+    )
+
+
+def step(model: nn.Module, seed: int = 1) -> None:
+    x = torch.randn(8, 32, generator=torch.Generator().manual_seed(seed))
+    model(x).pow(2).sum().backward()
+
+
+def test_the_hook_is_called_per_bucket_and_gradients_are_the_average():
+    manager = ManagerDouble()
+    model = mlp()
+    reference = copy.deepcopy(model)
+    ddp = DistributedDataParallel(manager, model, bucket_cap_mb=0.01)  # several buckets
+    step(ddp)
+    step(reference)
+    assert len(manager.sizes) > 1, "expected one allreduce per bucket"
+    assert sum(manager.sizes) == sum(p.numel() for p in model.parameters())
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad / 2)
+
+
+def test_bucket_layout_of_a_restarted_wrapper_matches_one_that_ran_for_a_while():
+    running = ManagerDouble()
+    ddp = DistributedDataParallel(running, mlp(), bucket_cap_mb=0.01)
+    for seed in range(4):
+        ddp.zero_grad()
+        step(ddp, seed)
+    per_step = len(running.sizes) // 4
+    layouts = [running.sizes[i * per_step : (i + 1) * per_step] for i in range(4)]
+    assert all(layout == layouts[0] for layout in layouts), "the layout changed after step 1"
+    restarted = ManagerDouble()
+    step(DistributedDataParallel(restarted, mlp(), bucket_cap_mb=0.01))
+    assert restarted.sizes == layouts[-1]
+
+
+def bn_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(4, 6), nn.BatchNorm1d(6), nn.Linear(6, 2))
+
+
+@pytest.mark.parametrize(
+    "policy, source, expected_mean",
+    [
+        (BufferSync.BROADCAST, True, lambda m: m),  # the source keeps its own
+        (
+            BufferSync.BROADCAST,
+            False,
+            lambda m: torch.zeros_like(m),
+        ),  # others take the source's (here: 0)
+        (BufferSync.AVERAGE, True, lambda m: m / 2),
+        (BufferSync.NONE, False, lambda m: m),
+    ],
+)
+def test_buffers_follow_the_chosen_policy(policy, source, expected_mean):
+    manager = ManagerDouble(participating_rank=0 if source else 1)
+    model = bn_model()
+    ddp = DistributedDataParallel(
+        manager,
+        model,
+        buffer_sync={
+            "1.running_mean": policy,
+            "1.running_var": policy,
+            "1.num_batches_tracked": BufferSync.NONE,
+        },
+    )
+    ddp(torch.randn(8, 4)).sum().backward()
+    mean_after_forward = model[1].running_mean.clone()
+    manager.commit()
+    torch.testing.assert_close(model[1].running_mean, expected_mean(mean_after_forward))
+    assert model[1].num_batches_tracked.item() == 1
+
+
+def test_by_default_every_buffer_is_broadcast_from_the_source():
+    manager = ManagerDouble(participating_rank=1)
+    model = bn_model()
+    ddp = DistributedDataParallel(manager, model)
+    ddp(torch.randn(8, 4)).sum().backward()
+    manager.commit()
+    assert model[1].running_mean.abs().sum() == 0 and model[1].num_batches_tracked.item() == 0
+    assert ReduceOp.SUM in manager.ops
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"process_group": None}, "does not take process_group"),
+        ({"find_unused_parameters": True}, "does not take find_unused_parameters"),
+        ({"buffer_sync": {"nope": BufferSync.NONE}}, r"unknown buffers \['nope'\]"),
+        ({"buffer_sync": {"1.num_batches_tracked": BufferSync.AVERAGE}}, "cannot be averaged"),
+    ],
+)
+def test_kwargs_that_break_the_guarantees_are_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        DistributedDataParallel(ManagerDouble(), bn_model(), **kwargs)
+
+
+def test_a_module_on_several_devices_is_refused():
+    model = bn_model()
+    model[2].to(torch.float64)  # same device: fine
+    DistributedDataParallel(ManagerDouble(), model)
+    meta = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+    with pytest.raises(ValueError, match="several devices"):
+        DistributedDataParallel(ManagerDouble(), meta)
+
+
+def test_pure_ddp_allreduces_each_gradient_once():
+    manager = ManagerDouble()
+    model = mlp()
+    reference = copy.deepcopy(model)
+    step(PureDistributedDataParallel(manager, model))
+    step(reference)
+    assert len(manager.sizes) == len(list(model.parameters()))
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad / 2)
