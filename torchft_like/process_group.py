@@ -7,6 +7,7 @@ methods below.
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import threading
 from collections.abc import Callable
@@ -36,12 +37,38 @@ def parse_store_addr(store_addr: str) -> tuple[str, int, str]:
     return host.strip("[]"), int(port), prefix
 
 
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def _reduce_op(opts: Any) -> ReduceOp:
     if opts is None:
         return ReduceOp.SUM
     if isinstance(opts, dist.AllreduceOptions):
         return opts.reduceOp
     return opts
+
+
+def _then(fut: torch.futures.Future[Any], fn: Callable[[Any], Any]) -> torch.futures.Future[Any]:
+    """Like `fut.then(fn)`, but a failure of `fut` passes through unwrapped
+    (`then` would bury gloo's message in a "running the callback" error)."""
+    out: torch.futures.Future[Any] = torch.futures.Future()
+
+    def settle(done: torch.futures.Future[Any]) -> None:
+        try:
+            result = fn(done.value())
+        except Exception as e:
+            out.set_exception(e)
+        else:
+            out.set_result(result)
+
+    fut.add_done_callback(settle)
+    return out
 
 
 def _unsupported(name: str) -> Callable[..., Any]:
@@ -82,9 +109,17 @@ class ProcessGroupGloo(dist.ProcessGroup):
         store = dist.TCPStore(
             host, port, is_master=False, wait_for_workers=False, timeout=self._timeout
         )
-        backend = dist.ProcessGroupGloo(
-            dist.PrefixStore(prefix, store), rank, world_size, self._timeout
-        )
+        prefixed = dist.PrefixStore(prefix, store)
+        if _is_loopback(host):
+            # Every peer reaches the store over loopback, so all are on this
+            # host: bind gloo there too rather than depend on this machine's
+            # hostname resolving (it does not in some containers).
+            options = dist.ProcessGroupGloo._Options()
+            options._timeout = self._timeout
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            backend = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
+        else:
+            backend = dist.ProcessGroupGloo(prefixed, rank, world_size, self._timeout)
         with self._lock:
             self._backend, self._error = backend, None
             self._rank, self._world_size = rank, world_size
@@ -102,16 +137,16 @@ class ProcessGroupGloo(dist.ProcessGroup):
     def _run(self, name: str, start: Callable[[Any], dist.Work]) -> dist.Work:
         backend = self._backend
         if backend is None:
-            raise RuntimeError(f"{name} before configure(): this process group has no members yet")
+            raise RuntimeError(
+                f"{name} before configure(): this process group has no members "
+                "(configure() was not called, or it failed)"
+            )
         try:
             work = start(backend)
         except Exception as e:
             self._error = e
             raise
-        try:
-            work.get_future().add_done_callback(self._record_failure)
-        except RuntimeError:
-            pass  # send/recv work has no future in gloo; errors surface in wait()
+        work.get_future().add_done_callback(self._record_failure)
         return work
 
     def _record_failure(self, fut: torch.futures.Future[Any]) -> None:
@@ -120,19 +155,34 @@ class ProcessGroupGloo(dist.ProcessGroup):
         except Exception as e:
             self._error = e
 
+    def _run_p2p(
+        self, name: str, tensors: list[torch.Tensor], start: Callable[[Any], dist.Work]
+    ) -> dist.Work:
+        backend = self._backend
+        if backend is None:
+            return self._run(name, start)  # raises the "before configure" error
+        try:
+            work = start(backend)
+        except Exception as e:
+            self._error = e
+            raise
+        return _P2PWork(work, tensors, self._record_error)
+
+    def _record_error(self, e: Exception) -> None:
+        self._error = e
+
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         op = _reduce_op(opts)
         if op == ReduceOp.AVG:  # gloo has no AVG: SUM, then divide
             work = self._run("allreduce", lambda b: b.allreduce(tensors, dist.AllreduceOptions()))
             size = self._world_size
 
-            def divide(fut: torch.futures.Future[Any]) -> list[torch.Tensor]:
-                fut.value()
+            def divide(_: Any) -> list[torch.Tensor]:
                 for t in tensors:
                     t.div_(size)
                 return tensors
 
-            return FutureWork(work.get_future().then(divide))
+            return FutureWork(_then(work.get_future(), divide))
         options = dist.AllreduceOptions()
         options.reduceOp = op
         return self._run("allreduce", lambda b: b.allreduce(tensors, options))
@@ -155,10 +205,10 @@ class ProcessGroupGloo(dist.ProcessGroup):
         return self._run("barrier", lambda b: b.barrier(dist.BarrierOptions()))
 
     def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int = 0) -> dist.Work:
-        return self._run("send", lambda b: b.send(tensors, dst_rank, tag))
+        return self._run_p2p("send", tensors, lambda b: b.send(tensors, dst_rank, tag))
 
     def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist.Work:
-        return self._run("recv", lambda b: b.recv(tensors, src_rank, tag))
+        return self._run_p2p("recv", tensors, lambda b: b.recv(tensors, src_rank, tag))
 
     reduce_scatter = _unsupported("reduce_scatter")
     alltoall = _unsupported("alltoall")
@@ -180,6 +230,43 @@ class ProcessGroupGloo(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         self._abort_backend()
+
+
+class _P2PWork(dist.Work):
+    """Gloo's send/recv work has no future: this one records a failure seen
+    by wait(), and builds a future on demand from a helper thread."""
+
+    def __init__(self, work: dist.Work, tensors: list[torch.Tensor], on_error: Any) -> None:
+        super().__init__()
+        self._work, self._tensors, self._on_error = work, tensors, on_error
+        self._future: torch.futures.Future[Any] | None = None
+        self._lock = threading.Lock()
+
+    def wait(self, timeout: timedelta | None = None) -> bool:
+        try:
+            return self._work.wait()
+        except Exception as e:
+            self._on_error(e)
+            raise
+
+    def is_completed(self) -> bool:
+        return self._work.is_completed()
+
+    def get_future(self) -> torch.futures.Future[Any]:
+        with self._lock:
+            if self._future is None:
+                self._future = torch.futures.Future()
+                threading.Thread(target=self._settle, name="torchft-p2p", daemon=True).start()
+            return self._future
+
+    def _settle(self) -> None:
+        assert self._future is not None
+        try:
+            self.wait()
+        except Exception as e:
+            self._future.set_exception(e)
+        else:
+            self._future.set_result(self._tensors)
 
 
 class ProcessGroupDummy(dist.ProcessGroup):
@@ -371,7 +458,11 @@ class ManagedProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         if len(tensors) != 1:
             raise ValueError(f"ManagedProcessGroup.allreduce takes one tensor, got {len(tensors)}")
-        return self._manager.allreduce(tensors[0], reduce_op=_reduce_op(opts))
+        work = self._manager.allreduce(tensors[0], reduce_op=_reduce_op(opts))
+        # The manager's future holds the tensor; torch callers (DDP comm hooks
+        # included) expect the list, as from any other process group.
+        fut = work if isinstance(work, torch.futures.Future) else work.get_future()
+        return FutureWork(_then(fut, lambda _: tensors))
 
     allgather = _unsupported("allgather")
     broadcast = _unsupported("broadcast")

@@ -1,0 +1,273 @@
+"""Process groups over real gloo and a real TCPStore on 127.0.0.1, ranks as threads."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed import ReduceOp
+
+from torchft_like._work import completed_work
+from torchft_like.process_group import (
+    ErrorSwallowingProcessGroupWrapper,
+    FakeProcessGroupWrapper,
+    ManagedProcessGroup,
+    ProcessGroupDummy,
+    ProcessGroupGloo,
+    parse_store_addr,
+)
+
+SHORT = timedelta(seconds=2)
+"""Timeout for the dead-peer tests; the measured failure must land near it."""
+
+
+@pytest.fixture
+def store() -> dist.TCPStore:
+    return dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+
+
+@pytest.fixture
+def pgs() -> Any:
+    """Makes ProcessGroupGloo instances and shuts them all down afterwards."""
+    made: list[ProcessGroupGloo] = []
+
+    def make(n: int, timeout: timedelta = timedelta(seconds=10)) -> list[ProcessGroupGloo]:
+        made.extend(ProcessGroupGloo(timeout=timeout) for _ in range(n))
+        return made[-n:]
+
+    yield make
+    for pg in made:
+        pg.shutdown()
+
+
+def on_all_ranks(members: Sequence[Any], fn: Callable[[int, Any], Any]) -> list[Any]:
+    """Runs fn(rank, pg) for every member at once, as separate processes would."""
+    with ThreadPoolExecutor(len(members)) as pool:
+        return [f.result() for f in [pool.submit(fn, i, pg) for i, pg in enumerate(members)]]
+
+
+def configure_all(store: dist.TCPStore, members: Sequence[Any], quorum_id: int) -> None:
+    addr = f"127.0.0.1:{store.port}/torchft/{quorum_id}/0"
+    on_all_ranks(members, lambda i, pg: pg.configure(addr, f"replica_{i}", i, len(members)))
+
+
+def allreduce_on_all(members: Sequence[Any], op: ReduceOp) -> list[list[torch.Tensor]]:
+    """Each rank contributes [rank + 1] * 3; returns what each future resolved to."""
+    works = [pg.allreduce([torch.full((3,), i + 1.0)], op) for i, pg in enumerate(members)]
+    return [work.get_future().wait() for work in works]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "op, expected",
+    [(ReduceOp.SUM, 3.0), (ReduceOp.AVG, 1.5), (ReduceOp.MAX, 2.0), (ReduceOp.MIN, 1.0)],
+)
+def test_allreduce_of_two_ranks_resolves_to_the_reduced_tensor_list(store, pgs, op, expected):
+    members = pgs(2)
+    configure_all(store, members, quorum_id=1)
+    for result in allreduce_on_all(members, op):
+        assert isinstance(result, list)  # what a DDP comm hook needs from the future
+        assert torch.equal(result[0], torch.full((3,), expected))
+
+
+@pytest.mark.timeout(60)
+def test_reconfiguring_from_two_to_three_to_two_ranks_uses_the_new_membership(store, pgs):
+    a, b, c = pgs(3)
+    for quorum_id, members in [(1, [a, b]), (2, [a, b, c]), (3, [b, c])]:
+        configure_all(store, members, quorum_id)
+        n = len(members)
+        assert [(pg.rank(), pg.size()) for pg in members] == [(i, n) for i in range(n)]
+        for result in allreduce_on_all(members, ReduceOp.SUM):
+            assert result[0][0].item() == n * (n + 1) / 2
+
+
+@pytest.mark.timeout(60)
+def test_broadcast_allgather_barrier_and_send_recv_reach_the_peer(store, pgs):
+    members = pgs(2)
+    configure_all(store, members, quorum_id=1)
+
+    def exchange(rank: int, pg: ProcessGroupGloo) -> tuple[float, list[float], float]:
+        sent = torch.tensor([7.0 if rank == 0 else 0.0])
+        pg.broadcast([sent], 0).wait()
+        gathered = [torch.zeros(1), torch.zeros(1)]
+        pg.allgather([gathered], [torch.tensor([float(rank)])]).wait()
+        pg.barrier().wait()
+        p2p = torch.tensor([5.0 if rank == 0 else 0.0])
+        if rank == 0:
+            pg.send([p2p], 1, 0).wait()
+        else:
+            assert pg.recv([p2p], 0, 0).get_future().wait() == [p2p]
+        return sent.item(), [t.item() for t in gathered], p2p.item()
+
+    assert on_all_ranks(members, exchange)[1] == (7.0, [0.0, 1.0], 5.0)
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "collective",
+    [
+        lambda pg: pg.allreduce([torch.ones(4)], ReduceOp.AVG),
+        lambda pg: pg.broadcast([torch.ones(4)], 0),
+        lambda pg: pg.recv([torch.ones(4)], 1, 0),
+    ],
+    ids=["allreduce_avg", "broadcast", "recv"],
+)
+def test_a_collective_with_a_hung_peer_fails_within_the_timeout(store, pgs, collective):
+    alive, hung = pgs(2, timeout=SHORT)
+    configure_all(store, [alive, hung], quorum_id=1)
+    start = time.monotonic()
+    work = collective(alive)
+    with pytest.raises(RuntimeError, match="Timed out"):
+        work.wait()
+    elapsed = time.monotonic() - start
+    assert SHORT.total_seconds() - 0.5 < elapsed < SHORT.total_seconds() + 3
+    assert "Timed out" in str(alive.errored())
+
+
+@pytest.mark.timeout(60)
+def test_configure_with_an_absent_peer_fails_within_the_timeout(store, pgs):
+    (lonely,) = pgs(1, timeout=SHORT)
+    start = time.monotonic()
+    with pytest.raises(dist.DistStoreError):
+        lonely.configure(f"127.0.0.1:{store.port}/torchft/1/0", "replica_0", 0, 2)
+    assert time.monotonic() - start < SHORT.total_seconds() + 3
+    with pytest.raises(RuntimeError, match="before configure"):
+        lonely.allreduce([torch.ones(1)], ReduceOp.SUM)
+
+
+@pytest.mark.timeout(60)
+def test_the_swallowing_wrapper_records_a_dead_peer_and_recovers_on_configure(store, pgs):
+    inner, peer = pgs(2, timeout=SHORT)
+    wrapped = ErrorSwallowingProcessGroupWrapper(inner)
+    configure_all(store, [wrapped, peer], quorum_id=1)
+    peer.shutdown()  # the peer's sockets close, as when its process is killed
+
+    start = time.monotonic()
+    tensor = torch.ones(4)
+    assert wrapped.allreduce([tensor], ReduceOp.SUM).get_future().wait() == [tensor]
+    assert time.monotonic() - start < SHORT.total_seconds() + 3
+    assert wrapped.error() is not None
+    # Later collectives are no-ops that complete at once, until reconfigured.
+    assert wrapped.broadcast([tensor], 0).is_completed()
+
+    configure_all(store, [wrapped, peer], quorum_id=2)
+    assert wrapped.error() is None
+    results = allreduce_on_all([wrapped, peer], ReduceOp.SUM)
+    assert results[0][0][0].item() == 3.0
+
+
+@pytest.mark.timeout(60)
+def test_ddp_over_the_dummy_group_constructs_and_trains_one_step():
+    dummy = ProcessGroupDummy()
+    model = nn.parallel.DistributedDataParallel(
+        nn.Sequential(nn.Linear(3, 4), nn.BatchNorm1d(4)), process_group=dummy
+    )
+    absorbed_at_init = dummy.num_ops  # parameter check (allgather) and broadcasts
+    assert absorbed_at_init >= 2
+    model(torch.randn(5, 3)).sum().backward()
+    assert dummy.num_ops > absorbed_at_init  # buffer broadcast and gradient allreduce
+    assert model.module[0].weight.grad is not None
+
+
+@pytest.mark.timeout(60)
+def test_the_dummy_group_completes_every_collective_with_its_inputs():
+    dummy = ProcessGroupDummy(rank=1, world=2)
+    tensor = torch.arange(3.0)
+    assert dummy.allreduce([tensor]).get_future().wait() == [tensor]
+    gathered = [torch.zeros(3), torch.zeros(3)]
+    dummy.allgather([gathered], [tensor]).wait()
+    flat = torch.zeros(6)
+    dummy._allgather_base(flat, tensor).wait()
+    assert all(torch.equal(t, tensor) for t in gathered)
+    assert torch.equal(flat, torch.cat([tensor, tensor]))
+    assert dummy.barrier().is_completed()
+    assert (dummy.rank(), dummy.size(), dummy.num_ops) == (1, 2, 4)
+
+
+@pytest.mark.timeout(60)
+def test_the_fake_wrapper_fails_the_next_future_or_call_on_demand():
+    fake = FakeProcessGroupWrapper(ProcessGroupDummy())
+    fake.report_future_error(RuntimeError("peer lost"))
+    with pytest.raises(RuntimeError, match="peer lost"):
+        fake.allreduce([torch.ones(1)], ReduceOp.SUM).get_future().wait()
+    fake.fail_next_collective(ConnectionError("refused"))
+    with pytest.raises(ConnectionError, match="refused"):
+        fake.broadcast([torch.ones(1)], 0)
+    fake.allreduce([torch.ones(1)], ReduceOp.SUM).wait()  # each injection fires once
+
+
+@pytest.mark.timeout(60)
+def test_the_swallowing_wrapper_records_an_injected_future_error():
+    fake = FakeProcessGroupWrapper(ProcessGroupDummy())
+    wrapped = ErrorSwallowingProcessGroupWrapper(fake)
+    fake.report_future_error(RuntimeError("peer lost"))
+    tensor = torch.ones(1)
+    assert wrapped.allreduce([tensor], ReduceOp.SUM).get_future().wait() == [tensor]
+    assert str(wrapped.error()) == "peer lost"
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    "addr", ["127.0.0.1:29500", "nonsense", "host:port/x", ":1/x", "127.0.0.1:29500/"]
+)
+def test_a_bad_store_address_is_refused_naming_it_and_the_expected_form(addr):
+    with pytest.raises(ValueError, match="host:port/prefix") as raised:
+        ProcessGroupGloo().configure(addr, "replica_0", 0, 1)
+    assert repr(addr) in str(raised.value)
+
+
+@pytest.mark.timeout(60)
+def test_a_store_address_keeps_slashes_in_the_prefix_and_accepts_ipv6_hosts():
+    assert parse_store_addr("[::1]:29500/torchft/3/0") == ("::1", 29500, "torchft/3/0")
+    assert parse_store_addr("node-7:1/a/b") == ("node-7", 1, "a/b")
+
+
+@pytest.mark.timeout(60)
+def test_collectives_before_configure_and_unsupported_ops_are_clear_errors():
+    pg = ProcessGroupGloo()
+    with pytest.raises(RuntimeError, match="allreduce before configure"):
+        pg.allreduce([torch.ones(1)], ReduceOp.SUM)
+    with pytest.raises(RuntimeError, match="recv before configure"):
+        pg.recv([torch.ones(1)], 0, 0)
+    with pytest.raises(NotImplementedError, match="reduce_scatter"):
+        pg.reduce_scatter([], [])
+    assert (pg.getBackendName(), pg.errored()) == ("torchft-gloo", None)
+    pg.shutdown()
+    pg.shutdown()  # idempotent
+
+
+class _FakeManager:
+    """Stands in for the Manager, which ManagedProcessGroup only duck-types."""
+
+    def __init__(self) -> None:
+        self.reduce_ops: list[ReduceOp] = []
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG) -> Any:
+        self.reduce_ops.append(reduce_op)
+        return completed_work(tensor.mul_(2))  # resolves to the tensor, as the Manager's does
+
+    def num_participants(self) -> int:
+        return 3
+
+    def participating_rank(self) -> int | None:
+        return None  # a spare: rank() falls back to 0
+
+
+@pytest.mark.timeout(60)
+def test_the_managed_group_sends_allreduce_through_the_manager():
+    manager = _FakeManager()
+    pg = ManagedProcessGroup(manager)
+    tensor = torch.ones(2)
+    assert pg.allreduce([tensor], ReduceOp.AVG).get_future().wait() == [tensor]
+    assert torch.equal(tensor, torch.full((2,), 2.0))
+    assert manager.reduce_ops == [ReduceOp.AVG]
+    assert (pg.size(), pg.rank()) == (3, 0)
+    with pytest.raises(NotImplementedError, match="broadcast"):
+        pg.broadcast([tensor], 0)
