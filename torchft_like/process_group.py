@@ -7,6 +7,7 @@ methods below.
 
 from __future__ import annotations
 
+import functools
 import ipaddress
 import logging
 import threading
@@ -99,6 +100,8 @@ class ProcessGroupGloo(dist.ProcessGroup):
         self._backend: Any = None
         self._error: Exception | None = None
         self._rank, self._world_size = 0, 1
+        self._generation = 0
+        """Bumped when a group is dropped, so its late failures are not ours."""
         self._lock = threading.Lock()
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
@@ -127,49 +130,55 @@ class ProcessGroupGloo(dist.ProcessGroup):
 
     def _abort_backend(self) -> None:
         with self._lock:
-            backend, self._backend = self._backend, None
-        if backend is not None:
-            try:
-                backend.abort()
-            except Exception as e:  # an already broken group may refuse; drop it anyway
-                logger.debug("aborting the previous gloo group: %s", e)
+            retired = [] if self._backend is None else [self._backend]
+            self._backend = None
+            self._generation += 1
+        if retired:
+            # Off this thread: dropping a gloo group waits for its collectives
+            # still in flight (up to `timeout`), and the peers of our next
+            # configure() would time out waiting for us meanwhile.
+            threading.Thread(
+                target=_abort_and_drop, args=(retired,), name="torchft-gloo-abort", daemon=True
+            ).start()
 
-    def _run(self, name: str, start: Callable[[Any], dist.Work]) -> dist.Work:
-        backend = self._backend
+    def _run(
+        self,
+        name: str,
+        start: Callable[[Any], dist.Work],
+        p2p_tensors: list[torch.Tensor] | None = None,
+    ) -> dist.Work:
+        with self._lock:
+            backend, generation = self._backend, self._generation
         if backend is None:
             raise RuntimeError(
                 f"{name} before configure(): this process group has no members "
                 "(configure() was not called, or it failed)"
             )
+        record = functools.partial(self._record_error, generation)
         try:
             work = start(backend)
         except Exception as e:
-            self._error = e
+            record(e)
             raise
-        work.get_future().add_done_callback(self._record_failure)
+        if p2p_tensors is not None:  # gloo's send/recv work has no future
+            return _P2PWork(work, p2p_tensors, record)
+
+        def record_failure(fut: torch.futures.Future[Any]) -> None:
+            try:
+                fut.value()
+            except Exception as e:
+                record(e)
+
+        work.get_future().add_done_callback(record_failure)
         return work
 
-    def _record_failure(self, fut: torch.futures.Future[Any]) -> None:
-        try:
-            fut.value()
-        except Exception as e:
-            self._error = e
-
-    def _run_p2p(
-        self, name: str, tensors: list[torch.Tensor], start: Callable[[Any], dist.Work]
-    ) -> dist.Work:
-        backend = self._backend
-        if backend is None:
-            return self._run(name, start)  # raises the "before configure" error
-        try:
-            work = start(backend)
-        except Exception as e:
-            self._error = e
-            raise
-        return _P2PWork(work, tensors, self._record_error)
-
-    def _record_error(self, e: Exception) -> None:
-        self._error = e
+    def _record_error(self, generation: int, e: Exception) -> None:
+        with self._lock:
+            if generation == self._generation:
+                self._error = e
+                return
+        # An aborted group's in-flight collective still runs to its timeout.
+        logger.debug("ignoring a failure from a replaced gloo group: %s", e)
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         op = _reduce_op(opts)
@@ -205,10 +214,10 @@ class ProcessGroupGloo(dist.ProcessGroup):
         return self._run("barrier", lambda b: b.barrier(dist.BarrierOptions()))
 
     def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int = 0) -> dist.Work:
-        return self._run_p2p("send", tensors, lambda b: b.send(tensors, dst_rank, tag))
+        return self._run("send", lambda b: b.send(tensors, dst_rank, tag), tensors)
 
     def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist.Work:
-        return self._run_p2p("recv", tensors, lambda b: b.recv(tensors, src_rank, tag))
+        return self._run("recv", lambda b: b.recv(tensors, src_rank, tag), tensors)
 
     reduce_scatter = _unsupported("reduce_scatter")
     alltoall = _unsupported("alltoall")
@@ -230,6 +239,14 @@ class ProcessGroupGloo(dist.ProcessGroup):
 
     def shutdown(self) -> None:
         self._abort_backend()
+
+
+def _abort_and_drop(retired: list[Any]) -> None:
+    backend = retired.pop()  # ours is now the only reference: it dies on this thread
+    try:
+        backend.abort()
+    except Exception as e:  # an already broken group may refuse; drop it anyway
+        logger.debug("aborting the previous gloo group: %s", e)
 
 
 class _P2PWork(dist.Work):

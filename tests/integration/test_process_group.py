@@ -132,6 +132,18 @@ def test_a_collective_with_a_hung_peer_fails_within_the_timeout(store, pgs, coll
 
 
 @pytest.mark.timeout(60)
+def test_a_late_failure_of_the_replaced_group_does_not_mark_the_new_one_errored(store, pgs):
+    a, b, c = pgs(3, timeout=SHORT)
+    configure_all(store, [a, b], quorum_id=1)
+    stuck = a.allreduce([torch.ones(1)], ReduceOp.SUM)  # b never joins in, nor hangs up
+    configure_all(store, [a, c], quorum_id=2)
+    with pytest.raises(RuntimeError, match="Timed out"):
+        stuck.wait()  # aborting a gloo group does not end its in-flight collectives
+    assert a.errored() is None
+    assert allreduce_on_all([a, c], ReduceOp.SUM)[0][0][0].item() == 3.0
+
+
+@pytest.mark.timeout(60)
 def test_configure_with_an_absent_peer_fails_within_the_timeout(store, pgs):
     (lonely,) = pgs(1, timeout=SHORT)
     start = time.monotonic()
