@@ -242,6 +242,18 @@ def test_a_store_address_keeps_slashes_in_the_prefix_and_accepts_ipv6_hosts():
 
 
 @pytest.mark.timeout(60)
+def test_a_group_meets_over_an_ipv6_store_address(pgs):
+    try:
+        store = dist.TCPStore("::1", 0, is_master=True, wait_for_workers=False)
+    except (RuntimeError, OSError) as e:
+        pytest.skip(f"no IPv6 loopback here: {e}")
+    members = pgs(2)
+    addr = f"[::1]:{store.port}/torchft/1/0"
+    on_all_ranks(members, lambda i, pg: pg.configure(addr, f"replica_{i}", i, 2))
+    assert allreduce_on_all(members, ReduceOp.SUM)[0][0][0].item() == 3.0
+
+
+@pytest.mark.timeout(60)
 def test_collectives_before_configure_and_unsupported_ops_are_clear_errors():
     pg = ProcessGroupGloo()
     with pytest.raises(RuntimeError, match="allreduce before configure"):
