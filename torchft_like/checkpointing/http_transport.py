@@ -1,26 +1,38 @@
-"""Live state transfer over HTTP, streamed tensor by tensor, without pickle.
+"""Live state transfer between replicas over HTTP, without pickle and without copies.
 
-Routes (served only for the staged step):
-  GET /checkpoint/{step}/header             the JSON tree (see _format)
-  GET /checkpoint/{step}/data?chunk=i&of=n  raw bytes of the tensors of chunk i
+Every rank runs a small threaded HTTP server. A source stages a reference to
+its live state dict for one step; a receiver asks for exactly that step:
 
-The source serves the live tensors with no copy; the receiver preallocates
-each tensor and reads into its memory, over `num_chunks` connections at once.
+  GET /checkpoint/{step}                   the whole state as one stream
+  GET /checkpoint/{step}?chunk=i&of=n      the header plus the i-th of n
+                                           equal byte ranges of tensor data
+
+A 200 body is a stream in the format of `_format` (prefix, JSON header, raw
+tensor bytes). Refusals are text/plain: 503 "not serving" when nothing is
+staged, 409 when another step is staged (never stale weights), 404 and 400
+for requests that are not of the above shape.
+
+Speed comes from touching each byte once on either side: the source sends
+slices of the live tensors' memory with socket sendall (contiguous CPU
+tensors are not copied; others are copied one slice at a time), and the
+receiver preallocates every tensor from the header and reads the socket
+straight into its memory. Received tensors are on the CPU, or on the current
+CUDA device when the source's were on CUDA and this process has CUDA.
 """
 
 from __future__ import annotations
 
 import http.client
-import json
 import logging
+import re
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
-from urllib.parse import parse_qs, urlparse
+from urllib.parse import parse_qs, urlsplit
 
 import torch
 
@@ -31,35 +43,45 @@ logger = logging.getLogger(__name__)
 
 _NOT_SERVING = 503
 _WRONG_STEP = 409
-_SEND_SLICE = 16 << 20  # bytes per sendall: large, so the GIL is rarely taken
+_MAX_CHUNKS = 256
+_SLICE = 32 << 20
+"""Bytes per sendall / readinto call: large enough that the per-call cost
+(and the GIL hand-off) vanishes, small enough to check the deadline often."""
+_RETRY_S = 0.05
 
 
 class _Staged:
-    """The state of one step, flattened once, shared by every request."""
+    """The state of one step as served: the live tensors and the encoded header."""
 
-    def __init__(self, step: int, state_dict: Any) -> None:
+    def __init__(self, step: int, state_dict: Any, timeout: timedelta) -> None:
+        tree, self.tensors = _format.flatten(state_dict)
         self.step = step
-        tree, tensors = _format.flatten(state_dict)
-        # CUDA or strided tensors need one copy; contiguous CPU tensors none.
-        self.tensors = [t.detach().cpu().contiguous() for t in tensors]
-        self.header = json.dumps(tree).encode()
-        self.chunks_of: dict[int, list[list[int]]] = {}
-
-    def chunk(self, i: int, n: int) -> list[int]:
-        if n not in self.chunks_of:
-            sizes = [t.numel() * t.element_size() for t in self.tensors]
-            self.chunks_of[n] = _format.chunks(sizes, n)
-        return self.chunks_of[n][i]
+        self.timeout = timeout
+        self.header = _format.encode_header(step, tree)
+        self.nbytes = [t.numel() * t.element_size() for t in self.tensors]
 
 
 class HTTPTransport(CheckpointTransport[Any]):
-    """Every rank runs a small threaded HTTP server; `metadata()` is its URL.
+    """Serves this rank's staged state over HTTP and fetches peers' states.
+
+    The server starts in the constructor and listens on every IPv4 interface;
+    `metadata()` is ``http://{hostname}:{port}``.
 
     Args:
-        timeout: default bound on transfers and on `disallow_checkpoint`.
-        num_chunks: parallel connections per transfer (0 or 1: one).
-        hostname: how peers reach this machine (default: its host name).
-        port: port to listen on (0 picks a free one).
+        timeout: bound on how long `disallow_checkpoint` waits for transfers
+            when nothing is staged, and the default for staged steps.
+        num_chunks: parallel connections per fetch; 0 or 1 means one.
+            More can use more bandwidth on fast multi-core links.
+        hostname: the name peers use to reach this rank. The default,
+            ``socket.gethostname()``, is what cluster launchers use for
+            hosts and costs no DNS lookup (``getfqdn`` does a reverse lookup
+            that can stall for seconds); "127.0.0.1" would only work when
+            every replica shares this machine.
+        port: port to listen on; 0 picks a free one.
+
+    Raises:
+        ValueError: a negative num_chunks or timeout, or a port out of range.
+        OSError: the port cannot be bound (e.g. in use).
     """
 
     def __init__(
@@ -69,204 +91,329 @@ class HTTPTransport(CheckpointTransport[Any]):
         hostname: str | None = None,
         port: int = 0,
     ) -> None:
-        if num_chunks < 0:
-            raise ValueError(f"num_chunks ({num_chunks}) must not be negative")
+        if timeout <= timedelta(0):
+            raise ValueError(f"timeout ({timeout}) must be positive")
+        if not 0 <= num_chunks <= _MAX_CHUNKS:
+            raise ValueError(f"num_chunks ({num_chunks}) must be in [0, {_MAX_CHUNKS}]")
+        if not 0 <= port <= 65535:
+            raise ValueError(f"port ({port}) must be in [0, 65535]; 0 picks a free one")
         self._timeout = timeout
         self._num_chunks = max(1, num_chunks)
-        self._staged: _Staged | None = None
-        self._active = 0
         self._cond = threading.Condition()
-        self._server = ThreadingHTTPServer(("", port), self._handler_class())
-        self._server.daemon_threads = True
-        self._thread = threading.Thread(
-            target=self._server.serve_forever, args=(0.05,), name="checkpoint-http", daemon=True
-        )
+        self._staged: _Staged | None = None
+        self._active: set[socket.socket] = set()
+        self._closed = False
+        try:
+            self._server = _Server(("", port), _Handler)
+        except OSError as e:
+            raise OSError(
+                e.errno, f"checkpoint server cannot listen on port {port}: {e.strerror}; "
+                "pass port=0 to pick a free one"
+            ) from e  # fmt: skip
+        self._server.transport = self
+        self._thread = threading.Thread(target=self._serve, name="checkpoint-http", daemon=True)
         self._thread.start()
         host = hostname or socket.gethostname()
+        host = f"[{host}]" if ":" in host else host
         self._url = f"http://{host}:{self._server.server_address[1]}"
-        self._stopped = False
 
     def metadata(self) -> str:
+        """See base class."""
         return self._url
 
-    # ---- source side ---------------------------------------------------------
+    # --- source side --------------------------------------------------------
 
     def send_checkpoint(
         self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta
     ) -> None:
-        staged = _Staged(step, state_dict)
+        """Stages a reference to `state_dict` for `step`; copies nothing.
+
+        The tree is walked now, so unsupported values fail here, in the
+        caller, with a TypeError naming their key path. `timeout` bounds
+        how long `disallow_checkpoint` waits for this step's transfers.
+        """
+        staged = _Staged(step, state_dict, timeout)
         with self._cond:
             self._staged = staged
-        logger.debug("serving step %d to replica ranks %s", step, dst_ranks)
+        logger.debug("serving step %d (%d tensors) to replica ranks %s", step, len(staged.nbytes),
+                     dst_ranks)  # fmt: skip
 
     def disallow_checkpoint(self) -> None:
-        deadline = time.monotonic() + self._timeout.total_seconds()
+        """See base class."""
         with self._cond:
-            self._staged = None
-            while self._active and self._cond.wait(max(0.0, deadline - time.monotonic())):
-                pass
+            staged, self._staged = self._staged, None
+            bound = (staged.timeout if staged else self._timeout).total_seconds()
+            deadline = time.monotonic() + bound
+            while self._active and (remaining := deadline - time.monotonic()) > 0:
+                self._cond.wait(remaining)
             if self._active:
-                logger.warning("%d state transfers still running after the timeout", self._active)
+                logger.warning(
+                    "cutting off %d state transfers still running after %.1f s, "
+                    "so that the optimizer may write the weights",
+                    len(self._active),
+                    bound,
+                )
+                for conn in self._active:
+                    _hang_up(conn)
 
-    def _begin(self, step: int) -> tuple[_Staged | None, int, str]:
+    def _begin(self, step: int, conn: socket.socket) -> tuple[_Staged | None, int, str]:
         with self._cond:
             staged = self._staged
             if staged is None:
-                return None, _NOT_SERVING, "not serving: no state is staged (not a source now)"
+                return None, _NOT_SERVING, "not serving: no state is staged on this replica now"
             if staged.step != step:
-                return None, _WRONG_STEP, f"step {step} is not served; serving step {staged.step}"
-            self._active += 1
+                return None, _WRONG_STEP, f"wrong step: asked {step}, serving step {staged.step}"
+            self._active.add(conn)
             return staged, 200, ""
 
-    def _end(self) -> None:
+    def _end(self, conn: socket.socket) -> None:
         with self._cond:
-            self._active -= 1
+            self._active.discard(conn)
             self._cond.notify_all()
 
-    def _handler_class(self) -> type[BaseHTTPRequestHandler]:
-        transport = self
+    def _serve(self) -> None:
+        try:
+            self._server.serve_forever(poll_interval=0.05)
+        except Exception:
+            logger.exception("checkpoint server stopped")
 
-        class Handler(BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-                url = urlparse(self.path)
-                parts = url.path.strip("/").split("/")
-                if len(parts) != 3 or parts[0] != "checkpoint" or not parts[1].isdigit():
-                    return self._error(404, "unknown path; use /checkpoint/{step}/header or /data")
-                staged, code, message = transport._begin(int(parts[1]))
-                if staged is None:
-                    return self._error(code, message)
-                try:
-                    if parts[2] == "header":
-                        self._send_bytes(staged.header)
-                    elif parts[2] == "data":
-                        query = parse_qs(url.query)
-                        n = int(query.get("of", ["1"])[0])
-                        i = int(query.get("chunk", ["0"])[0])
-                        if not 0 <= i < n:
-                            return self._error(400, f"chunk {i} is not in [0, {n})")
-                        self._send_tensors([staged.tensors[k] for k in staged.chunk(i, n)])
-                    else:
-                        self._error(404, f"unknown part {parts[2]!r}; use header or data")
-                except (BrokenPipeError, ConnectionResetError):
-                    logger.info("a receiver hung up during a transfer")
-                finally:
-                    transport._end()
-
-            def _send_bytes(self, body: bytes) -> None:
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def _send_tensors(self, tensors: list[torch.Tensor]) -> None:
-                self.send_response(200)
-                self.send_header(
-                    "Content-Length", str(sum(t.numel() * t.element_size() for t in tensors))
-                )
-                self.end_headers()
-                self.wfile.flush()
-                for tensor in tensors:
-                    data = _format.as_bytes(tensor)
-                    for start in range(0, len(data), _SEND_SLICE):
-                        self.connection.sendall(data[start : start + _SEND_SLICE])
-
-            def _error(self, code: int, message: str) -> None:
-                body = message.encode()
-                self.send_response(code)
-                self.send_header("Content-Type", "text/plain")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, format: str, *args: Any) -> None:
-                logger.debug("checkpoint server: " + format, *args)
-
-        return Handler
-
-    # ---- receiver side -------------------------------------------------------
+    # --- receiver side ------------------------------------------------------
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
-        """Fetches step `step` from `metadata`, retrying while the source has not
-        staged it yet, until `timeout`."""
-        deadline = time.monotonic() + timeout.total_seconds()
-        last = ""
+        """See base class. Retries "not serving", "wrong step" and connection
+        errors every 50 ms until `timeout`."""
+        url = urlsplit(metadata)
+        if url.scheme != "http" or not url.hostname or not url.port:
+            raise ValueError(f"checkpoint metadata {metadata!r} is not an http://host:port URL")
+        started = time.monotonic()
+        deadline = started + timeout.total_seconds()
+        last, attempts = "no answer", 0
         while True:
+            attempts += 1
             try:
-                return self._fetch(metadata, step, deadline)
+                state, nbytes = _Fetch(url.hostname, url.port, step, deadline).run(self._num_chunks)
             except _NotReady as e:
                 last = str(e)
-            except OSError as e:
-                last = f"{type(e).__name__}: {e}"
-            if time.monotonic() + 0.05 > deadline:
+            except (OSError, http.client.HTTPException) as e:
+                if not (isinstance(e, _DeadlinePassed) and attempts > 1):  # keep the reason
+                    last = f"{type(e).__name__}: {e}"
+            except ValueError as e:
+                raise ValueError(f"{metadata} sent an invalid stream for step {step}: {e}") from e
+            else:
+                took = time.monotonic() - started
+                logger.info("received step %d from %s: %.1f MB in %.2f s (%.0f MB/s, %d streams)",
+                            step, metadata, nbytes / 1e6, took, nbytes / 1e6 / max(took, 1e-9),
+                            self._num_chunks)  # fmt: skip
+                return state
+            remaining = deadline - time.monotonic()
+            if remaining <= _RETRY_S:
                 raise RuntimeError(
-                    f"could not fetch the state of step {step} from {metadata} (replica rank "
-                    f"{src_rank}) within {timeout.total_seconds():.1f} s; last answer: {last}"
+                    f"could not fetch step {step} from replica rank {src_rank} at {metadata} "
+                    f"within {timeout.total_seconds():g} s ({attempts} attempts); "
+                    f"last answer: {last}"
                 )
-            time.sleep(0.05)
-
-    def _fetch(self, metadata: str, step: int, deadline: float) -> Any:
-        url = urlparse(metadata)
-        if not url.hostname or not url.port:
-            raise ValueError(f"checkpoint metadata {metadata!r} is not an http://host:port URL")
-
-        def get(path: str) -> http.client.HTTPResponse:
-            conn = http.client.HTTPConnection(
-                url.hostname, url.port, timeout=max(0.1, deadline - time.monotonic())
-            )
-            conn.request("GET", path)
-            response = conn.getresponse()
-            if response.status != 200:
-                message = response.read().decode(errors="replace")
-                conn.close()
-                if response.status in (_NOT_SERVING, _WRONG_STEP):
-                    raise _NotReady(message)
-                raise RuntimeError(f"{metadata}{path} answered {response.status}: {message}")
-            return response
-
-        tree = json.loads(get(f"/checkpoint/{step}/header").read())
-        specs = _format.tensor_specs(tree)
-        tensors = [_format.empty_like_spec(s) for s in specs]
-        plan = _format.chunks([s["nbytes"] for s in specs], self._num_chunks)
-
-        def read_chunk(i: int) -> None:
-            response = get(f"/checkpoint/{step}/data?chunk={i}&of={len(plan)}")
-            try:
-                for index in plan[i]:
-                    _read_exactly(response, _format.as_bytes(tensors[index]))
-            finally:
-                response.close()
-
-        if len(plan) == 1:
-            read_chunk(0)
-        else:
-            with ThreadPoolExecutor(len(plan), thread_name_prefix="checkpoint-recv") as pool:
-                list(pool.map(read_chunk, range(len(plan))))
-        for i, spec in enumerate(specs):
-            if spec["device"].startswith("cuda") and torch.cuda.is_available():
-                tensors[i] = tensors[i].to(spec["device"])
-        return _format.unflatten(tree, tensors)
+            time.sleep(_RETRY_S)
 
     def shutdown(self, wait: bool = True) -> None:
-        if self._stopped:
-            return
-        self._stopped = True
+        """See base class. Transfers in flight are not waited for."""
+        with self._cond:
+            if self._closed:
+                return
+            self._closed = True
+            self._staged = None
+        if wait:
+            self._stop()
+        else:
+            threading.Thread(target=self._stop, name="checkpoint-http-stop", daemon=True).start()
+
+    def _stop(self) -> None:
         self._server.shutdown()
         self._server.server_close()
-        if wait:
-            self._thread.join(timeout=5)
+        self._thread.join()
+
+
+class _Server(ThreadingHTTPServer):
+    daemon_threads = True
+    request_queue_size = 128  # a receiver opens num_chunks connections at once
+    transport: HTTPTransport
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        logger.exception("checkpoint server: request from %s failed", client_address)
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    server: _Server
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        url = urlsplit(self.path)
+        match = re.fullmatch(r"/checkpoint/(\d{1,19})", url.path)
+        if match is None:
+            return self._refuse(404, f"unknown path {url.path!r}; use /checkpoint/{{step}}")
+        try:
+            chunk, of = _parse_chunk(url.query)
+        except ValueError as e:
+            return self._refuse(400, str(e))
+        staged, code, message = self.server.transport._begin(int(match[1]), self.connection)
+        if staged is None:
+            return self._refuse(code, message)
+        try:
+            self._send_state(staged, chunk, of)
+        except OSError as e:
+            self.close_connection = True
+            logger.warning("transfer of step %d to %s ended early: %s", staged.step,
+                           self.client_address[0], e)  # fmt: skip
+        finally:
+            self.server.transport._end(self.connection)
+
+    def _send_state(self, staged: _Staged, chunk: int, of: int) -> None:
+        start, end = _format.chunk_ranges(sum(staged.nbytes), of)[chunk]
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(len(staged.header) + end - start))
+        self.end_headers()
+        self.connection.sendall(staged.header)
+        for index, offset, length in _format.segments(staged.nbytes, start, end):
+            flat = _format.flat_bytes(staged.tensors[index])
+            for lo in range(offset, offset + length, _SLICE):
+                piece = flat[lo : min(lo + _SLICE, offset + length)]
+                piece = piece if piece.device.type == "cpu" else piece.cpu()
+                self.connection.sendall(_format.memview(piece))
+
+    def _refuse(self, code: int, message: str) -> None:
+        body = message.encode()
+        self.send_response(code)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("checkpoint server: " + format, *args)
+
+
+def _parse_chunk(query: str) -> tuple[int, int]:
+    if not query:
+        return 0, 1
+    params = parse_qs(query, keep_blank_values=True)
+    try:
+        if set(params) != {"chunk", "of"} or len(params["chunk"] + params["of"]) != 2:
+            raise ValueError
+        chunk, of = int(params["chunk"][0]), int(params["of"][0])
+    except ValueError:
+        raise ValueError(f"bad query {query!r}; use ?chunk=i&of=n") from None
+    if not (1 <= of <= _MAX_CHUNKS and 0 <= chunk < of):
+        raise ValueError(f"chunk={chunk}&of={of} needs 0 <= chunk < of <= {_MAX_CHUNKS}")
+    return chunk, of
 
 
 class _NotReady(Exception):
     """The source does not serve this step (yet): worth retrying."""
 
 
-def _read_exactly(response: http.client.HTTPResponse, out: memoryview) -> None:
-    view = out.cast("B") if out.format != "B" else out
-    got = 0
-    while got < len(view):
-        n = response.readinto(view[got:])
-        if not n:
-            raise ConnectionError(f"transfer cut short: {got} of {len(view)} bytes of a tensor")
-        got += n
+class _DeadlinePassed(TimeoutError):
+    pass
+
+
+class _Fetch:
+    """One attempt to fetch a step over one or more connections."""
+
+    def __init__(self, host: str, port: int, step: int, deadline: float) -> None:
+        self._host, self._port, self._step, self._deadline = host, port, step, deadline
+        self._conns: list[http.client.HTTPConnection] = []
+
+    def run(self, num_chunks: int) -> tuple[Any, int]:
+        """Returns the state and its number of tensor bytes."""
+        try:
+            first = self._open(0, num_chunks)
+            header = _format.decode_header(first[2])
+            if header.step != self._step:
+                raise ValueError(f"the header is of step {header.step}")
+            tensors = [_format.empty(spec) for spec in header.specs]
+            nbytes = [spec.nbytes for spec in header.specs]
+            ranges = _format.chunk_ranges(sum(nbytes), num_chunks)
+
+            def fill(i: int) -> None:
+                conn, response, raw = first if i == 0 else self._open(i, num_chunks)
+                if raw != first[2]:
+                    raise ValueError(f"chunk {i} has another header than chunk 0")
+                start, end = ranges[i]
+                if response.length != end - start:
+                    raise ValueError(
+                        f"chunk {i} has {response.length} bytes of data, not {end - start}"
+                    )
+                for index, offset, length in _format.segments(nbytes, start, end):
+                    view = _format.memview(tensors[index])[offset : offset + length]
+                    self._read_into(conn, response, view)
+
+            if num_chunks == 1:
+                fill(0)
+            else:
+                self._in_parallel(fill, num_chunks)
+        finally:
+            for conn in self._conns:
+                conn.close()
+        for i, spec in enumerate(header.specs):
+            if spec.device.startswith("cuda") and torch.cuda.is_available():
+                tensors[i] = tensors[i].to("cuda")
+        return _format.unflatten(header.tree, tensors), sum(nbytes)
+
+    def _open(
+        self, chunk: int, of: int
+    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, bytes]:
+        conn = http.client.HTTPConnection(self._host, self._port, timeout=self._remaining())
+        self._conns.append(conn)
+        path = f"/checkpoint/{self._step}" + (f"?chunk={chunk}&of={of}" if of > 1 else "")
+        conn.request("GET", path)
+        response = conn.getresponse()
+        if response.status != 200:
+            message = response.read(4096).decode("utf-8", "replace")
+            if response.status in (_NOT_SERVING, _WRONG_STEP):
+                raise _NotReady(message)
+            raise RuntimeError(f"GET {path} answered HTTP {response.status}: {message}")
+        header_len = _format.decode_prefix(self._read(conn, response, _format.PREFIX.size))
+        return conn, response, self._read(conn, response, header_len)
+
+    def _in_parallel(self, fill: Any, num_chunks: int) -> None:
+        with ThreadPoolExecutor(num_chunks, thread_name_prefix="checkpoint-recv") as pool:
+            futures = [pool.submit(fill, i) for i in range(num_chunks)]
+            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+            failed = [f for f in done if f.exception() is not None]
+            if failed:
+                for conn in self._conns:  # unblock the other streams at once
+                    if conn.sock is not None:
+                        _hang_up(conn.sock)
+                raise failed[0].exception()  # type: ignore[misc]
+
+    def _read(
+        self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse, n: int
+    ) -> bytes:
+        out = bytearray(n)
+        self._read_into(conn, response, memoryview(out))
+        return bytes(out)
+
+    def _read_into(
+        self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse, view: memoryview
+    ) -> None:
+        got = 0
+        while got < len(view):
+            if conn.sock is not None:  # per call, so a trickle cannot pass the deadline
+                conn.sock.settimeout(self._remaining())
+            n = response.readinto(view[got : got + _SLICE])
+            if not n:
+                raise ConnectionError(f"stream ended after {got} of {len(view)} bytes")
+            got += n
+
+    def _remaining(self) -> float:
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            raise _DeadlinePassed("the deadline passed during the transfer")
+        return remaining
+
+
+def _hang_up(conn: socket.socket) -> None:
+    try:
+        conn.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass

@@ -1,0 +1,304 @@
+"""HTTPTransport over real HTTP on 127.0.0.1: round trips, refusals, hostile peers."""
+
+from __future__ import annotations
+
+import http.client
+import http.server
+import json
+import pickle
+import socket
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from datetime import timedelta
+
+import pytest
+import torch
+
+from torchft_like.checkpointing import CheckpointTransport, HTTPTransport, _format
+
+pytestmark = pytest.mark.timeout(60)
+T = timedelta(seconds=5)
+SHORT = timedelta(seconds=0.5)
+
+
+def rich_state() -> dict:
+    return {
+        "model": {
+            "w32": torch.randn(3, 4),
+            "w16": torch.randn(5).half(),
+            "wbf": torch.randn(2, 2).bfloat16(),
+            "ids": torch.arange(6, dtype=torch.int64),
+            "mask": torch.tensor([True, False, True]),
+            "bytes": torch.arange(4, dtype=torch.uint8),
+            "scalar": torch.tensor(3.5),
+            "empty": torch.zeros(0, 3),
+            "strided": torch.randn(4, 4).t(),
+            "big": torch.randn(300_000),  # spans several chunks
+        },
+        "optim": {
+            "state": {0: {"step": torch.tensor(10.0), "exp_avg": torch.randn(3)}},
+            "param_groups": [{"lr": 1e-3, "betas": (0.9, 0.999), "params": [0], "foreach": None}],
+        },
+        "torchft": {"step": 10, "batches_committed": 20, "name": "x", "nan": float("nan")},
+    }
+
+
+def assert_identical(a, b) -> None:
+    assert type(a) is type(b) or isinstance(a, torch.Tensor)
+    if isinstance(a, torch.Tensor):
+        assert (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device)
+        assert torch.equal(_format.flat_bytes(a), _format.flat_bytes(b)), "bytes differ"
+    elif isinstance(a, dict):
+        assert list(a) == list(b)
+        for key in a:
+            assert_identical(a[key], b[key])
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert_identical(x, y)
+    elif isinstance(a, float) and a != a:
+        assert b != b
+    else:
+        assert a == b
+
+
+class CheckpointTransportContract:
+    """What every CheckpointTransport must do; subclass and define `make`."""
+
+    __test__ = False
+
+    def make(self, **kwargs) -> CheckpointTransport:
+        raise NotImplementedError
+
+    @pytest.fixture(autouse=True)
+    def _cleanup(self) -> Iterator[None]:
+        self.made: list[CheckpointTransport] = []
+        yield
+        for transport in self.made:
+            transport.shutdown()
+
+    def pair(self) -> tuple[CheckpointTransport, CheckpointTransport]:
+        return self.make(), self.make()
+
+    def test_a_state_dict_round_trips_bit_identical(self):
+        source, receiver = self.pair()
+        state = rich_state()
+        source.send_checkpoint([1], 10, state, T)
+
+        assert_identical(state, receiver.recv_checkpoint(0, source.metadata(), 10, T))
+
+    def test_a_request_for_another_step_is_refused_never_served_stale(self):
+        source, receiver = self.pair()
+        source.send_checkpoint([1], 10, rich_state(), T)
+
+        with pytest.raises(RuntimeError, match=r"fetch step 11 .*wrong step: asked 11, serving"):
+            receiver.recv_checkpoint(0, source.metadata(), 11, SHORT)
+
+    def test_after_disallow_the_receiver_is_told_not_serving_and_times_out(self):
+        source, receiver = self.pair()
+        source.send_checkpoint([1], 10, rich_state(), T)
+        source.disallow_checkpoint()
+        start = time.monotonic()
+
+        with pytest.raises(RuntimeError, match=r"step 10 .* within 0.5 s .*not serving"):
+            receiver.recv_checkpoint(0, source.metadata(), 10, SHORT)
+        assert time.monotonic() - start < 2
+
+    def test_the_receiver_retries_until_the_source_stages(self):
+        source, receiver = self.pair()
+        state = rich_state()
+        stager = threading.Timer(0.3, source.send_checkpoint, args=([1], 4, state, T))
+        stager.start()
+
+        assert_identical(state, receiver.recv_checkpoint(0, source.metadata(), 4, T))
+        stager.join()
+
+
+class TestHTTPTransport(CheckpointTransportContract):
+    __test__ = True
+
+    def make(self, **kwargs) -> HTTPTransport:
+        transport = HTTPTransport(timeout=T, hostname="127.0.0.1", **kwargs)
+        self.made.append(transport)
+        return transport
+
+
+class TestHTTPTransportInFourChunks(TestHTTPTransport):
+    def pair(self) -> tuple[CheckpointTransport, CheckpointTransport]:
+        return self.make(), self.make(num_chunks=4)
+
+
+@pytest.fixture
+def make() -> Iterator:
+    made: list[HTTPTransport] = []
+
+    def make(**kwargs) -> HTTPTransport:
+        made.append(HTTPTransport(timeout=kwargs.pop("timeout", T), hostname="127.0.0.1", **kwargs))
+        return made[-1]
+
+    yield make
+    for transport in made:
+        transport.shutdown()
+
+
+def test_metadata_is_the_url_of_the_server(make):
+    transport = make()
+    assert transport.metadata().startswith("http://127.0.0.1:")
+    assert HTTPTransport.__init__.__defaults__ == (0, None, 0)
+
+
+def test_an_unreachable_source_is_a_clear_error_within_the_timeout(make):
+    with socket.socket() as s:  # a port that was free a moment ago: nobody listens
+        s.bind(("127.0.0.1", 0))
+        address = f"http://127.0.0.1:{s.getsockname()[1]}"
+    start = time.monotonic()
+
+    with pytest.raises(RuntimeError, match=rf"step 3 .*at {address} within 1 s.*ConnectionRefused"):
+        make().recv_checkpoint(0, address, 3, timedelta(seconds=1))
+    assert time.monotonic() - start < 3
+
+
+def test_malformed_metadata_is_a_value_error(make):
+    with pytest.raises(ValueError, match="not an http://host:port URL"):
+        make().recv_checkpoint(0, "127.0.0.1:80", 3, T)
+
+
+def test_unsupported_values_fail_in_send_checkpoint_naming_their_path(make):
+    with pytest.raises(TypeError, match=r"state\['model'\]\['fn'\]: values of type function"):
+        make().send_checkpoint([1], 1, {"model": {"fn": lambda: 0}}, T)
+
+
+def test_disallow_waits_for_a_transfer_in_flight(make):
+    source = make()
+    big = {"w": torch.randn(16 << 20)}  # 64 MB: more than the socket buffers hold
+    original = big["w"].clone()
+    source.send_checkpoint([1], 1, big, T)
+    response = urllib.request.urlopen(source.metadata() + "/checkpoint/1", timeout=5)
+    first = response.read(1)  # the transfer is now in flight, stalled on us
+    disallowed = threading.Event()
+    threading.Thread(target=lambda: (source.disallow_checkpoint(), disallowed.set())).start()
+
+    assert not disallowed.wait(0.3), "disallow returned while a transfer was reading the state"
+    data = first + response.read()
+    assert disallowed.wait(5)
+    big["w"].zero_()  # the "optimizer" writes only after disallow returned
+    received = torch.frombuffer(bytearray(data[-original.numel() * 4 :]), dtype=torch.float32)
+    assert torch.equal(received, original)
+
+
+def test_disallow_cuts_off_a_transfer_stalled_past_the_timeout(make):
+    source = make()
+    source.send_checkpoint([1], 1, {"w": torch.randn(16 << 20)}, timedelta(seconds=0.3))
+    response = urllib.request.urlopen(source.metadata() + "/checkpoint/1", timeout=5)
+    response.read(1)
+    start = time.monotonic()
+    source.disallow_checkpoint()
+
+    assert 0.2 < time.monotonic() - start < 2
+    with pytest.raises((http.client.IncompleteRead, ConnectionError)):
+        response.read()
+
+
+def serve_body(body: bytes) -> http.server.ThreadingHTTPServer:
+    """A hostile or broken peer that answers every GET with 200 and `body`."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # noqa: N802
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, args=(0.05,), daemon=True).start()
+    return server
+
+
+def stream(doc: dict, data: bytes = b"") -> bytes:
+    body = json.dumps(doc).encode()
+    return _format.PREFIX.pack(_format.MAGIC, len(body)) + body + data
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        (pickle.dumps({"w": torch.zeros(2)}), "not a torchft_like state stream"),
+        (
+            stream(
+                {
+                    "format": 1,
+                    "step": 1,
+                    "tree": {
+                        "tensor": {"dtype": "object", "shape": [1], "nbytes": 8, "device": "cpu"}
+                    },  # fmt: skip
+                },
+                b"\0" * 8,
+            ),
+            "unknown dtype 'object'",
+        ),
+        (stream({"format": 1, "step": 2, "tree": None}), "the header is of step 2"),
+        (stream({"format": 1, "step": 1, "tree": None}, b"extra"), "has 5 bytes of data, not 0"),
+    ],
+)
+def test_a_malicious_or_broken_stream_is_refused(make, body, message):
+    server = serve_body(body)
+    try:
+        with pytest.raises(ValueError, match=message):
+            make().recv_checkpoint(0, f"http://127.0.0.1:{server.server_address[1]}", 1, T)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+@pytest.mark.parametrize(
+    "path, code, message",
+    [
+        ("/nope", 404, "unknown path '/nope'"),
+        ("/checkpoint/x", 404, "use /checkpoint/{step}"),
+        ("/checkpoint/1?chunk=4&of=4", 400, "needs 0 <= chunk < of"),
+        ("/checkpoint/1?chunk=a&of=4", 400, "bad query"),
+        ("/checkpoint/1?of=4", 400, "bad query"),
+    ],
+)
+def test_a_bad_request_gets_a_clear_4xx(make, path, code, message):
+    source = make()
+    source.send_checkpoint([1], 1, {"w": torch.zeros(1)}, T)
+    with pytest.raises(urllib.error.HTTPError) as e:
+        urllib.request.urlopen(source.metadata() + path, timeout=5)
+    assert e.value.code == code
+    assert message in e.value.read().decode()
+
+
+def test_shutdown_is_idempotent_and_stops_the_server(make):
+    transport = make()
+    port = int(transport.metadata().rsplit(":", 1)[1])
+    transport.shutdown()
+    transport.shutdown()
+    assert not transport._thread.is_alive()
+    with pytest.raises(ConnectionRefusedError):
+        socket.create_connection(("127.0.0.1", port), timeout=1).close()
+
+
+def test_a_port_in_use_is_a_clear_error(make):
+    port = int(make().metadata().rsplit(":", 1)[1])
+    with pytest.raises(OSError, match=f"cannot listen on port {port}.*port=0"):
+        make(port=port)
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"num_chunks": -1}, r"num_chunks \(-1\) must be in"),
+        ({"port": 70000}, r"port \(70000\) must be in"),
+        ({"timeout": timedelta(0)}, "must be positive"),
+    ],
+)
+def test_bad_arguments_are_a_value_error(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        HTTPTransport(**{"timeout": T, **kwargs})
