@@ -144,10 +144,13 @@ def make() -> Iterator:
         transport.shutdown()
 
 
-def test_metadata_is_the_url_of_the_server(make):
-    transport = make()
-    assert transport.metadata().startswith("http://127.0.0.1:")
-    assert HTTPTransport.__init__.__defaults__ == (0, None, 0)
+def test_metadata_is_the_url_peers_reach_and_defaults_to_the_host_name(make):
+    assert make().metadata().startswith("http://127.0.0.1:")
+    default = HTTPTransport(timeout=T)
+    try:
+        assert default.metadata().startswith(f"http://{socket.gethostname()}:")
+    finally:
+        default.shutdown()
 
 
 def test_an_unreachable_source_is_a_clear_error_within_the_timeout(make):

@@ -28,25 +28,26 @@ import re
 import socket
 import threading
 import time
-from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-import torch
-
 from torchft_like.checkpointing import _format
+from torchft_like.checkpointing._http_fetch import (
+    NOT_SERVING,
+    SLICE,
+    WRONG_STEP,
+    DeadlinePassed,
+    Fetch,
+    NotReady,
+    hang_up,
+)
 from torchft_like.checkpointing.transport import CheckpointTransport
 
 logger = logging.getLogger(__name__)
 
-_NOT_SERVING = 503
-_WRONG_STEP = 409
 _MAX_CHUNKS = 256
-_SLICE = 32 << 20
-"""Bytes per sendall / readinto call: large enough that the per-call cost
-(and the GIL hand-off) vanishes, small enough to check the deadline often."""
 _RETRY_S = 0.05
 
 
@@ -154,15 +155,15 @@ class HTTPTransport(CheckpointTransport[Any]):
                     bound,
                 )
                 for conn in self._active:
-                    _hang_up(conn)
+                    hang_up(conn)
 
     def _begin(self, step: int, conn: socket.socket) -> tuple[_Staged | None, int, str]:
         with self._cond:
             staged = self._staged
             if staged is None:
-                return None, _NOT_SERVING, "not serving: no state is staged on this replica now"
+                return None, NOT_SERVING, "not serving: no state is staged on this replica now"
             if staged.step != step:
-                return None, _WRONG_STEP, f"wrong step: asked {step}, serving step {staged.step}"
+                return None, WRONG_STEP, f"wrong step: asked {step}, serving step {staged.step}"
             self._active.add(conn)
             return staged, 200, ""
 
@@ -191,11 +192,11 @@ class HTTPTransport(CheckpointTransport[Any]):
         while True:
             attempts += 1
             try:
-                state, nbytes = _Fetch(url.hostname, url.port, step, deadline).run(self._num_chunks)
-            except _NotReady as e:
+                state, nbytes = Fetch(url.hostname, url.port, step, deadline).run(self._num_chunks)
+            except NotReady as e:
                 last = str(e)
             except (OSError, http.client.HTTPException) as e:
-                if not (isinstance(e, _DeadlinePassed) and attempts > 1):  # keep the reason
+                if not (isinstance(e, DeadlinePassed) and attempts > 1):  # keep the reason
                     last = f"{type(e).__name__}: {e}"
             except ValueError as e:
                 raise ValueError(f"{metadata} sent an invalid stream for step {step}: {e}") from e
@@ -276,8 +277,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.connection.sendall(staged.header)
         for index, offset, length in _format.segments(staged.nbytes, start, end):
             flat = _format.flat_bytes(staged.tensors[index])
-            for lo in range(offset, offset + length, _SLICE):
-                piece = flat[lo : min(lo + _SLICE, offset + length)]
+            for lo in range(offset, offset + length, SLICE):
+                piece = flat[lo : min(lo + SLICE, offset + length)]
                 piece = piece if piece.device.type == "cpu" else piece.cpu()
                 self.connection.sendall(_format.memview(piece))
 
@@ -306,114 +307,3 @@ def _parse_chunk(query: str) -> tuple[int, int]:
     if not (1 <= of <= _MAX_CHUNKS and 0 <= chunk < of):
         raise ValueError(f"chunk={chunk}&of={of} needs 0 <= chunk < of <= {_MAX_CHUNKS}")
     return chunk, of
-
-
-class _NotReady(Exception):
-    """The source does not serve this step (yet): worth retrying."""
-
-
-class _DeadlinePassed(TimeoutError):
-    pass
-
-
-class _Fetch:
-    """One attempt to fetch a step over one or more connections."""
-
-    def __init__(self, host: str, port: int, step: int, deadline: float) -> None:
-        self._host, self._port, self._step, self._deadline = host, port, step, deadline
-        self._conns: list[http.client.HTTPConnection] = []
-
-    def run(self, num_chunks: int) -> tuple[Any, int]:
-        """Returns the state and its number of tensor bytes."""
-        try:
-            first = self._open(0, num_chunks)
-            header = _format.decode_header(first[2])
-            if header.step != self._step:
-                raise ValueError(f"the header is of step {header.step}")
-            tensors = [_format.empty(spec) for spec in header.specs]
-            nbytes = [spec.nbytes for spec in header.specs]
-            ranges = _format.chunk_ranges(sum(nbytes), num_chunks)
-
-            def fill(i: int) -> None:
-                conn, response, raw = first if i == 0 else self._open(i, num_chunks)
-                if raw != first[2]:
-                    raise ValueError(f"chunk {i} has another header than chunk 0")
-                start, end = ranges[i]
-                if response.length != end - start:
-                    raise ValueError(
-                        f"chunk {i} has {response.length} bytes of data, not {end - start}"
-                    )
-                for index, offset, length in _format.segments(nbytes, start, end):
-                    view = _format.memview(tensors[index])[offset : offset + length]
-                    self._read_into(conn, response, view)
-
-            if num_chunks == 1:
-                fill(0)
-            else:
-                self._in_parallel(fill, num_chunks)
-        finally:
-            for conn in self._conns:
-                conn.close()
-        for i, spec in enumerate(header.specs):
-            if spec.device.startswith("cuda") and torch.cuda.is_available():
-                tensors[i] = tensors[i].to("cuda")
-        return _format.unflatten(header.tree, tensors), sum(nbytes)
-
-    def _open(
-        self, chunk: int, of: int
-    ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, bytes]:
-        conn = http.client.HTTPConnection(self._host, self._port, timeout=self._remaining())
-        self._conns.append(conn)
-        path = f"/checkpoint/{self._step}" + (f"?chunk={chunk}&of={of}" if of > 1 else "")
-        conn.request("GET", path)
-        response = conn.getresponse()
-        if response.status != 200:
-            message = response.read(4096).decode("utf-8", "replace")
-            if response.status in (_NOT_SERVING, _WRONG_STEP):
-                raise _NotReady(message)
-            raise RuntimeError(f"GET {path} answered HTTP {response.status}: {message}")
-        header_len = _format.decode_prefix(self._read(conn, response, _format.PREFIX.size))
-        return conn, response, self._read(conn, response, header_len)
-
-    def _in_parallel(self, fill: Any, num_chunks: int) -> None:
-        with ThreadPoolExecutor(num_chunks, thread_name_prefix="checkpoint-recv") as pool:
-            futures = [pool.submit(fill, i) for i in range(num_chunks)]
-            done, _ = wait(futures, return_when=FIRST_EXCEPTION)
-            failed = [f for f in done if f.exception() is not None]
-            if failed:
-                for conn in self._conns:  # unblock the other streams at once
-                    if conn.sock is not None:
-                        _hang_up(conn.sock)
-                raise failed[0].exception()  # type: ignore[misc]
-
-    def _read(
-        self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse, n: int
-    ) -> bytes:
-        out = bytearray(n)
-        self._read_into(conn, response, memoryview(out))
-        return bytes(out)
-
-    def _read_into(
-        self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse, view: memoryview
-    ) -> None:
-        got = 0
-        while got < len(view):
-            if conn.sock is not None:  # per call, so a trickle cannot pass the deadline
-                conn.sock.settimeout(self._remaining())
-            n = response.readinto(view[got : got + _SLICE])
-            if not n:
-                raise ConnectionError(f"stream ended after {got} of {len(view)} bytes")
-            got += n
-
-    def _remaining(self) -> float:
-        remaining = self._deadline - time.monotonic()
-        if remaining <= 0:
-            raise _DeadlinePassed("the deadline passed during the transfer")
-        return remaining
-
-
-def _hang_up(conn: socket.socket) -> None:
-    try:
-        conn.shutdown(socket.SHUT_RDWR)
-    except OSError:
-        pass
