@@ -149,8 +149,9 @@ class _Coordinator:
         return healthy_replicas(now, self.heartbeats, self.config.heartbeat_timeout_ms)
 
     def _log_waiting(self, kind: str, reason: str) -> None:
-        """One line per change of why no quorum can be issued, not one per tick."""
-        key = (kind, len(self.waiters), len(self._healthy(time.monotonic())))
+        """One line per change of why no quorum can be issued: not one per tick,
+        nor one per joining replica (a thousand replicas joining is one line)."""
+        key = (kind, len(self._healthy(time.monotonic())))
         if key != self._logged_status:
             self._logged_status = key
             logger.info("quorum status: %s", reason)

@@ -11,6 +11,7 @@ import functools
 import ipaddress
 import logging
 import threading
+import time
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -103,6 +104,7 @@ class ProcessGroupGloo(dist.ProcessGroup):
         self._generation = 0
         """Bumped when a group is dropped, so its late failures are not ours."""
         self._lock = threading.Lock()
+        self._droppers: list[threading.Thread] = []
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
         """Joins the group at `store_addr` as `rank` of `world_size`; blocks until
@@ -137,9 +139,11 @@ class ProcessGroupGloo(dist.ProcessGroup):
             # Off this thread: dropping a gloo group waits for its collectives
             # still in flight (up to `timeout`), and the peers of our next
             # configure() would time out waiting for us meanwhile.
-            threading.Thread(
+            dropper = threading.Thread(
                 target=_abort_and_drop, args=(retired,), name="torchft-gloo-abort", daemon=True
-            ).start()
+            )
+            dropper.start()
+            self._droppers = [t for t in self._droppers if t.is_alive()] + [dropper]
 
     def _run(
         self,
@@ -238,7 +242,13 @@ class ProcessGroupGloo(dist.ProcessGroup):
         return "torchft-gloo"
 
     def shutdown(self) -> None:
+        """Drops the group and waits (up to `timeout`) until every dropped group
+        is gone: a gloo group still being destroyed on a daemon thread when the
+        interpreter exits aborts the process ("terminate called ...")."""
         self._abort_backend()
+        deadline = time.monotonic() + self._timeout.total_seconds()
+        for dropper in self._droppers:
+            dropper.join(max(0.0, deadline - time.monotonic()))
 
 
 def _abort_and_drop(retired: list[Any]) -> None:

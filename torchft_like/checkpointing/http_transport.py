@@ -69,8 +69,9 @@ class HTTPTransport(CheckpointTransport[Any]):
     `metadata()` is ``http://{hostname}:{port}``.
 
     Args:
-        timeout: bound on how long `disallow_checkpoint` waits for transfers
-            when nothing is staged, and the default for staged steps.
+        timeout: how long `disallow_checkpoint` waits for transfers in flight
+            when no step is staged (a staged step uses the timeout given to
+            `send_checkpoint`).
         num_chunks: parallel connections per fetch; 0 or 1 means one.
             More can use more bandwidth on fast multi-core links.
         hostname: the name peers use to reach this rank. The default,
@@ -200,6 +201,10 @@ class HTTPTransport(CheckpointTransport[Any]):
                     last = f"{type(e).__name__}: {e}"
             except ValueError as e:
                 raise ValueError(f"{metadata} sent an invalid stream for step {step}: {e}") from e
+            except RuntimeError as e:  # a refusal that retrying cannot change
+                raise RuntimeError(
+                    f"could not fetch step {step} from replica rank {src_rank} at {metadata}: {e}"
+                ) from e
             else:
                 took = time.monotonic() - started
                 logger.info("received step %d from %s: %.1f MB in %.2f s (%.0f MB/s, %d streams)",
