@@ -205,12 +205,12 @@ def test_disallow_cuts_off_a_transfer_stalled_past_the_timeout(make):
         response.read()
 
 
-def serve_body(body: bytes) -> http.server.ThreadingHTTPServer:
-    """A hostile or broken peer that answers every GET with 200 and `body`."""
+def serve_body(body: bytes, status: int = 200) -> http.server.ThreadingHTTPServer:
+    """A hostile or broken peer that answers every GET with `status` and `body`."""
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_GET(self):  # noqa: N802
-            self.send_response(200)
+            self.send_response(status)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
@@ -254,6 +254,21 @@ def test_a_malicious_or_broken_stream_is_refused(make, body, message):
     try:
         with pytest.raises(ValueError, match=message):
             make().recv_checkpoint(0, f"http://127.0.0.1:{server.server_address[1]}", 1, T)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_peer_that_is_not_a_checkpoint_server_fails_at_once_naming_it(make):
+    server = serve_body(b"no such page", status=404)
+    address = f"http://127.0.0.1:{server.server_address[1]}"
+    start = time.monotonic()
+    try:
+        with pytest.raises(
+            RuntimeError, match=rf"step 1 .* at {address}: .*HTTP 404: no such page"
+        ):
+            make().recv_checkpoint(0, address, 1, T)
+        assert time.monotonic() - start < 2
     finally:
         server.shutdown()
         server.server_close()

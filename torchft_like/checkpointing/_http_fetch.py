@@ -28,7 +28,7 @@ class NotReady(Exception):
 
 
 class DeadlinePassed(TimeoutError):
-    pass
+    """The fetch's deadline passed before the state was complete."""
 
 
 class Fetch:
@@ -37,6 +37,7 @@ class Fetch:
     def __init__(self, host: str, port: int, step: int, deadline: float) -> None:
         self._host, self._port, self._step, self._deadline = host, port, step, deadline
         self._conns: list[http.client.HTTPConnection] = []
+        self._aborted = False
 
     def run(self, num_chunks: int) -> tuple[Any, int]:
         """Returns the state and its number of tensor bytes."""
@@ -45,12 +46,10 @@ class Fetch:
             header = _format.decode_header(first[2])
             if header.step != self._step:
                 raise ValueError(f"the header is of step {header.step}")
-            tensors = [_format.empty(spec) for spec in header.specs]
             nbytes = [spec.nbytes for spec in header.specs]
             ranges = _format.chunk_ranges(sum(nbytes), num_chunks)
 
-            def fill(i: int) -> None:
-                conn, response, raw = first if i == 0 else self._open(i, num_chunks)
+            def check(i: int, response: http.client.HTTPResponse, raw: bytes) -> None:
                 if raw != first[2]:
                     raise ValueError(f"chunk {i} has another header than chunk 0")
                 start, end = ranges[i]
@@ -58,6 +57,14 @@ class Fetch:
                     raise ValueError(
                         f"chunk {i} has {response.length} bytes of data, not {end - start}"
                     )
+
+            check(0, first[1], first[2])  # before allocating what the header claims
+            tensors = [_format.empty(spec) for spec in header.specs]
+
+            def fill(i: int) -> None:
+                conn, response, raw = first if i == 0 else self._open(i, num_chunks)
+                check(i, response, raw)
+                start, end = ranges[i]
                 for index, offset, length in _format.segments(nbytes, start, end):
                     view = _format.memview(tensors[index])[offset : offset + length]
                     self._read_into(conn, response, view)
@@ -96,6 +103,7 @@ class Fetch:
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)
             failed = [f for f in done if f.exception() is not None]
             if failed:
+                self._aborted = True
                 for conn in self._conns:  # unblock the other streams at once
                     if conn.sock is not None:
                         hang_up(conn.sock)
@@ -113,6 +121,8 @@ class Fetch:
     ) -> None:
         got = 0
         while got < len(view):
+            if self._aborted:
+                raise ConnectionAbortedError("another stream of this fetch failed")
             if conn.sock is not None:  # per call, so a trickle cannot pass the deadline
                 conn.sock.settimeout(self._remaining())
             n = response.readinto(view[got : got + SLICE])
