@@ -38,8 +38,7 @@ def group_main(lighthouse: str, group: int, steps: int, out: mp.Queue) -> None:
         lighthouse_addr=lighthouse,
         replica_id=f"bench{group}",
         hostname="127.0.0.1",
-        load_state_dict=lambda _: None,
-        state_dict=lambda: {},
+        init_sync=False,  # no model: nothing to sync, and no allreduce to fence a transfer
     )
     times = []
     while manager.current_step() < steps:
