@@ -10,15 +10,13 @@ process. Per-step time is measured on group 0 after 20 warm-up steps.
 from __future__ import annotations
 
 import argparse
-import json
 import multiprocessing as mp
 import os
 import statistics
 import time
 from datetime import timedelta
-from pathlib import Path
 
-REPO = Path(__file__).resolve().parent.parent
+from bench._report import report
 
 
 def group_main(lighthouse: str, group: int, steps: int, out: mp.Queue) -> None:
@@ -92,14 +90,7 @@ def main() -> None:
                 "steps": len(samples),
             }
         )
-    print(f"{'groups':>7} {'per-step median ms':>19} {'min':>7} {'max':>8}")
-    for r in rows:
-        print(f"{r['groups']:>7} {r['median_ms']:>19.3f} {r['min_ms']:>7.3f} {r['max_ms']:>8.3f}")
-    out = REPO / args.results
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "a") as f:
-        for r in rows:
-            f.write(json.dumps({"time": time.time(), **r}) + "\n")
+    report(rows, args.results)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,6 @@ one has its answer, median and min/max over the rounds.
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import subprocess
 import sys
@@ -20,6 +19,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
+from bench._report import report
 from lighthouse import LighthouseClient
 
 REPO = Path(__file__).resolve().parent.parent
@@ -88,17 +88,7 @@ def main() -> None:
                 "quorum_max_ms": round(1000 * max(samples), 2),
             }
         )
-    print(f"{'clients':>8} {'start-up s':>10} {'quorum median ms':>17} {'min':>7} {'max':>7}")
-    for r in rows:
-        print(
-            f"{r['clients']:>8} {r['startup_s']:>10.3f} {r['quorum_median_ms']:>17.2f} "
-            f"{r['quorum_min_ms']:>7.2f} {r['quorum_max_ms']:>7.2f}"
-        )
-    out = REPO / args.results
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "a") as f:
-        for r in rows:
-            f.write(json.dumps({"time": time.time(), **r}) + "\n")
+    report(rows, args.results)
 
 
 if __name__ == "__main__":

@@ -20,8 +20,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
+
+from bench._report import report
 
 REPO = Path(__file__).resolve().parent.parent
 WORKER = str(REPO / "bench" / "_step_worker.py")
@@ -106,20 +107,7 @@ def main() -> None:
                     "ratio_max": round(max(ratios), 3),
                 }
             )
-    print(
-        f"{'params':>7} {'plain DDP ms':>13} {'torchft_like ms':>16} "
-        f"{'ratio':>6} {'min':>6} {'max':>6}"
-    )
-    for r in rows:
-        print(
-            f"{r['params_m']:>6}M {r['plain_ms']:>13.2f} {r['ft_ms']:>16.2f} {r['ratio']:>6.3f} "
-            f"{r['ratio_min']:>6.3f} {r['ratio_max']:>6.3f}"
-        )
-    out = REPO / args.results
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with open(out, "a") as f:
-        for r in rows:
-            f.write(json.dumps({"time": time.time(), **r}) + "\n")
+    report(rows, args.results)
 
 
 if __name__ == "__main__":
