@@ -90,6 +90,13 @@ class CheckpointTransportContract:
 
         assert_identical(state, receiver.recv_checkpoint(0, source.metadata(), 10, T))
 
+    def test_a_large_tensor_read_in_several_pieces_round_trips_bit_identical(self):
+        source, receiver = self.pair()
+        state = {"embedding": torch.arange(20_000_000, dtype=torch.int32), "tail": torch.ones(3)}
+        source.send_checkpoint([1], 2, state, T)
+
+        assert_identical(state, receiver.recv_checkpoint(0, source.metadata(), 2, T))
+
     def test_a_request_for_another_step_is_refused_never_served_stale(self):
         source, receiver = self.pair()
         source.send_checkpoint([1], 10, rich_state(), T)
