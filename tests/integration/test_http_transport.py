@@ -17,7 +17,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from torchft_like.checkpointing import CheckpointTransport, HTTPTransport, _format
+from torchft_like.checkpointing import CheckpointTransport, HTTPTransport, _format, _http_fetch
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=5)
@@ -210,6 +210,22 @@ def test_disallow_cuts_off_a_transfer_stalled_past_the_timeout(make):
     assert 0.2 < time.monotonic() - start < 2
     with pytest.raises((http.client.IncompleteRead, ConnectionError)):
         response.read()
+
+
+def test_the_prefaulter_never_writes_a_piece_a_reader_has_claimed(monkeypatch):
+    monkeypatch.setattr(_http_fetch, "SLICE", 16 << 10)  # many pieces, many races
+    monkeypatch.setattr(_http_fetch._Prefaulter, "_MIN_TENSOR_BYTES", 1)
+    tensors = [torch.empty(3 << 20, dtype=torch.uint8), torch.empty(1 << 20, dtype=torch.uint8)]
+    nbytes = [t.numel() for t in tensors]
+    streams = [_http_fetch._pieces(nbytes, lo, hi) for lo, hi in _format.chunk_ranges(4 << 20, 2)]
+    prefaulter = _http_fetch._Prefaulter(tensors, streams)
+    for piece in streams[0] + streams[1]:  # a reader "receives" each piece
+        prefaulter.claim(piece)
+        index, lo, hi = piece
+        tensors[index][lo:hi] = 0xAB
+    prefaulter.stop()
+
+    assert all(bool((t == 0xAB).all()) for t in tensors)
 
 
 def serve_body(body: bytes, status: int = 200) -> http.server.ThreadingHTTPServer:
