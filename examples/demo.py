@@ -288,7 +288,11 @@ def draw_timeline(out: Path, args: argparse.Namespace, events: dict[str, float])
     fig, ax = plt.subplots(figsize=(10, 4))
     for g in range(args.groups):
         steps = [r for r in read_jsonl(out / f"group{g}.jsonl") if r["event"] == "step"]
-        ok = [(r["t"] - t0, r["step"]) for r in steps if r["committed"]]
+        ok: list[tuple[float, float]] = []
+        for r in (r for r in steps if r["committed"]):
+            if ok and r["step"] > ok[-1][1] + 1:  # a jump (healing): no line across it
+                ok.append((float("nan"), float("nan")))
+            ok.append((r["t"] - t0, r["step"]))
         missed = [(r["t"] - t0, r["step"]) for r in steps if not r["committed"]]
         healed = [(r["t"] - t0, r["step"]) for r in steps if r["healed"]]
         width = 2 * (args.groups - g) + 1  # later groups thinner, drawn on top
