@@ -94,6 +94,9 @@ def read_jsonl(path: Path) -> list[dict]:
 
 
 def progress(done: int, total: int, note: str) -> None:
+    """A progress bar on a terminal; nothing when the output goes to a file."""
+    if not sys.stderr.isatty():
+        return
     width = 30
     filled = int(width * min(done, total) / total)
     sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} steps  {note:<40}")
@@ -183,7 +186,7 @@ def main() -> int:
             }
             finished = {g: groups[g].poll() is not None for g in groups}
             note = "killed, restarting" if "kill" in events and "restart" not in events else ""
-            progress(min(steps.values()), args.steps, note)
+            progress(max(steps.values()), args.steps, note)
             if "kill" not in events and steps[args.victim] >= kill_at:
                 events["kill"] = time.time()
                 job.kill(groups[args.victim])

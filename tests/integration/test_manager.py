@@ -47,6 +47,7 @@ def train(
     start: threading.Event | None = None,
     min_replica_size: int = 1,
     step_sleep: float = 0.0,
+    reached: tuple[int, threading.Event] | None = None,
 ) -> list[dict]:
     """One replica group: `group_world_size` ranks as threads, each training a
     small model with the Optimizer wrapper. Returns each rank's final state."""
@@ -94,6 +95,8 @@ def train(
                 optimizer.step()
                 commits.append((step, manager.current_step() > step))
                 time.sleep(step_sleep)
+                if reached is not None and manager.current_step() >= reached[0]:
+                    reached[1].set()
             return {
                 "step": manager.current_step(),
                 "params": [p.detach().clone() for p in model.parameters()],
@@ -139,10 +142,11 @@ def test_groups_of_two_ranks_train_and_match_rank_by_rank(lighthouse):
 
 def test_a_late_replica_heals_from_a_peer_and_ends_bit_identical(lighthouse):
     with ThreadPoolExecutor(2) as pool:
-        early = pool.submit(train, lighthouse.address(), 0, 20, step_sleep=0.1)
         late_start = threading.Event()
+        early = pool.submit(
+            train, lighthouse.address(), 0, 20, step_sleep=0.1, reached=(5, late_start)
+        )
         late = pool.submit(train, lighthouse.address(), 1, 20, start=late_start, step_sleep=0.1)
-        threading.Timer(1.0, late_start.set).start()
         early_result, late_result = early.result(timeout=80)[0], late.result(timeout=80)[0]
     assert_identical(early_result, late_result)
     # The late group joined mid-run: it did fewer steps of its own than the early one.
