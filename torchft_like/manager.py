@@ -28,7 +28,7 @@ from torch.distributed import ReduceOp, TCPStore
 
 from torchft_like._work import FutureWork, completed_work
 from torchft_like.checkpointing import CheckpointTransport, HTTPTransport
-from torchft_like.manager_server import ManagerClient, ManagerServer
+from torchft_like.manager_server import LocalManagerClient, ManagerClient, ManagerServer
 from torchft_like.recovery import QuorumResult
 
 logger = logging.getLogger(__name__)
@@ -201,7 +201,11 @@ class Manager:
             self._store.set(prefix + REPLICA_ID_KEY, full_id)
         manager_addr = self._store.get(prefix + MANAGER_ADDR_KEY).decode()
         self.replica_id = self._store.get(prefix + REPLICA_ID_KEY).decode()
-        self._client = ManagerClient(manager_addr, connect_timeout=self._connect_timeout)
+        self._client: ManagerClient | LocalManagerClient = (
+            LocalManagerClient(self._manager_server)
+            if self._manager_server is not None
+            else ManagerClient(manager_addr, connect_timeout=self._connect_timeout)
+        )
         self._logger.info("manager ready, server %s", manager_addr)
 
     # ---- state -------------------------------------------------------------

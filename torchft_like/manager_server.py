@@ -9,6 +9,7 @@ on a private asyncio loop, so waiting never holds the GIL.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import os
 import time
@@ -28,7 +29,7 @@ from lighthouse.client import (
     check_reachable,
     map_rpc_error,
 )
-from lighthouse.errors import QuorumError
+from lighthouse.errors import QuorumError, QuorumTimeoutError
 from lighthouse.quorum import Quorum, QuorumMember
 from torchft_like.recovery import QuorumResult, compute_quorum_result
 
@@ -355,6 +356,61 @@ class _ManagerServicer(pb_grpc.ManagerServiceServicer):
         logger.error("[%s] killed by request: %s", self._s.replica_id, request.msg)
         asyncio.get_running_loop().call_later(0.1, os._exit, 1)
         return pb.KillResponse()
+
+
+class LocalManagerClient:
+    """ManagerClient's calls made straight on a ManagerServer in this process.
+
+    Group rank 0 hosts the server; going through its loop instead of a gRPC
+    round trip over loopback takes two local RPCs off every step.
+    """
+
+    def __init__(self, server: ManagerServer) -> None:
+        self.addr = server.address()
+        self._server = server
+
+    def _run(self, coro, timeout: timedelta, what: str):  # type: ignore[no-untyped-def]
+        async def bounded():  # type: ignore[no-untyped-def]
+            return await asyncio.wait_for(coro, timeout.total_seconds())
+
+        try:
+            # Bounded here too: if the server's loop stops, nothing else would wake us.
+            return self._server._loop.run(bounded(), timeout=timeout.total_seconds() + 5)
+        except (asyncio.TimeoutError, concurrent.futures.TimeoutError):  # distinct on 3.10
+            raise QuorumTimeoutError(
+                f"{what} at manager server {self.addr}: deadline passed"
+            ) from None
+
+    def _quorum(
+        self,
+        group_rank: int,
+        step: int,
+        checkpoint_metadata: str,
+        shrink_only: bool,
+        timeout: timedelta,
+        init_sync: bool = True,
+        commit_failures: int = 0,
+    ) -> QuorumResult:
+        request = pb.ManagerQuorumRequest(
+            group_rank=group_rank,
+            step=step,
+            checkpoint_metadata=checkpoint_metadata,
+            shrink_only=shrink_only,
+            init_sync=init_sync,
+            commit_failures=commit_failures,
+        )
+        coro = self._server.quorum(group_rank, request, timeout.total_seconds())
+        return self._run(coro, timeout, "Quorum")
+
+    def should_commit(
+        self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
+    ) -> bool:
+        return self._run(
+            self._server.should_commit(group_rank, step, should_commit), timeout, "ShouldCommit"
+        )
+
+    def close(self) -> None:
+        pass
 
 
 class ManagerClient:
