@@ -358,61 +358,6 @@ class _ManagerServicer(pb_grpc.ManagerServiceServicer):
         return pb.KillResponse()
 
 
-class LocalManagerClient:
-    """ManagerClient's calls made straight on a ManagerServer in this process.
-
-    Group rank 0 hosts the server; going through its loop instead of a gRPC
-    round trip over loopback takes two local RPCs off every step.
-    """
-
-    def __init__(self, server: ManagerServer) -> None:
-        self.addr = server.address()
-        self._server = server
-
-    def _run(self, coro, timeout: timedelta, what: str):  # type: ignore[no-untyped-def]
-        async def bounded():  # type: ignore[no-untyped-def]
-            return await asyncio.wait_for(coro, timeout.total_seconds())
-
-        try:
-            # Bounded here too: if the server's loop stops, nothing else would wake us.
-            return self._server._loop.run(bounded(), timeout=timeout.total_seconds() + 5)
-        except (asyncio.TimeoutError, concurrent.futures.TimeoutError):  # distinct on 3.10
-            raise QuorumTimeoutError(
-                f"{what} at manager server {self.addr}: deadline passed"
-            ) from None
-
-    def _quorum(
-        self,
-        group_rank: int,
-        step: int,
-        checkpoint_metadata: str,
-        shrink_only: bool,
-        timeout: timedelta,
-        init_sync: bool = True,
-        commit_failures: int = 0,
-    ) -> QuorumResult:
-        request = pb.ManagerQuorumRequest(
-            group_rank=group_rank,
-            step=step,
-            checkpoint_metadata=checkpoint_metadata,
-            shrink_only=shrink_only,
-            init_sync=init_sync,
-            commit_failures=commit_failures,
-        )
-        coro = self._server.quorum(group_rank, request, timeout.total_seconds())
-        return self._run(coro, timeout, "Quorum")
-
-    def should_commit(
-        self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
-    ) -> bool:
-        return self._run(
-            self._server.should_commit(group_rank, step, should_commit), timeout, "ShouldCommit"
-        )
-
-    def close(self) -> None:
-        pass
-
-
 class ManagerClient:
     """Blocking client of a ManagerServer, used by every rank of the group."""
 
@@ -452,6 +397,9 @@ class ManagerClient:
             init_sync=init_sync,
             commit_failures=commit_failures,
         )
+        return self._send_quorum(request, timeout)
+
+    def _send_quorum(self, request: pb.ManagerQuorumRequest, timeout: timedelta) -> QuorumResult:
         return result_from_proto(self._call(self._stub.Quorum, request, timeout, "Quorum"))
 
     def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
@@ -473,3 +421,46 @@ class ManagerClient:
 
     def close(self) -> None:
         self._channel.close()
+
+
+class LocalManagerClient(ManagerClient):
+    """ManagerClient whose calls go straight to a ManagerServer in this process.
+
+    Group rank 0 hosts the server; running on its loop instead of a gRPC
+    round trip over loopback takes two local RPCs off every step.
+    """
+
+    def __init__(self, server: ManagerServer) -> None:
+        self.addr = server.address()
+        self._server = server
+
+    def _run(self, coro, timeout: timedelta, what: str):  # type: ignore[no-untyped-def]
+        async def bounded():  # type: ignore[no-untyped-def]
+            return await asyncio.wait_for(coro, timeout.total_seconds())
+
+        try:
+            # Bounded here too: if the server's loop stops, nothing else would wake us.
+            return self._server._loop.run(bounded(), timeout=timeout.total_seconds() + 5)
+        except (asyncio.TimeoutError, concurrent.futures.TimeoutError):  # distinct on 3.10
+            raise QuorumTimeoutError(
+                f"{what} at manager server {self.addr}: deadline passed"
+            ) from None
+
+    def _send_quorum(self, request: pb.ManagerQuorumRequest, timeout: timedelta) -> QuorumResult:
+        coro = self._server.quorum(request.group_rank, request, timeout.total_seconds())
+        return self._run(coro, timeout, "Quorum")
+
+    def should_commit(
+        self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
+    ) -> bool:
+        coro = self._server.should_commit(group_rank, step, should_commit)
+        return self._run(coro, timeout, "ShouldCommit")
+
+    def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
+        metadata = self._server.checkpoint_metadata(rank)
+        if metadata is None:
+            raise QuorumError(f"group rank {rank} has not asked for a quorum yet")
+        return metadata
+
+    def close(self) -> None:
+        pass
