@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import signal
 import subprocess
@@ -21,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from torchft_like._procs import kill_tree
+from torchft_like._procs import kill_tree, spawn
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -58,16 +57,7 @@ class Job:
     def spawn(
         self, args: list[str], log_name: str, env: dict[str, str] | None = None
     ) -> subprocess.Popen:
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-        log = open(self.out / log_name, "ab")
-        proc = subprocess.Popen(
-            args,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env=full_env,
-            cwd=REPO,
-            start_new_session=True,
-        )
+        proc = spawn(args, open(self.out / log_name, "ab"), env, REPO)
         self.procs.append(proc)
         return proc
 

@@ -67,29 +67,6 @@ def check_reachable(target: str, what: str, connect_timeout: timedelta) -> None:
         raise unreachable(what, connect_timeout, e) from None
 
 
-def quorum_request(
-    replica_id: str,
-    address: str = "",
-    store_address: str = "",
-    step: int = 0,
-    world_size: int = 1,
-    shrink_only: bool = False,
-    data: dict[str, Any] | str | None = None,
-    commit_failures: int = 0,
-) -> pb.LighthouseQuorumRequest:
-    member = QuorumMember(
-        replica_id=replica_id,
-        address=address,
-        store_address=store_address,
-        step=step,
-        world_size=world_size,
-        shrink_only=shrink_only,
-        data=data if isinstance(data, str) else json.dumps(data) if data is not None else "",
-        commit_failures=commit_failures,
-    )
-    return pb.LighthouseQuorumRequest(requester=wire.member_to_proto(member))
-
-
 class LighthouseClient:
     """Blocking client. Quorum blocks until a quorum containing us is issued."""
 
@@ -126,19 +103,20 @@ class LighthouseClient:
             LighthouseUnavailableError: the lighthouse cannot be reached.
             ValueError: the lighthouse refused the request as malformed.
         """
+        member = QuorumMember(
+            replica_id=replica_id,
+            address=address,
+            store_address=store_address,
+            step=step,
+            world_size=world_size,
+            shrink_only=shrink_only,
+            data=data if isinstance(data, str) else json.dumps(data) if data is not None else "",
+            commit_failures=commit_failures,
+        )
         self._ensure_connected()
         try:
             response = self._stub.Quorum(
-                quorum_request(
-                    replica_id,
-                    address,
-                    store_address,
-                    step,
-                    world_size,
-                    shrink_only,
-                    data,
-                    commit_failures,
-                ),
+                pb.LighthouseQuorumRequest(requester=wire.member_to_proto(member)),
                 timeout=timeout.total_seconds(),
             )
         except grpc.RpcError as e:

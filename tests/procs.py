@@ -3,7 +3,6 @@ checked gone at teardown, so no test can leave a process behind."""
 
 from __future__ import annotations
 
-import os
 import queue
 import re
 import subprocess
@@ -12,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from torchft_like._procs import kill_tree
+from torchft_like._procs import kill_tree, spawn
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -22,19 +21,9 @@ class Children:
         self.procs: list[subprocess.Popen] = []
 
     def spawn(
-        self, args: list[str], log: Path | None = None, env: dict | None = None, **kw
+        self, args: list[str], log: Path | None = None, env: dict | None = None
     ) -> subprocess.Popen:
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", **(env or {})}
-        out = open(log, "ab") if log else subprocess.PIPE
-        proc = subprocess.Popen(
-            args,
-            stdout=out,
-            stderr=subprocess.STDOUT,
-            env=full_env,
-            cwd=REPO,
-            start_new_session=True,
-            **kw,
-        )
+        proc = spawn(args, open(log, "ab") if log else subprocess.PIPE, env, REPO)
         self.procs.append(proc)
         return proc
 
