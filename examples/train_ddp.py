@@ -50,6 +50,13 @@ parser.add_argument("--seed", type=int, default=0, help="seed of the data and th
 parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step")
 parser.add_argument("--log-json", default=None, help="append one JSON line per step here")
 parser.add_argument("--timeout-s", type=float, default=10, help="collective/transfer timeout")
+parser.add_argument(
+    "--fingerprint-every",
+    type=int,
+    default=10,
+    help="compare a fingerprint of the state across replicas every K committed steps; "
+    "a divergent replica heals (0: off)",
+)
 args = parser.parse_args()
 
 REPLICA_GROUP_ID = int(os.environ.get("REPLICA_GROUP_ID", 0))
@@ -112,6 +119,7 @@ try:
         quorum_timeout=timedelta(seconds=60),
         connect_timeout=timedelta(seconds=10),
         max_retries=50,
+        fingerprint_interval=args.fingerprint_every or None,
     )
 except LighthouseUnavailableError as e:
     log.error("%s", e)

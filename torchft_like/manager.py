@@ -28,6 +28,7 @@ from torch.distributed import ReduceOp, TCPStore
 
 from torchft_like._work import FutureWork, completed_work
 from torchft_like.checkpointing import CheckpointTransport, HTTPTransport
+from torchft_like.fingerprint import fingerprint
 from torchft_like.manager_server import LocalManagerClient, ManagerClient, ManagerServer
 from torchft_like.recovery import QuorumResult
 
@@ -98,6 +99,15 @@ class Manager:
         init_sync: at step 0 every replica copies the primary's weights.
         max_retries: raise after this many consecutive uncommitted steps.
         quorum_retries: lighthouse quorum failures retried by the server.
+        fingerprint_interval: every this many committed steps, compare a
+            fingerprint of the state across replicas; a replica whose state
+            differs from the others' at the same step is logged (ERROR) and
+            heals from one that agrees (rule: torchft_like.recovery
+            find_divergence). None: off.
+        fingerprint_fn: returns what to fingerprint (tensors, nested in
+            dicts/lists), e.g. `model.parameters` or a state dict without
+            buffers that replicas keep apart on purpose. None: the state
+            that healing copies (every registered state dict).
     """
 
     def __init__(
@@ -124,9 +134,18 @@ class Manager:
         init_sync: bool = True,
         max_retries: int | None = None,
         quorum_retries: int = 0,
+        fingerprint_interval: int | None = None,
+        fingerprint_fn: Callable[[], Any] | None = None,
     ) -> None:
         if min_replica_size < 1:
             raise ValueError(f"min_replica_size ({min_replica_size}) must be at least 1")
+        if fingerprint_interval is not None and fingerprint_interval < 1:
+            raise ValueError(
+                f"fingerprint_interval ({fingerprint_interval}) must be at least 1, "
+                "or None to turn fingerprints off"
+            )
+        self._fingerprint_interval = fingerprint_interval
+        self._fingerprint_fn = fingerprint_fn
         self._pg = pg
         self._min_replica_size = min_replica_size
         self._use_async_quorum = use_async_quorum
@@ -250,8 +269,13 @@ class Manager:
         self._healing = False
         self._healed = False
         self._pending_work = []
+        state_fingerprint = self._take_fingerprint()
         self._quorum_future = self._executor.submit(
-            self._async_quorum, allow_heal, shrink_only, timeout or self._quorum_timeout
+            self._async_quorum,
+            allow_heal,
+            shrink_only,
+            timeout or self._quorum_timeout,
+            state_fingerprint,
         )
         # A replica at step 0 may receive the initial weights (init_sync):
         # applying them before the forward pass makes its first gradient
@@ -266,7 +290,28 @@ class Manager:
         assert self._quorum_future is not None, "call start_quorum() first"
         self._quorum_future.result()
 
-    def _async_quorum(self, allow_heal: bool, shrink_only: bool, timeout: timedelta) -> None:
+    def _take_fingerprint(self) -> str:
+        """Every `fingerprint_interval` committed steps, a fingerprint of our
+        state for this step's quorum to carry to the other replicas. Taken
+        here because the state is final (the optimizer stepped after the last
+        commit; this step's forward pass, which may update buffers, has not
+        begun). Each rank sends its own: ranks of one group need not hold the
+        same state, and rank r is compared with rank r of the other groups."""
+        interval = self._fingerprint_interval
+        if interval is None or self._step == 0 or self._step % interval:
+            return ""
+        try:
+            fn = self._fingerprint_fn
+            value = fingerprint(fn() if fn else self._full_state_dict()["user"])
+        except Exception as e:
+            self._logger.exception("fingerprint failed, not comparing this step: %s", e)
+            return ""
+        self._logger.debug("state fingerprint %s", value)
+        return value
+
+    def _async_quorum(
+        self, allow_heal: bool, shrink_only: bool, timeout: timedelta, state_fingerprint: str = ""
+    ) -> None:
         start = time.monotonic()
         self._timings = {}
         try:
@@ -278,6 +323,7 @@ class Manager:
                 timeout=timeout,
                 init_sync=self._init_sync,
                 commit_failures=self._commit_failures,
+                fingerprint=state_fingerprint,
             )
             self._timings["quorum_s"] = time.monotonic() - start
             self._apply_quorum(result, allow_heal)

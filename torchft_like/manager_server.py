@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import json
 import logging
 import os
 import time
@@ -31,7 +32,7 @@ from lighthouse.client import (
 )
 from lighthouse.errors import QuorumError, QuorumTimeoutError
 from lighthouse.quorum import Quorum, QuorumMember
-from torchft_like.recovery import QuorumResult, compute_quorum_result
+from torchft_like.recovery import QuorumResult, compute_quorum_result, fingerprint_data
 
 logger = logging.getLogger(__name__)
 
@@ -182,14 +183,20 @@ class ManagerServer:
                 del rnd.calls[group_rank], rnd.futures[group_rank]
 
     async def _lighthouse_quorum(self, rnd: _Round) -> None:
-        reqs: list[pb.ManagerQuorumRequest] = list(rnd.calls.values())  # type: ignore[arg-type]
+        calls: dict[int, pb.ManagerQuorumRequest] = rnd.calls  # type: ignore[assignment]
+        reqs = list(calls.values())
+        step = max(r.step for r in reqs)
+        data = fingerprint_data(
+            step, {g: r.fingerprint for g, r in calls.items() if r.step == step}, self._world_size
+        )
         member = QuorumMember(
             replica_id=self.replica_id,
             address=self._address,
             store_address=self._store_addr,
-            step=max(r.step for r in reqs),
+            step=step,
             world_size=self._world_size,
             shrink_only=any(r.shrink_only for r in reqs),
+            data=json.dumps(data) if data else "",
             commit_failures=max(r.commit_failures for r in reqs),
         )
         init_sync = any(r.init_sync for r in reqs)
@@ -207,9 +214,13 @@ class ManagerServer:
             if f.done():
                 continue
             try:
-                f.set_result(compute_quorum_result(quorum, self.replica_id, rank, init_sync))
+                result = compute_quorum_result(quorum, self.replica_id, rank, init_sync)
             except ValueError as e:
                 f.set_exception(QuorumError(str(e)))
+                continue
+            if result.divergence:
+                logger.error("[%s] DIVERGENCE: %s", self.replica_id, result.divergence)
+            f.set_result(result)
 
     async def _quorum_with_retries(self, member: QuorumMember, timeout: timedelta) -> Quorum:
         for attempt in range(self._quorum_retries + 1):
@@ -388,6 +399,7 @@ class ManagerClient:
         timeout: timedelta,
         init_sync: bool = True,
         commit_failures: int = 0,
+        fingerprint: str = "",
     ) -> QuorumResult:
         request = pb.ManagerQuorumRequest(
             group_rank=group_rank,
@@ -396,6 +408,7 @@ class ManagerClient:
             shrink_only=shrink_only,
             init_sync=init_sync,
             commit_failures=commit_failures,
+            fingerprint=fingerprint,
         )
         return self._send_quorum(request, timeout)
 

@@ -2,10 +2,15 @@
 
 A pure function of (quorum, replica_id, group_rank, init_sync), so every
 ManagerServer derives the same assignment without talking to the others.
+That includes divergence: replicas at the same step whose state fingerprints
+differ (shared in QuorumMember.data) are told apart here, and the odd ones
+heal like replicas that are behind.
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from lighthouse.quorum import Quorum, QuorumMember
@@ -31,6 +36,87 @@ class QuorumResult:
     recover_src_replica_rank: int | None = None
     recover_dst_replica_ranks: tuple[int, ...] = ()
     commit_failures: int = 0
+    divergence: str = ""
+    """Why some replicas at max_step heal although up to date (their state
+    fingerprint is the odd one out), or empty. Not sent to the ranks."""
+
+
+FINGERPRINT_KEY = "fingerprint"
+"""Key of QuorumMember.data: {"step": s, "values": [one per group rank]}."""
+
+
+def fingerprint_data(step: int, values: Mapping[int, str], world_size: int) -> dict:
+    """The group's entry for QuorumMember.data: its ranks' fingerprints of
+    their state after `step` commits ("" for a rank that sent none); an empty
+    dict when no rank sent one."""
+    if not any(values.values()):
+        return {}
+    listed = [values.get(rank, "") for rank in range(world_size)]
+    return {FINGERPRINT_KEY: {"step": step, "values": listed}}
+
+
+def member_fingerprint(member: QuorumMember, group_rank: int) -> str | None:
+    """The fingerprint `member` shared for `group_rank` at its current step.
+
+    None when it shared none: data empty, not ours (a pytorch/torchft peer is
+    free to put anything there), or taken at another step, so a fingerprint
+    is only ever compared with one of the same step.
+    """
+    try:
+        entry = json.loads(member.data)[FINGERPRINT_KEY]
+        value = entry["values"][group_rank]
+        if entry["step"] == member.step and isinstance(value, str) and value:
+            return value
+    except (ValueError, TypeError, KeyError, IndexError):
+        pass
+    return None
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """Replicas at one step whose fingerprints for one group rank differ."""
+
+    odd: tuple[str, ...]
+    """Replica ids that must heal, sorted."""
+    kept: tuple[str, ...]
+    """Replica ids whose state is kept, sorted."""
+    reason: str
+
+
+def find_divergence(at_max: Sequence[QuorumMember], group_rank: int) -> Divergence | None:
+    """Which replicas at max_step hold the wrong state for `group_rank`.
+
+    The rule: the fingerprint most replicas share is kept; on a tie, the one
+    held by the lowest replica_id. Why: faults (a flipped bit, a bad host)
+    hit one replica at a time, so the value most replicas agree on is the
+    likely right one. A tie (always so with 2 replicas) carries no evidence
+    either way, so the rule only has to be one every replica computes
+    identically from the quorum alone: the lowest replica_id, with the usual
+    `{name}_{group}:{uuid}` ids the lowest-numbered group, which an operator
+    can predict. Replicas that shared no fingerprint are left out.
+    """
+    by_value: dict[str, list[str]] = {}
+    for member in sorted(at_max, key=lambda m: m.replica_id):
+        value = member_fingerprint(member, group_rank)
+        if value is not None:
+            by_value.setdefault(value, []).append(member.replica_id)
+    if len(by_value) < 2:
+        return None
+    # Ties keep the value seen first, i.e. the lowest replica_id's.
+    kept_value = max(by_value, key=lambda v: len(by_value[v]))
+    kept = tuple(by_value[kept_value])
+    odd = tuple(sorted(r for v, ids in by_value.items() if v != kept_value for r in ids))
+    others = "; ".join(
+        f"{v} held by {', '.join(ids)}" for v, ids in by_value.items() if v != kept_value
+    )
+    majority = all(len(ids) < len(kept) for v, ids in by_value.items() if v != kept_value)
+    reason = (
+        f"state fingerprints differ at step {at_max[0].step} for group rank {group_rank}: "
+        f"keeping {kept_value} held by {', '.join(kept)} "
+        f"({'majority' if majority else 'tie, lowest replica_id'}); {others}; "
+        f"healing {', '.join(odd)} from a kept replica"
+    )
+    return Divergence(odd=odd, kept=kept, reason=reason)
 
 
 def compute_quorum_result(
@@ -42,6 +128,9 @@ def compute_quorum_result(
     replica (i + group_rank) mod (number up to date), so recoveries of several
     replicas, and of the ranks of one group, do not all load one peer.
 
+    Replicas at max_step whose state fingerprint is the odd one out (see
+    find_divergence) heal too: they count as recovering, not as at max_step.
+
     Raises:
         ValueError: `replica_id` is not a participant of `quorum`.
     """
@@ -52,10 +141,13 @@ def compute_quorum_result(
     replica_rank = ids.index(replica_id)
     max_step = max(m.step for m in participants)
     at_max = [m for m in participants if m.step == max_step]
-    at_max_ids = [m.replica_id for m in at_max]
     primary = at_max[group_rank % len(at_max)]
+    divergence = find_divergence(at_max, group_rank)
+    odd = set(divergence.odd) if divergence else set()
+    at_max = [m for m in at_max if m.replica_id not in odd]
+    at_max_ids = [m.replica_id for m in at_max]
 
-    recovering = [m for m in participants if m.step != max_step]
+    recovering = [m for m in participants if m.step != max_step or m.replica_id in odd]
     if init_sync and max_step == 0:
         recovering = [m for m in participants if m.replica_id != primary.replica_id]
     recovering_ids = {m.replica_id for m in recovering}
@@ -86,4 +178,5 @@ def compute_quorum_result(
         recover_src_replica_rank=ids.index(src.replica_id) if src else None,
         recover_dst_replica_ranks=dst,
         commit_failures=max(m.commit_failures for m in participants),
+        divergence=divergence.reason if divergence else "",
     )

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from lighthouse.quorum import Quorum, QuorumMember
-from torchft_like.recovery import compute_quorum_result
+from torchft_like.recovery import compute_quorum_result, fingerprint_data, member_fingerprint
 
 
 def quorum(steps: dict[str, int], failures: int = 0) -> Quorum:
@@ -141,3 +143,175 @@ def test_commit_failures_are_passed_on():
 def test_a_replica_outside_the_quorum_is_an_error():
     with pytest.raises(ValueError, match="replica z is not in quorum 9"):
         compute_quorum_result(quorum({"a": 1}), "z", 0, False)
+
+
+# ---- divergence: fingerprints shared in QuorumMember.data ------------------
+
+
+def fp_quorum(members: dict[str, tuple[int, object]]) -> Quorum:
+    """members: replica_id -> (step, data), data a dict (JSON-encoded) or a raw string."""
+    return Quorum(
+        quorum_id=9,
+        participants=tuple(
+            QuorumMember(
+                replica_id=rid,
+                address=f"http://{rid}:1",
+                store_address=f"{rid}:2",
+                step=step,
+                data=data if isinstance(data, str) else json.dumps(data),
+            )
+            for rid, (step, data) in members.items()
+        ),
+        created=0.0,
+    )
+
+
+def fp(step: int, *values: str) -> dict:
+    return fingerprint_data(step, dict(enumerate(values)), len(values))
+
+
+# Columns: replica ids that heal because they diverged (in sorted order), and
+# words the reason must contain ("" when nothing diverged).
+DIVERGENCE_CASES = [
+    ("all agree", {"a": (5, fp(5, "x")), "b": (5, fp(5, "x"))}, 0, (), ""),
+    (
+        "two replicas disagree: the tie keeps the lowest replica_id",
+        {"a": (5, fp(5, "x")), "b": (5, fp(5, "y"))},
+        0,
+        ("b",),
+        "keeping x held by a (tie, lowest replica_id); y held by b; healing b",
+    ),
+    (
+        "the tie rule looks at replica ids, not at the order in the quorum",
+        {"b": (5, fp(5, "x")), "a": (5, fp(5, "y"))},
+        0,
+        ("b",),
+        "keeping y held by a",
+    ),
+    (
+        "the majority wins even against the lowest replica_id",
+        {"a": (5, fp(5, "y")), "b": (5, fp(5, "x")), "c": (5, fp(5, "x"))},
+        0,
+        ("a",),
+        "keeping x held by b, c (majority); y held by a; healing a",
+    ),
+    (
+        "three different values: the lowest replica_id's is kept",
+        {"a": (5, fp(5, "x")), "b": (5, fp(5, "y")), "c": (5, fp(5, "z"))},
+        0,
+        ("b", "c"),
+        "healing b, c",
+    ),
+    (
+        "two against two: the pair with the lowest replica_id is kept",
+        {"a": (5, fp(5, "y")), "b": (5, fp(5, "x")), "c": (5, fp(5, "x")), "d": (5, fp(5, "y"))},
+        0,
+        ("b", "c"),
+        "keeping y held by a, d (tie",
+    ),
+    (
+        "each group rank is compared with the same group rank only",
+        {"a": (5, fp(5, "x", "p")), "b": (5, fp(5, "x", "q"))},
+        1,
+        ("b",),
+        "for group rank 1",
+    ),
+    (
+        "group rank 0 agrees although group rank 1 does not",
+        {"a": (5, fp(5, "x", "p")), "b": (5, fp(5, "x", "q"))},
+        0,
+        (),
+        "",
+    ),
+    (
+        "a replica without a fingerprint is not compared",
+        {"a": (5, fp(5, "x")), "b": (5, ""), "c": (5, fp(5, "x"))},
+        0,
+        (),
+        "",
+    ),
+    (
+        "a fingerprint of another step is not compared",
+        {"a": (5, fp(5, "x")), "b": (5, fp(4, "y"))},
+        0,
+        (),
+        "",
+    ),
+    (
+        "a replica behind is not compared, it heals anyway",
+        {"a": (5, fp(5, "x")), "b": (3, fp(3, "y"))},
+        0,
+        (),
+        "",
+    ),
+    (
+        "data that is not ours is ignored",
+        {"a": (5, fp(5, "x")), "b": (5, "not json"), "c": (5, {"other": 1})},
+        0,
+        (),
+        "",
+    ),
+    (
+        "a group with fewer ranks has no fingerprint for a higher group rank",
+        {"a": (5, fp(5, "x", "p")), "b": (5, fp(5, "y"))},
+        1,
+        (),
+        "",
+    ),
+]
+
+
+@pytest.mark.parametrize("name, members, group_rank, odd, reason", DIVERGENCE_CASES)
+def test_divergence(name, members, group_rank, odd, reason):
+    q = fp_quorum(members)
+    ids = sorted(members)
+    results = {rid: compute_quorum_result(q, rid, group_rank, False) for rid in ids}
+    healing_at_max = tuple(
+        rid
+        for rid in ids
+        if results[rid].heal and members[rid][0] == max(s for s, _ in members.values())
+    )
+    assert healing_at_max == odd
+    for r in results.values():
+        assert reason in r.divergence
+        assert bool(r.divergence) == bool(odd)
+
+
+def test_a_divergent_replica_heals_from_a_kept_one_and_does_not_count_as_up_to_date():
+    q = fp_quorum({"a": (5, fp(5, "y")), "b": (5, fp(5, "x")), "c": (5, fp(5, "x"))})
+    odd, kept = compute_quorum_result(q, "a", 0, False), compute_quorum_result(q, "b", 0, False)
+    assert odd.heal and odd.recover_src_manager_address == "http://b:1"
+    assert odd.recover_src_replica_rank == 1
+    assert odd.max_replica_rank is None and odd.max_world_size == 2
+    assert kept.recover_dst_replica_ranks == (0,)
+    assert kept.max_replica_rank == 0 and kept.max_world_size == 2
+    assert odd.store_address == kept.store_address == "a:2"  # the store does not move
+
+
+def test_fingerprint_data_lists_one_value_per_group_rank():
+    assert fingerprint_data(7, {1: "q", 0: "p"}, 3) == {
+        "fingerprint": {"step": 7, "values": ["p", "q", ""]}
+    }
+
+
+def test_fingerprint_data_is_empty_when_no_rank_sent_one():
+    assert fingerprint_data(7, {0: "", 1: ""}, 2) == {}
+
+
+@pytest.mark.parametrize(
+    "data, group_rank, expected",
+    [
+        (json.dumps(fp(5, "x", "y")), 1, "y"),
+        (json.dumps(fp(5, "x")), 3, None),
+        (json.dumps(fp(4, "x")), 0, None),
+        (json.dumps({"fingerprint": {"step": 5, "values": [3]}}), 0, None),
+        (json.dumps({"fingerprint": "x"}), 0, None),
+        (json.dumps([1, 2]), 0, None),
+        ("", 0, None),
+    ],
+)
+def test_member_fingerprint_reads_only_well_formed_entries_of_the_same_step(
+    data, group_rank, expected
+):
+    member = QuorumMember(replica_id="a", step=5, data=data)
+    assert member_fingerprint(member, group_rank) == expected
