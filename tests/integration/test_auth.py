@@ -110,6 +110,25 @@ def test_a_lighthouse_without_a_secret_accepts_clients_that_send_one():
         server.shutdown()
 
 
+def test_the_status_page_stays_readable_and_has_no_action_with_or_without_the_secret():
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, http_bind="127.0.0.1:0", secret=S)
+    try:
+        http = server.http_address()
+        with urllib.request.urlopen(http + "/status.json", timeout=5) as r:
+            assert r.status == 200 and "quorum_id" in r.read().decode()
+        for secret in (None, S):
+            for method in ("POST", "PUT", "DELETE"):
+                request = urllib.request.Request(
+                    http + "/", method=method, data=b"", headers=auth.http_headers(secret)
+                )
+                with pytest.raises(urllib.error.HTTPError) as e:
+                    urllib.request.urlopen(request, timeout=5)
+                assert e.value.code == 405 and e.value.headers["Allow"] == "GET"
+                assert "the status page is read-only" in e.value.read().decode()
+    finally:
+        server.shutdown()
+
+
 # ---- ManagerServer -----------------------------------------------------------
 
 
