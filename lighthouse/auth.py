@@ -12,10 +12,19 @@ command-line value, which every user of the machine can read in ``ps``.
 Only entry points read the environment (`secret_from_env`); everything else
 takes the secret as an argument, None meaning access control is off.
 
+Protected: the lighthouse's and the ManagerServers' gRPC services (every
+RPC, also ones added later: the interceptor knows no method names) and the
+checkpoint HTTP servers (all paths). Not protected: the lighthouse's status
+page, which is read-only (see lighthouse.status); torch's TCPStore and the
+gloo connections of the process groups, which torch opens and we cannot
+guard; and a pytorch/torchft lighthouse, which ignores the secret.
+
 What this does not do: without TLS the secret and all traffic (weights
 included) cross the network in clear, so anyone who can watch the network
-can read and replay it. It keeps out callers who cannot, e.g. another job or
-a stray script on a shared cluster. TLS is the next step.
+can read the secret and replay it. It keeps out callers who cannot, e.g.
+another job or a stray script on a shared cluster, and turns a
+misconfigured peer into a clear error instead of a silent member. TLS (grpc's
+ssl credentials, an ssl-wrapped checkpoint server) is the next step.
 """
 
 from __future__ import annotations
@@ -48,13 +57,13 @@ def validate_secret(secret: str, source: str) -> str:
     """
     if not secret:
         raise ValueError(
-            f"the secret from {source} is empty; put the secret in it (e.g. the output of "
+            f"the secret in {source} is empty; put the secret in it (e.g. the output of "
             "`openssl rand -hex 32`), or give no secret at all (no --secret-file, "
             f"{SECRET_FILE_ENV} or {SECRET_ENV}) to run without access control"
         )
     if not all(0x21 <= ord(c) <= 0x7E for c in secret):
         raise ValueError(
-            f"the secret from {source} holds a space, a control or a non-ASCII character; "
+            f"the secret in {source} holds a space, a control or a non-ASCII character; "
             "use printable ASCII only, e.g. the output of `openssl rand -hex 32`"
         )
     return secret
@@ -201,8 +210,15 @@ def _denying_handler(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethod
 
 
 def server_interceptors(secret: str | None, service: str) -> list[aio.ServerInterceptor]:
-    """Interceptors for `aio.server(interceptors=...)`: none when the secret is None."""
-    return [] if secret is None else [SecretServerInterceptor(secret, service)]
+    """Interceptors for `aio.server(interceptors=...)`: none when the secret is None.
+
+    Raises:
+        ValueError: the secret is empty or cannot travel in a header.
+    """
+    if secret is None:
+        return []
+    validate_secret(secret, f"the {service}'s `secret` argument")
+    return [SecretServerInterceptor(secret, service)]
 
 
 # ---- gRPC clients --------------------------------------------------------------

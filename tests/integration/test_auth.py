@@ -363,3 +363,18 @@ def test_a_manager_refuses_a_checkpoint_transport_with_another_secret(lighthouse
             make_manager(lighthouse, store, secret=S, checkpoint_transport=transport)
     finally:
         transport.shutdown()
+
+
+@pytest.mark.parametrize(
+    "make, source",
+    [
+        (
+            lambda: LighthouseServer(bind="127.0.0.1:0", min_replicas=1, secret=""),
+            "the lighthouse's `secret` argument",
+        ),
+        (lambda: HTTPTransport(timeout=T, secret=""), "HTTPTransport's `secret` argument"),
+    ],
+)
+def test_an_empty_secret_argument_is_refused_not_taken_as_a_secret(make, source):
+    with pytest.raises(ValueError, match=f"the secret in {source} is empty"):
+        make()

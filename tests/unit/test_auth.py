@@ -71,7 +71,7 @@ def test_the_secret_file_flag_wins_over_the_environment(tmp_path):
 @pytest.mark.parametrize(
     "environ, message",
     [
-        ({auth.SECRET_ENV: ""}, "the secret from TORCHFT_SECRET is empty"),
+        ({auth.SECRET_ENV: ""}, "the secret in TORCHFT_SECRET is empty"),
         ({auth.SECRET_ENV: "two words"}, "holds a space, a control or a non-ASCII character"),
         ({auth.SECRET_ENV: "caf\u00e9"}, "holds a space, a control or a non-ASCII character"),
         ({auth.SECRET_FILE_ENV: ""}, "TORCHFT_SECRET_FILE is set but empty"),
@@ -90,7 +90,7 @@ def test_an_empty_secret_file_is_a_clear_error(tmp_path):
     path.write_text("\n")
     with pytest.raises(ValueError) as e:
         auth.read_secret_file(str(path))
-    assert f"the secret from file {str(path)!r} is empty" in str(e.value)
+    assert f"the secret in file {str(path)!r} is empty" in str(e.value)
     assert "openssl rand -hex 32" in str(e.value)
 
 

@@ -106,6 +106,8 @@ class HTTPTransport(CheckpointTransport[Any]):
             raise ValueError(f"port ({port}) must be in [0, 65535]; 0 picks a free one")
         self._timeout = timeout
         self._num_chunks = max(1, num_chunks)
+        if secret is not None:
+            auth.validate_secret(secret, "HTTPTransport's `secret` argument")
         self.secret = secret
         self._cond = threading.Condition()
         self._staged: _Staged | None = None
