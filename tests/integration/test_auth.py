@@ -266,6 +266,25 @@ def test_streaming_rpcs_pass_with_the_secret_on_blocking_and_asyncio_channels(ec
     assert asyncio.run(over_aio()) == ([b"y", b"y"], [b"z"])
 
 
+def test_an_asyncio_stream_written_call_by_call_carries_the_secret(echo_server):
+    """The pattern of a streaming heartbeat: write, read, write, read, close."""
+
+    async def chat() -> list[bytes]:
+        async with aio.insecure_channel(
+            echo_server, interceptors=auth.aio_client_interceptors(S)
+        ) as ch:
+            call = ch.stream_stream("/test.Echo/StreamStream")(timeout=5)
+            got = []
+            for beat in (b"1", b"2"):
+                await call.write(beat)
+                got.append(await call.read())
+            await call.done_writing()
+            assert await call.code() == grpc.StatusCode.OK
+            return got
+
+    assert asyncio.run(chat()) == [b"1", b"2"]
+
+
 # ---- checkpoint transfers ----------------------------------------------------
 
 
