@@ -143,6 +143,7 @@ class Manager:
         self._init_sync = init_sync
         self._max_retries = max_retries
         quorum_retries = int(os.environ.get(QUORUM_RETRIES_ENV, quorum_retries))
+        self._secret = secret if secret is not None else auth.load_secret()
         self._group_rank = rank if rank is not None else int(os.environ.get("RANK", 0))
         self._group_world_size = (
             world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
@@ -181,7 +182,6 @@ class Manager:
         )
         # A key per torchrun restart, so ranks never read a dead incarnation's address.
         prefix = f"torchft/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-        self._secret = secret if secret is not None else auth.load_secret()
         if isinstance(checkpoint_transport, HTTPTransport) and (
             checkpoint_transport.secret != self._secret
         ):
