@@ -31,12 +31,16 @@ from __future__ import annotations
 
 import collections
 import hmac
+import logging
 import os
+import threading
 from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
 import grpc
 from grpc import aio
+
+logger = logging.getLogger(__name__)
 
 SECRET_ENV = "TORCHFT_SECRET"
 SECRET_FILE_ENV = "TORCHFT_SECRET_FILE"
@@ -159,6 +163,33 @@ def http_refusal(headers: Any, secret: str | None, service: str) -> str | None:
 WWW_AUTHENTICATE = ("WWW-Authenticate", 'Bearer realm="torchft"')
 
 
+class RefusalLog:
+    """Logs a refused call at WARNING the first time per (peer host, what),
+    then at DEBUG, so a misconfigured peer shows up in the server's log once
+    and a flood of refusals cannot flood it. Thread-safe; bounded memory."""
+
+    _MAX_KEYS = 1024
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()
+
+    def refused(self, peer_host: str, what: str, why: str) -> None:
+        """`why` is the `refusal` text; its first clause is logged."""
+        key = (peer_host, what)
+        with self._lock:
+            first = key not in self._seen and len(self._seen) < self._MAX_KEYS
+            if first:
+                self._seen.add(key)
+        logger.log(
+            logging.WARNING if first else logging.DEBUG,
+            "refused %s from %s: %s (repeats from there are logged at DEBUG)",
+            what,
+            peer_host,
+            why.split(";", 1)[0],
+        )
+
+
 # ---- gRPC server ---------------------------------------------------------------
 
 
@@ -172,6 +203,7 @@ class SecretServerInterceptor(aio.ServerInterceptor):
     def __init__(self, secret: str, service: str) -> None:
         self._secret = secret
         self._service = service
+        self._log = RefusalLog()
 
     async def intercept_service(
         self,
@@ -187,13 +219,20 @@ class SecretServerInterceptor(aio.ServerInterceptor):
         why = refusal(presented, self._secret, self._service)
         if why is None or handler is None:
             return handler
-        return _denying_handler(handler, why)
+        return self._denying_handler(handler, handler_call_details.method, why)
+
+    def _denying_handler(
+        self, handler: grpc.RpcMethodHandler, method: str, why: str
+    ) -> grpc.RpcMethodHandler:
+        async def deny(_request: Any, context: aio.ServicerContext) -> None:
+            self._log.refused(context.peer().rsplit(":", 1)[0], method, why)
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
+
+        return _same_kind(handler, deny)
 
 
-def _denying_handler(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethodHandler:
-    async def deny(_request: Any, context: aio.ServicerContext) -> None:
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
-
+def _same_kind(handler: grpc.RpcMethodHandler, behavior: Any) -> grpc.RpcMethodHandler:
+    """A handler running `behavior`, of the same kind (unary or streaming) as `handler`."""
     if handler.request_streaming and handler.response_streaming:
         make = grpc.stream_stream_rpc_method_handler
     elif handler.request_streaming:
@@ -203,7 +242,7 @@ def _denying_handler(handler: grpc.RpcMethodHandler, why: str) -> grpc.RpcMethod
     else:
         make = grpc.unary_unary_rpc_method_handler
     return make(
-        deny,
+        behavior,
         request_deserializer=handler.request_deserializer,
         response_serializer=handler.response_serializer,
     )

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import urllib.error
 import urllib.request
 from datetime import timedelta
@@ -76,6 +77,27 @@ def test_the_lighthouse_refuses_every_rpc_without_the_right_secret(lighthouse, s
         channel.close()
     # Nothing of the refused calls reached the coordinator.
     assert lighthouse.status()["replicas"] == []
+
+
+def test_the_lighthouse_logs_a_refused_caller_once_at_warning_then_at_debug(lighthouse, caplog):
+    caplog.set_level(logging.DEBUG, logger="lighthouse.auth")
+    client = LighthouseClient(lighthouse.address())
+    try:
+        for _ in range(3):
+            with pytest.raises(QuorumError):
+                client.heartbeat("intruder")
+    finally:
+        client.close()
+    records = [r for r in caplog.records if r.name == "lighthouse.auth"]
+    assert [r.levelno for r in records] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
+    assert (
+        records[0]
+        .getMessage()
+        .startswith(
+            "refused /torchft.LighthouseService/Heartbeat from ipv4:127.0.0.1: unauthenticated: "
+            "this lighthouse requires the job's shared secret and the request carried none"
+        )
+    )
 
 
 @pytest.mark.parametrize("secret, carried", WRONG)
@@ -317,13 +339,20 @@ def test_a_checkpoint_fetch_without_the_right_secret_gets_401_and_says_so(
     assert carried in text and "TORCHFT_SECRET_FILE" in text
 
 
-def test_a_plain_http_request_without_the_secret_gets_401_with_www_authenticate(make_transport):
+def test_a_plain_http_request_without_the_secret_gets_401_with_www_authenticate(
+    make_transport, caplog
+):
     source = make_transport(S)
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(source.metadata() + "/checkpoint/0", timeout=5)
     assert e.value.code == 401
     assert e.value.headers["WWW-Authenticate"] == 'Bearer realm="torchft"'
     assert "carried none" in e.value.read().decode()
+    assert any(
+        r.levelno == logging.WARNING
+        and r.getMessage().startswith("refused a checkpoint GET from 127.0.0.1: unauthenticated")
+        for r in caplog.records
+    )
 
 
 @pytest.mark.parametrize("num_chunks", [1, 4])

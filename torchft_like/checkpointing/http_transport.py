@@ -121,6 +121,7 @@ class HTTPTransport(CheckpointTransport[Any]):
                 "pass port=0 to pick a free one"
             ) from e  # fmt: skip
         self._server.transport = self
+        self._server.refusals = auth.RefusalLog()
         self._thread = threading.Thread(target=self._serve, name="checkpoint-http", daemon=True)
         self._thread.start()
         host = hostname or socket.gethostname()
@@ -251,6 +252,7 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128  # a receiver opens num_chunks connections at once
     transport: HTTPTransport
+    refusals: auth.RefusalLog
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         logger.exception("checkpoint server: request from %s failed", client_address)
@@ -264,6 +266,7 @@ class _Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
         why = auth.http_refusal(self.headers, self.server.transport.secret, "checkpoint server")
         if why is not None:
+            self.server.refusals.refused(self.client_address[0], "a checkpoint GET", why)
             return self._refuse(401, why, auth.WWW_AUTHENTICATE)
         url = urlsplit(self.path)
         match = re.fullmatch(r"/checkpoint/(\d{1,19})", url.path)
