@@ -1,10 +1,11 @@
 """Access control by a shared secret: loading it, and checking it on gRPC and HTTP.
 
-When a job sets a secret, every gRPC call (lighthouse, ManagerServer), every
-checkpoint download and every state-changing status-page action must carry
-it, as ``authorization: Bearer <secret>`` (gRPC metadata or HTTP header).
-Calls without it are refused: gRPC UNAUTHENTICATED, HTTP 401, with a text
-that says what to set.
+When a job sets a secret, every gRPC call (lighthouse, ManagerServer) and
+every checkpoint download must carry it, as ``authorization: Bearer <secret>``
+(gRPC metadata or HTTP header); so must any state-changing status-page
+action, should one be added (there is none: the page is read-only). Calls
+without it are refused: gRPC UNAUTHENTICATED, HTTP 401, with a text that
+says what to set.
 
 The secret comes from TORCHFT_SECRET_FILE (a file holding it) or
 TORCHFT_SECRET, or on the lighthouse CLI from ``--secret-file``; never from a
