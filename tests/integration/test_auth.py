@@ -227,6 +227,9 @@ def echo_server():
         async for request in requests:
             yield request
 
+    async def stream_unary(requests, context):
+        return b"".join([r async for r in requests])
+
     loop = BackgroundLoop("echo")
 
     async def start():
@@ -238,6 +241,7 @@ def echo_server():
                     {
                         "UnaryStream": grpc.unary_stream_rpc_method_handler(unary_stream),
                         "StreamStream": grpc.stream_stream_rpc_method_handler(stream_stream),
+                        "StreamUnary": grpc.stream_unary_rpc_method_handler(stream_unary),
                     },
                 )
             ]
@@ -262,6 +266,9 @@ def test_streaming_rpcs_are_refused_without_the_right_secret(echo_server, secret
         with pytest.raises(grpc.RpcError) as e:
             list(channel.stream_stream("/test.Echo/StreamStream")(iter([b"x"]), timeout=5))
         assert_refused(e.value, "echo server", carried)
+        with pytest.raises(grpc.RpcError) as e:
+            channel.stream_unary("/test.Echo/StreamUnary")(iter([b"x"]), timeout=5)
+        assert_refused(e.value, "echo server", carried)
     finally:
         channel.close()
 
@@ -272,6 +279,9 @@ def test_streaming_rpcs_pass_with_the_secret_on_blocking_and_asyncio_channels(ec
         assert list(channel.unary_stream("/test.Echo/UnaryStream")(b"x", timeout=5)) == [b"x"] * 2
         out = channel.stream_stream("/test.Echo/StreamStream")(iter([b"a", b"b"]), timeout=5)
         assert list(out) == [b"a", b"b"]
+        assert channel.stream_unary("/test.Echo/StreamUnary")(iter([b"a", b"b"]), timeout=5) == (
+            b"ab"
+        )
     finally:
         channel.close()
 
