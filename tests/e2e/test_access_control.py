@@ -13,6 +13,7 @@ from lighthouse import LighthouseClient, QuorumError, auth
 from tests.e2e.test_kill_and_recover import finals
 from tests.e2e.test_lighthouse_cli import lighthouse_command
 from tests.procs import PYTHON, wait_for_line
+from torchft_like.manager_server import ManagerClient
 
 pytestmark = pytest.mark.timeout(120)
 S = "e2e-secret-0123456789abcdef"
@@ -130,3 +131,36 @@ def test_torchrun_jobs_with_the_secret_file_train_and_one_without_is_turned_away
     assert all("participants 2 committed True" in log for log in logs[:2])
     log = logs[2]
     assert "this lighthouse requires the job's shared secret and the request carried none" in log
+
+
+HOST_MANAGER_SERVER = """
+import sys, threading
+from lighthouse import LighthouseServer
+from torchft_like.manager_server import ManagerServer
+secret = open(sys.argv[1]).read().strip()
+lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, secret=secret)
+server = ManagerServer(replica_id="g:1", lighthouse_addr=lighthouse.address(),
+                       hostname="127.0.0.1", bind="127.0.0.1:0", store_addr="s:1",
+                       world_size=1, secret=secret)
+print("manager server on", server.address(), flush=True)
+threading.Event().wait()
+"""
+
+
+def test_the_kill_rpc_is_refused_without_the_secret_and_obeyed_with_it(children, secret_file):
+    proc = children.spawn([PYTHON, "-c", HOST_MANAGER_SERVER, str(secret_file)])
+    addr = wait_for_line(proc, r"manager server on (http://\S+)", timeout=60).group(1)
+    for secret, carried in [(None, "carried none"), ("wrong-secret", "carried a wrong one")]:
+        client = ManagerClient(addr, secret=secret)
+        try:
+            with pytest.raises(QuorumError, match=carried):
+                client._kill("not allowed")
+        finally:
+            client.close()
+        assert proc.poll() is None, "the refused Kill ended the process"
+    client = ManagerClient(addr, secret=S)
+    try:
+        client._kill("allowed")
+    finally:
+        client.close()
+    assert proc.wait(timeout=10) == 1
