@@ -29,7 +29,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-from lighthouse import LighthouseUnavailableError  # noqa: E402
+from lighthouse import QuorumError  # noqa: E402
 from torchft_like import (  # noqa: E402
     DistributedDataParallel,
     DistributedSampler,
@@ -121,7 +121,7 @@ try:
         max_retries=50,
         fingerprint_interval=args.fingerprint_every or None,
     )
-except LighthouseUnavailableError as e:
+except (QuorumError, ValueError) as e:  # unreachable, refused, bad settings
     log.error("%s", e)
     sys.exit(2)
 ddp_model = DistributedDataParallel(manager, model)

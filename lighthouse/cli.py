@@ -8,6 +8,7 @@ import signal
 import sys
 import threading
 
+from lighthouse import auth
 from lighthouse.server import LighthouseServer
 
 logger = logging.getLogger(__name__)
@@ -63,8 +64,28 @@ def build_parser() -> argparse.ArgumentParser:
         default="[::]:29511",
         help="status page and /metrics address, host:port (default [::]:29511; empty: off)",
     )
+    p.add_argument(
+        "--secret-file",
+        "--secret_file",
+        dest="secret_file",
+        default=None,
+        help=f"file holding the job's shared secret; every call must then carry it "
+        f"(default: ${auth.SECRET_FILE_ENV}, else ${auth.SECRET_ENV}, else no access control)",
+    )
+    # Defined only to refuse it: without it argparse would take `--secret X`
+    # as an abbreviation of --secret-file.
+    p.add_argument("--secret", action=_RefuseSecretValue, help=argparse.SUPPRESS)
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return p
+
+
+class _RefuseSecretValue(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, *_: object) -> None:
+        parser.error(
+            "refusing --secret: a secret on the command line can be read by every user of "
+            f"this machine (ps, shell history); put it in a file and pass --secret-file, or "
+            f"set {auth.SECRET_FILE_ENV} or {auth.SECRET_ENV}"
+        )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -74,6 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:
+        secret = auth.load_secret(args.secret_file)
         server = LighthouseServer(
             bind=args.bind,
             min_replicas=args.min_replicas,
@@ -81,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
             quorum_tick_ms=args.quorum_tick_ms,
             heartbeat_timeout_ms=args.heartbeat_timeout_ms,
             http_bind=args.http_bind or None,
+            secret=secret,
         )
     except (ValueError, OSError) as e:
         print(f"torchft-lighthouse: error: {e}", file=sys.stderr)

@@ -15,7 +15,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from lighthouse import wire
+from lighthouse import auth, wire
 from lighthouse._proto import torchft_pb2 as pb
 from lighthouse._proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.address import parse_bind, url_to_target
@@ -68,13 +68,23 @@ def check_reachable(target: str, what: str, connect_timeout: timedelta) -> None:
 
 
 class LighthouseClient:
-    """Blocking client. Quorum blocks until a quorum containing us is issued."""
+    """Blocking client. Quorum blocks until a quorum containing us is issued.
 
-    def __init__(self, addr: str, connect_timeout: timedelta = timedelta(seconds=10)) -> None:
+    `secret`: the job's shared secret, sent with every call (lighthouse.auth).
+    """
+
+    def __init__(
+        self,
+        addr: str,
+        connect_timeout: timedelta = timedelta(seconds=10),
+        secret: str | None = None,
+    ) -> None:
         self.addr = addr
         self._connect_timeout = connect_timeout
         self._target = url_to_target(addr)
-        self._channel = grpc.insecure_channel(self._target, options=CHANNEL_OPTIONS)
+        self._channel = auth.intercept_channel(
+            grpc.insecure_channel(self._target, options=CHANNEL_OPTIONS), secret
+        )
         self._stub = pb_grpc.LighthouseServiceStub(self._channel)
         self._connected = False
 
@@ -154,10 +164,19 @@ class LighthouseClient:
 class AsyncLighthouseClient:
     """asyncio twin of LighthouseClient, for servers that run on an event loop."""
 
-    def __init__(self, addr: str, connect_timeout: timedelta = timedelta(seconds=10)) -> None:
+    def __init__(
+        self,
+        addr: str,
+        connect_timeout: timedelta = timedelta(seconds=10),
+        secret: str | None = None,
+    ) -> None:
         self.addr = addr
         self._connect_timeout = connect_timeout
-        self._channel = aio.insecure_channel(url_to_target(addr), options=CHANNEL_OPTIONS)
+        self._channel = aio.insecure_channel(
+            url_to_target(addr),
+            options=CHANNEL_OPTIONS,
+            interceptors=auth.aio_client_interceptors(secret),
+        )
         self._stub = pb_grpc.LighthouseServiceStub(self._channel)
 
     async def _ensure_connected(self) -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
-from lighthouse import wire
+from lighthouse import auth, wire
 from lighthouse._aio import BackgroundLoop
 from lighthouse._proto import torchft_pb2 as pb
 from lighthouse._proto import torchft_pb2_grpc as pb_grpc
@@ -238,7 +238,8 @@ class LighthouseServer:
     Starts in the constructor; `address()` is its `http://host:port` URL and
     `shutdown()` is idempotent. Quorum ids start at the wall clock in
     milliseconds and never go below it (see `next_quorum_id`), so a restarted
-    lighthouse never repeats an id without persisting any state.
+    lighthouse never repeats an id without persisting any state. With a
+    `secret`, every call must carry it (lighthouse.auth); None: open to all.
 
     Raises:
         ValueError: a bad option or an unparsable bind address.
@@ -253,6 +254,7 @@ class LighthouseServer:
         quorum_tick_ms: int = 100,
         heartbeat_timeout_ms: int = 5000,
         http_bind: str | None = None,
+        secret: str | None = None,
     ) -> None:
         self.config = LighthouseConfig(
             min_replicas=min_replicas,
@@ -266,6 +268,7 @@ class LighthouseServer:
         self._loop = BackgroundLoop("lighthouse")
         self._http = None
         self._stopped = False
+        self._secret = secret
         try:
             self._port = self._loop.run(self._start(host, port))
             self._host = advertised_host(host)
@@ -277,9 +280,13 @@ class LighthouseServer:
             self.shutdown()
             raise
         logger.info("lighthouse listening on %s (gRPC, bind %s)", self.address(), bind)
+        logger.info("access control: %s", "on (shared secret)" if secret else "off (no secret)")
 
     async def _start(self, host: str, port: int) -> int:
-        self._server = aio.server(options=[("grpc.so_reuseport", 0)])
+        self._server = aio.server(
+            options=[("grpc.so_reuseport", 0)],
+            interceptors=auth.server_interceptors(self._secret, "lighthouse"),
+        )
         pb_grpc.add_LighthouseServiceServicer_to_server(
             _LighthouseServicer(self._coord), self._server
         )

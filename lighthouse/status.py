@@ -1,4 +1,16 @@
-"""The lighthouse's HTTP status page, JSON status and Prometheus metrics."""
+"""The lighthouse's HTTP status page, JSON status and Prometheus metrics.
+
+Access: the page is read-only and stays open when the job has a secret
+(lighthouse.auth). It shows replica ids, steps, heartbeat ages and the
+ManagerServer addresses; no secret, no weights, nothing that lets a reader
+act (every address it lists refuses calls without the secret). Keeping it
+open lets a browser and a Prometheus scraper read it without a token. Bind
+it to 127.0.0.1 (`--http-bind`) or turn it off (empty) where even the job's
+layout is not to be seen. It has no action that changes state (no kill
+button): any method but GET is refused with 405, so one cannot be reached
+by accident; one added later must be off unless a flag enables it, and
+require the secret (`auth.http_refusal`).
+"""
 
 from __future__ import annotations
 
@@ -78,8 +90,22 @@ class StatusServer:
                 else:
                     self._send(404, "text/plain", b"not found; try /, /status.json or /metrics\n")
 
-            def _send(self, code: int, content_type: str, body: bytes) -> None:
+            def _read_only(self) -> None:
+                self._send(
+                    405,
+                    "text/plain",
+                    b"the status page is read-only; use GET on /, /status.json or /metrics\n",
+                    ("Allow", "GET"),
+                )
+
+            do_POST = do_PUT = do_DELETE = do_PATCH = _read_only  # noqa: N815
+
+            def _send(
+                self, code: int, content_type: str, body: bytes, *headers: tuple[str, str]
+            ) -> None:
                 self.send_response(code)
+                for name, value in headers:
+                    self.send_header(name, value)
                 self.send_header("Content-Type", content_type)
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()

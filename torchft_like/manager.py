@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp, TCPStore
 
+from lighthouse import auth
 from torchft_like._work import FutureWork, completed_work
 from torchft_like.checkpointing import CheckpointTransport, HTTPTransport
 from torchft_like.fingerprint import fingerprint
@@ -81,7 +82,8 @@ class Manager:
     Argument names follow pytorch/torchft's Manager. Unset arguments come from
     torchrun's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) and
     TORCHFT_LIGHTHOUSE / TORCHFT_MANAGER_PORT; TORCHFT_*_SEC override the
-    timeouts and TORCHFT_QUORUM_RETRIES the retries.
+    timeouts and TORCHFT_QUORUM_RETRIES the retries; TORCHFT_SECRET_FILE or
+    TORCHFT_SECRET give the job's shared secret.
 
     Args:
         pg: reconfigurable process group for the cross-replica allreduce.
@@ -108,6 +110,9 @@ class Manager:
             dicts/lists), e.g. `model.parameters` or a state dict without
             buffers that replicas keep apart on purpose. None: the state
             that healing copies (every registered state dict).
+        secret: the job's shared secret (lighthouse.auth), sent with every
+            call and required by our servers; None reads TORCHFT_SECRET_FILE
+            or TORCHFT_SECRET, and without either access control is off.
     """
 
     def __init__(
@@ -136,6 +141,7 @@ class Manager:
         quorum_retries: int = 0,
         fingerprint_interval: int | None = None,
         fingerprint_fn: Callable[[], Any] | None = None,
+        secret: str | None = None,
     ) -> None:
         if min_replica_size < 1:
             raise ValueError(f"min_replica_size ({min_replica_size}) must be at least 1")
@@ -156,6 +162,7 @@ class Manager:
         self._init_sync = init_sync
         self._max_retries = max_retries
         quorum_retries = int(os.environ.get(QUORUM_RETRIES_ENV, quorum_retries))
+        self._secret = secret if secret is not None else auth.load_secret()
         self._group_rank = rank if rank is not None else int(os.environ.get("RANK", 0))
         self._group_world_size = (
             world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
@@ -194,7 +201,17 @@ class Manager:
         )
         # A key per torchrun restart, so ranks never read a dead incarnation's address.
         prefix = f"torchft/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-        self._checkpoint_transport = checkpoint_transport or HTTPTransport(timeout=self._timeout)
+        if isinstance(checkpoint_transport, HTTPTransport) and (
+            checkpoint_transport.secret != self._secret
+        ):
+            raise ValueError(
+                "checkpoint_transport's secret differs from the Manager's (TORCHFT_SECRET_FILE "
+                "or TORCHFT_SECRET): pass HTTPTransport(..., secret=...) the same secret, or "
+                "the peers cannot fetch from each other"
+            )
+        self._checkpoint_transport = checkpoint_transport or HTTPTransport(
+            timeout=self._timeout, secret=self._secret
+        )
         self._manager_server: ManagerServer | None = None
         if self._group_rank == 0:
             lighthouse_addr = lighthouse_addr or os.environ.get(LIGHTHOUSE_ENV)
@@ -215,6 +232,7 @@ class Manager:
                 heartbeat_interval=heartbeat_interval,
                 connect_timeout=self._connect_timeout,
                 quorum_retries=quorum_retries,
+                secret=self._secret,
             )
             self._store.set(prefix + MANAGER_ADDR_KEY, self._manager_server.address())
             self._store.set(prefix + REPLICA_ID_KEY, full_id)
@@ -223,7 +241,7 @@ class Manager:
         self._client: ManagerClient | LocalManagerClient = (
             LocalManagerClient(self._manager_server)
             if self._manager_server is not None
-            else ManagerClient(manager_addr, connect_timeout=self._connect_timeout)
+            else ManagerClient(manager_addr, self._connect_timeout, self._secret)
         )
         self._logger.info("manager ready, server %s", manager_addr)
 
@@ -365,7 +383,9 @@ class Manager:
                 result.recover_src_manager_address,
                 result.max_step,
             )
-            src = ManagerClient(result.recover_src_manager_address, self._connect_timeout)
+            src = ManagerClient(
+                result.recover_src_manager_address, self._connect_timeout, self._secret
+            )
             try:
                 metadata = src._checkpoint_metadata(self._group_rank, self._timeout)
             finally:

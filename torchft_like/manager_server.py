@@ -20,6 +20,7 @@ from datetime import timedelta
 import grpc
 from grpc import aio
 
+from lighthouse import auth
 from lighthouse._aio import BackgroundLoop
 from lighthouse._proto import torchft_pb2 as pb
 from lighthouse._proto import torchft_pb2_grpc as pb_grpc
@@ -96,6 +97,8 @@ class ManagerServer:
         heartbeat_interval: period of the lighthouse heartbeats.
         connect_timeout: bound on reaching the lighthouse.
         quorum_retries: lighthouse quorum failures retried before the ranks see one.
+        secret: the job's shared secret: required of our callers and sent to
+            the lighthouse (lighthouse.auth); None: access control off.
     """
 
     def __init__(
@@ -109,6 +112,7 @@ class ManagerServer:
         heartbeat_interval: timedelta = timedelta(milliseconds=100),
         connect_timeout: timedelta = timedelta(seconds=10),
         quorum_retries: int = 0,
+        secret: str | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size ({world_size}) must be at least 1")
@@ -119,6 +123,7 @@ class ManagerServer:
         self._heartbeat_interval = heartbeat_interval
         self._connect_timeout = connect_timeout
         self._quorum_retries = quorum_retries
+        self._secret = secret
         self._checkpoint_metadata: dict[int, str] = {}
         self._quorum_round = _Round()
         self._votes: dict[int, _Round] = {}
@@ -134,8 +139,13 @@ class ManagerServer:
         logger.info("[%s] manager server listening on %s", replica_id, self._address)
 
     async def _start(self, host: str, port: int) -> int:
-        self._lighthouse = AsyncLighthouseClient(self._lighthouse_addr, self._connect_timeout)
-        self._server = aio.server(options=[("grpc.so_reuseport", 0)])
+        self._lighthouse = AsyncLighthouseClient(
+            self._lighthouse_addr, self._connect_timeout, self._secret
+        )
+        self._server = aio.server(
+            options=[("grpc.so_reuseport", 0)],
+            interceptors=auth.server_interceptors(self._secret, "manager server"),
+        )
         pb_grpc.add_ManagerServiceServicer_to_server(_ManagerServicer(self), self._server)
         bound = 0
         try:
@@ -370,13 +380,23 @@ class _ManagerServicer(pb_grpc.ManagerServiceServicer):
 
 
 class ManagerClient:
-    """Blocking client of a ManagerServer, used by every rank of the group."""
+    """Blocking client of a ManagerServer, used by every rank of the group.
 
-    def __init__(self, addr: str, connect_timeout: timedelta = timedelta(seconds=10)) -> None:
+    `secret`: the job's shared secret, sent with every call (lighthouse.auth).
+    """
+
+    def __init__(
+        self,
+        addr: str,
+        connect_timeout: timedelta = timedelta(seconds=10),
+        secret: str | None = None,
+    ) -> None:
         self.addr = addr
         self._connect_timeout = connect_timeout
         self._target = url_to_target(addr)
-        self._channel = grpc.insecure_channel(self._target, options=CHANNEL_OPTIONS)
+        self._channel = auth.intercept_channel(
+            grpc.insecure_channel(self._target, options=CHANNEL_OPTIONS), secret
+        )
         self._stub = pb_grpc.ManagerServiceStub(self._channel)
         self._connected = False
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from lighthouse import auth
 from torchft_like.checkpointing import _format
 
 logger = logging.getLogger(__name__)
@@ -36,8 +37,11 @@ class DeadlinePassed(TimeoutError):
 class Fetch:
     """One attempt to fetch a step over one or more connections."""
 
-    def __init__(self, host: str, port: int, step: int, deadline: float) -> None:
+    def __init__(
+        self, host: str, port: int, step: int, deadline: float, secret: str | None = None
+    ) -> None:
         self._host, self._port, self._step, self._deadline = host, port, step, deadline
+        self._headers = auth.http_headers(secret)
         self._conns: list[http.client.HTTPConnection] = []
         self._aborted = False
         self._prefaulter: _Prefaulter | None = None
@@ -94,7 +98,7 @@ class Fetch:
         conn = http.client.HTTPConnection(self._host, self._port, timeout=self._remaining())
         self._conns.append(conn)
         path = f"/checkpoint/{self._step}" + (f"?chunk={chunk}&of={of}" if of > 1 else "")
-        conn.request("GET", path)
+        conn.request("GET", path, headers=self._headers)
         response = conn.getresponse()
         if response.status != 200:
             message = response.read(4096).decode("utf-8", "replace")

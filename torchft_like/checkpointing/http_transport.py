@@ -8,7 +8,8 @@ its live state dict for one step; a receiver asks for exactly that step:
                                            equal byte ranges of tensor data
 
 A 200 body is a stream in the format of `_format` (prefix, JSON header, raw
-tensor bytes). Refusals are text/plain: 503 "not serving" when nothing is
+tensor bytes). Refusals are text/plain: 401 without the job's secret (when
+the transport has one, see lighthouse.auth), 503 "not serving" when nothing is
 staged, 409 when another step is staged (never stale weights), 404 and 400
 for requests that are not of the above shape.
 
@@ -33,6 +34,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
+from lighthouse import auth
 from torchft_like.checkpointing import _format
 from torchft_like.checkpointing._http_fetch import (
     NOT_SERVING,
@@ -80,6 +82,8 @@ class HTTPTransport(CheckpointTransport[Any]):
             that can stall for seconds); "127.0.0.1" would only work when
             every replica shares this machine.
         port: port to listen on; 0 picks a free one.
+        secret: the job's shared secret: required of every request served,
+            and sent with every fetch. None: access control off.
 
     Raises:
         ValueError: a negative num_chunks or timeout, or a port out of range.
@@ -92,6 +96,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         num_chunks: int = 0,
         hostname: str | None = None,
         port: int = 0,
+        secret: str | None = None,
     ) -> None:
         if timeout <= timedelta(0):
             raise ValueError(f"timeout ({timeout}) must be positive")
@@ -101,6 +106,9 @@ class HTTPTransport(CheckpointTransport[Any]):
             raise ValueError(f"port ({port}) must be in [0, 65535]; 0 picks a free one")
         self._timeout = timeout
         self._num_chunks = max(1, num_chunks)
+        if secret is not None:
+            auth.validate_secret(secret, "HTTPTransport's `secret` argument")
+        self.secret = secret
         self._cond = threading.Condition()
         self._staged: _Staged | None = None
         self._active: set[socket.socket] = set()
@@ -113,6 +121,7 @@ class HTTPTransport(CheckpointTransport[Any]):
                 "pass port=0 to pick a free one"
             ) from e  # fmt: skip
         self._server.transport = self
+        self._server.refusals = auth.RefusalLog()
         self._thread = threading.Thread(target=self._serve, name="checkpoint-http", daemon=True)
         self._thread.start()
         host = hostname or socket.gethostname()
@@ -193,7 +202,8 @@ class HTTPTransport(CheckpointTransport[Any]):
         while True:
             attempts += 1
             try:
-                state, nbytes = Fetch(url.hostname, url.port, step, deadline).run(self._num_chunks)
+                fetch = Fetch(url.hostname, url.port, step, deadline, self.secret)
+                state, nbytes = fetch.run(self._num_chunks)
             except NotReady as e:
                 last = str(e)
             except (OSError, http.client.HTTPException) as e:
@@ -242,6 +252,7 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = 128  # a receiver opens num_chunks connections at once
     transport: HTTPTransport
+    refusals: auth.RefusalLog
 
     def handle_error(self, request: Any, client_address: Any) -> None:
         logger.exception("checkpoint server: request from %s failed", client_address)
@@ -253,6 +264,10 @@ class _Handler(BaseHTTPRequestHandler):
     server: _Server
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        why = auth.http_refusal(self.headers, self.server.transport.secret, "checkpoint server")
+        if why is not None:
+            self.server.refusals.refused(self.client_address[0], "a checkpoint GET", why)
+            return self._refuse(401, why, auth.WWW_AUTHENTICATE)
         url = urlsplit(self.path)
         match = re.fullmatch(r"/checkpoint/(\d{1,19})", url.path)
         if match is None:
@@ -287,9 +302,11 @@ class _Handler(BaseHTTPRequestHandler):
                 piece = piece if piece.device.type == "cpu" else piece.cpu()
                 self.connection.sendall(_format.memview(piece))
 
-    def _refuse(self, code: int, message: str) -> None:
+    def _refuse(self, code: int, message: str, *headers: tuple[str, str]) -> None:
         body = message.encode()
         self.send_response(code)
+        for name, value in headers:
+            self.send_header(name, value)
         self.send_header("Content-Type", "text/plain; charset=utf-8")
         self.send_header("Content-Length", str(len(body)))
         self.end_headers()
