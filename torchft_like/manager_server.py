@@ -29,6 +29,7 @@ from lighthouse.client import (
     check_reachable,
     map_rpc_error,
 )
+from lighthouse.decode_guard import RejectUndecodable
 from lighthouse.errors import QuorumError, QuorumTimeoutError
 from lighthouse.quorum import Quorum, QuorumMember
 from torchft_like.recovery import QuorumResult, compute_quorum_result
@@ -134,7 +135,9 @@ class ManagerServer:
 
     async def _start(self, host: str, port: int) -> int:
         self._lighthouse = AsyncLighthouseClient(self._lighthouse_addr, self._connect_timeout)
-        self._server = aio.server(options=[("grpc.so_reuseport", 0)])
+        self._server = aio.server(
+            interceptors=[RejectUndecodable()], options=[("grpc.so_reuseport", 0)]
+        )
         pb_grpc.add_ManagerServiceServicer_to_server(_ManagerServicer(self), self._server)
         bound = 0
         try:
@@ -162,6 +165,9 @@ class ManagerServer:
     ) -> QuorumResult:
         """Waits until every rank asked, then asks the lighthouse for the group."""
         self._check_rank(group_rank)
+        for name in ("step", "commit_failures"):
+            if getattr(req, name) < 0:
+                raise ValueError(f"{name} ({getattr(req, name)}) must not be negative")
         self._checkpoint_metadata[group_rank] = req.checkpoint_metadata
         rnd = self._quorum_round
         if timeout_s is not None:
@@ -254,8 +260,12 @@ class ManagerServer:
         try:
             return await asyncio.shield(future)
         finally:
-            if not future.done() and self._votes.get(step) is rnd:
+            if not future.done() and rnd.futures.get(group_rank) is future:
                 del rnd.calls[group_rank], rnd.futures[group_rank]
+                # An abandoned vote must not leave its step behind: fuzzed or
+                # stale steps would otherwise pile up for good.
+                if not rnd.calls and self._votes.get(step) is rnd:
+                    del self._votes[step]
 
     def checkpoint_metadata(self, rank: int) -> str | None:
         return self._checkpoint_metadata.get(rank)
