@@ -79,8 +79,9 @@ class _Round:
 
     calls: dict[int, object] = field(default_factory=dict)
     futures: dict[int, asyncio.Future] = field(default_factory=dict)
-    deadline: float = float("inf")
-    """Earliest deadline (monotonic) of the calls: it bounds the whole wait."""
+    deadlines: dict[int, float] = field(default_factory=dict)
+    """Deadline (monotonic) of each waiting call; the earliest bounds the whole
+    wait. Per call, so that a call that gave up takes its deadline with it."""
 
 
 class ManagerServer:
@@ -171,7 +172,7 @@ class ManagerServer:
         self._checkpoint_metadata[group_rank] = req.checkpoint_metadata
         rnd = self._quorum_round
         if timeout_s is not None:
-            rnd.deadline = min(rnd.deadline, time.monotonic() + timeout_s)
+            rnd.deadlines[group_rank] = time.monotonic() + timeout_s
         future = asyncio.get_running_loop().create_future()
         old = rnd.futures.get(group_rank)
         if old is not None and not old.done():
@@ -186,6 +187,7 @@ class ManagerServer:
         finally:
             if rnd.futures.get(group_rank) is future and not future.done():
                 del rnd.calls[group_rank], rnd.futures[group_rank]
+                rnd.deadlines.pop(group_rank, None)
 
     async def _lighthouse_quorum(self, rnd: _Round) -> None:
         reqs: list[pb.ManagerQuorumRequest] = list(rnd.calls.values())  # type: ignore[arg-type]
@@ -199,7 +201,8 @@ class ManagerServer:
             commit_failures=max(r.commit_failures for r in reqs),
         )
         init_sync = any(r.init_sync for r in reqs)
-        timeout_s = min(rnd.deadline - time.monotonic(), 24 * 3600.0)
+        deadline = min(rnd.deadlines.values(), default=float("inf"))
+        timeout_s = min(deadline - time.monotonic(), 24 * 3600.0)
         try:
             quorum = await self._quorum_with_retries(
                 member, timedelta(seconds=max(timeout_s, 0.001))

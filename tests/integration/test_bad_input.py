@@ -8,6 +8,7 @@ serializers, so the bytes reach the server exactly as generated.
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
 import time
@@ -20,7 +21,12 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from lighthouse import LighthouseClient, LighthouseServer, LighthouseUnavailableError
+from lighthouse import (
+    LighthouseClient,
+    LighthouseServer,
+    LighthouseUnavailableError,
+    QuorumTimeoutError,
+)
 from lighthouse._proto import torchft_pb2 as pb
 from torchft_like.checkpointing import HTTPTransport
 from torchft_like.manager_server import ManagerClient, ManagerServer
@@ -100,6 +106,15 @@ def assert_refused_properly(code: grpc.StatusCode, details: str) -> None:
     assert code in REFUSED, f"{code}: {details[:300]}"
     if code not in (grpc.StatusCode.OK, grpc.StatusCode.DEADLINE_EXCEEDED):
         assert details, f"{code} without a message"
+
+
+@pytest.fixture(autouse=True)
+def no_server_errors(caplog):
+    """A server that logs an error (a traceback from a handler) has not handled
+    the input, whatever status the client saw."""
+    yield
+    errors = [r for r in caplog.get_records("call") if r.levelno >= logging.ERROR]
+    assert not errors, "\n".join(r.getMessage()[:300] for r in errors)
 
 
 @pytest.fixture(scope="module")
@@ -371,6 +386,35 @@ def test_the_manager_server_serves_its_group_after_the_fuzzing(group):
     # Votes that timed out left nothing behind (one entry per fuzzed step would
     # grow without bound).
     assert not group._votes
+
+
+def test_a_rank_that_gave_up_does_not_shorten_the_next_quorum_of_its_group(group, group_lighthouse):
+    """The deadline of an abandoned call must leave with it; the group's next
+    lighthouse request gets the deadline of the calls still waiting."""
+    clients = [ManagerClient(group.address()) for _ in range(2)]
+    peer = LighthouseClient(group_lighthouse.address())
+    try:
+        with pytest.raises(QuorumTimeoutError):
+            clients[0]._quorum(0, 4, "", False, timedelta(seconds=0.2))
+        time.sleep(0.3)  # well past the abandoned call's deadline
+        # A healthy peer that joins late makes the group's quorum wait a while.
+        peer.heartbeat("peer")
+
+        def join_late():
+            time.sleep(0.5)
+            return peer.quorum("peer", T, step=4)
+
+        with ThreadPoolExecutor(3) as pool:
+            late = pool.submit(join_late)
+            results = list(pool.map(lambda r: clients[r]._quorum(r, 4, "", False, T), range(2)))
+            assert late.result(timeout=15).replica_ids() == ("fuzzed-group", "peer")
+        assert results[0].quorum_id == results[1].quorum_id
+        assert results[0].replica_world_size == 2
+    finally:
+        peer.leave("peer")
+        peer.close()
+        for c in clients:
+            c.close()
 
 
 def test_a_manager_server_after_shutdown_is_unavailable(group_lighthouse):
