@@ -113,7 +113,12 @@ def no_server_errors(caplog):
     """A server that logs an error (a traceback from a handler) has not handled
     the input, whatever status the client saw."""
     yield
-    errors = [r for r in caplog.get_records("call") if r.levelno >= logging.ERROR]
+    errors = [
+        r
+        for r in caplog.get_records("call")
+        # grpc's note that a caller went away before its answer could be sent.
+        if r.levelno >= logging.ERROR and "ExecuteBatchError" not in r.getMessage()
+    ]
     assert not errors, "\n".join(r.getMessage()[:300] for r in errors)
 
 
@@ -393,20 +398,32 @@ def test_a_rank_that_gave_up_does_not_shorten_the_next_quorum_of_its_group(group
     lighthouse request gets the deadline of the calls still waiting."""
     clients = [ManagerClient(group.address()) for _ in range(2)]
     peer = LighthouseClient(group_lighthouse.address())
+
+    def group_quorum() -> list:
+        with ThreadPoolExecutor(2) as pool:
+            return list(pool.map(lambda r: clients[r]._quorum(r, 4, "", False, T), range(2)))
+
+    def peer_waiting() -> bool:
+        replicas = group_lighthouse.status()["replicas"]
+        return any(r["waiting"] for r in replicas if r["replica_id"] == "peer")
+
     try:
-        with pytest.raises(QuorumTimeoutError):
-            clients[0]._quorum(0, 4, "", False, timedelta(seconds=0.2))
-        time.sleep(0.3)  # well past the abandoned call's deadline
-        # A healthy peer that joins late makes the group's quorum wait a while.
-        peer.heartbeat("peer")
+        with ThreadPoolExecutor(1) as pool:
+            # A quorum of the group and a peer, so that the group's next one
+            # must wait for the peer (fast quorum needs every previous member).
+            first = pool.submit(peer.quorum, "peer", T, step=4)
+            deadline = time.monotonic() + 10
+            while not peer_waiting() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert group_quorum()[0].replica_world_size == 2
+            assert first.result(timeout=15).replica_ids() == ("fuzzed-group", "peer")
 
-        def join_late():
-            time.sleep(0.5)
-            return peer.quorum("peer", T, step=4)
+            with pytest.raises(QuorumTimeoutError):
+                clients[0]._quorum(0, 5, "", False, timedelta(seconds=0.2))
+            time.sleep(0.3)  # well past the abandoned call's deadline
 
-        with ThreadPoolExecutor(3) as pool:
-            late = pool.submit(join_late)
-            results = list(pool.map(lambda r: clients[r]._quorum(r, 4, "", False, T), range(2)))
+            late = pool.submit(lambda: (time.sleep(0.5), peer.quorum("peer", T, step=5))[1])
+            results = group_quorum()
             assert late.result(timeout=15).replica_ids() == ("fuzzed-group", "peer")
         assert results[0].quorum_id == results[1].quorum_id
         assert results[0].replica_world_size == 2
