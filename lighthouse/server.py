@@ -21,7 +21,7 @@ from lighthouse._aio import BackgroundLoop
 from lighthouse._proto import torchft_pb2 as pb
 from lighthouse._proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.address import advertised_host, join_host_port, parse_bind
-from lighthouse.decode_guard import RejectUndecodable
+from lighthouse.decode_guard import add_servicer
 from lighthouse.metrics import LighthouseMetrics
 from lighthouse.quorum import (
     LighthouseConfig,
@@ -280,11 +280,11 @@ class LighthouseServer:
         logger.info("lighthouse listening on %s (gRPC, bind %s)", self.address(), bind)
 
     async def _start(self, host: str, port: int) -> int:
-        self._server = aio.server(
-            interceptors=[RejectUndecodable()], options=[("grpc.so_reuseport", 0)]
-        )
-        pb_grpc.add_LighthouseServiceServicer_to_server(
-            _LighthouseServicer(self._coord), self._server
+        self._server = aio.server(options=[("grpc.so_reuseport", 0)])
+        add_servicer(
+            pb_grpc.add_LighthouseServiceServicer_to_server,
+            _LighthouseServicer(self._coord),
+            self._server,
         )
         try:
             bound = self._server.add_insecure_port(join_host_port(host, port))

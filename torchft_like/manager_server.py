@@ -29,7 +29,7 @@ from lighthouse.client import (
     check_reachable,
     map_rpc_error,
 )
-from lighthouse.decode_guard import RejectUndecodable
+from lighthouse.decode_guard import add_servicer
 from lighthouse.errors import QuorumError, QuorumTimeoutError
 from lighthouse.quorum import Quorum, QuorumMember
 from torchft_like.recovery import QuorumResult, compute_quorum_result
@@ -136,10 +136,10 @@ class ManagerServer:
 
     async def _start(self, host: str, port: int) -> int:
         self._lighthouse = AsyncLighthouseClient(self._lighthouse_addr, self._connect_timeout)
-        self._server = aio.server(
-            interceptors=[RejectUndecodable()], options=[("grpc.so_reuseport", 0)]
+        self._server = aio.server(options=[("grpc.so_reuseport", 0)])
+        add_servicer(
+            pb_grpc.add_ManagerServiceServicer_to_server, _ManagerServicer(self), self._server
         )
-        pb_grpc.add_ManagerServiceServicer_to_server(_ManagerServicer(self), self._server)
         bound = 0
         try:
             bound = self._server.add_insecure_port(join_host_port(host, port))
