@@ -41,7 +41,14 @@ class BackgroundLoop:
         self._stopped = False
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
-        """Runs `coro` on the loop and waits for its result from this thread."""
+        """Runs `coro` on the loop and waits for its result from this thread.
+
+        Raises:
+            RuntimeError: after `stop()` (the loop may serve another owner now).
+        """
+        if self._stopped:
+            coro.close()
+            raise RuntimeError("this server has shut down; its event loop is stopped")
         return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
 
     def stop(self) -> None:
@@ -50,7 +57,7 @@ class BackgroundLoop:
             return
         self._stopped = True
         try:
-            self.run(_cancel_leftovers(), timeout=5)
+            asyncio.run_coroutine_threadsafe(_cancel_leftovers(), self.loop).result(5)
         except Exception as e:  # tasks that refuse to end: do not reuse this loop
             logger.debug("leftover tasks did not end, closing the loop: %s", e)
         else:
