@@ -308,6 +308,10 @@ class ManagerServer:
         self._loop.stop()
 
     async def _stop(self, leave: bool) -> None:
+        # Heartbeats end first: one that reached the lighthouse after our Leave
+        # would make us healthy again, and the others wait out its timeout.
+        self._heartbeater.cancel()
+        await asyncio.gather(self._heartbeater, return_exceptions=True)
         if leave:
             try:
                 await self._lighthouse.leave(self.replica_id, self._connect_timeout)
@@ -315,7 +319,6 @@ class ManagerServer:
                 logger.warning(
                     "[%s] could not tell the lighthouse we leave: %s", self.replica_id, e
                 )
-        self._heartbeater.cancel()
         await self._server.stop(grace=None)
         await self._lighthouse.close()
 
