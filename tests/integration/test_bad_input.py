@@ -268,7 +268,8 @@ def test_requests_after_shutdown_fail_as_unavailable_and_waiters_are_released():
             with pytest.raises(Exception):  # noqa: B017 (any error, but soon)
                 waiting.result(timeout=10)
             assert time.monotonic() - started < 10
-        with pytest.raises(LighthouseUnavailableError):
+        # Refused at once, or (on a loaded machine) still connecting at the deadline.
+        with pytest.raises((LighthouseUnavailableError, QuorumTimeoutError)):
             client.heartbeat("late", timedelta(seconds=1))
     finally:
         client.close()

@@ -60,7 +60,11 @@ def settled_usage(baseline: Usage, timeout_s: float = 10.0) -> Usage:
     deadline = time.monotonic() + timeout_s
     while True:
         usage = Usage.now()
-        back = usage.threads <= baseline.threads and usage.fds <= baseline.fds
+        back = (
+            usage.threads <= baseline.threads
+            and usage.os_threads <= baseline.os_threads + 2
+            and usage.fds <= baseline.fds + 2
+        )
         if back or time.monotonic() > deadline:
             return usage
         time.sleep(0.1)
