@@ -21,6 +21,7 @@ from lighthouse._aio import BackgroundLoop
 from lighthouse._proto import torchft_pb2 as pb
 from lighthouse._proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.address import advertised_host, join_host_port, parse_bind
+from lighthouse.decode_guard import add_servicer
 from lighthouse.metrics import LighthouseMetrics
 from lighthouse.quorum import (
     LighthouseConfig,
@@ -287,8 +288,10 @@ class LighthouseServer:
             options=[("grpc.so_reuseport", 0)],
             interceptors=auth.server_interceptors(self._secret, "lighthouse"),
         )
-        pb_grpc.add_LighthouseServiceServicer_to_server(
-            _LighthouseServicer(self._coord), self._server
+        add_servicer(
+            pb_grpc.add_LighthouseServiceServicer_to_server,
+            _LighthouseServicer(self._coord),
+            self._server,
         )
         try:
             bound = self._server.add_insecure_port(join_host_port(host, port))

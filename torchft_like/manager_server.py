@@ -31,6 +31,7 @@ from lighthouse.client import (
     check_reachable,
     map_rpc_error,
 )
+from lighthouse.decode_guard import add_servicer
 from lighthouse.errors import QuorumError, QuorumTimeoutError
 from lighthouse.quorum import Quorum, QuorumMember
 from torchft_like.recovery import QuorumResult, compute_quorum_result, fingerprint_data
@@ -80,8 +81,9 @@ class _Round:
 
     calls: dict[int, object] = field(default_factory=dict)
     futures: dict[int, asyncio.Future] = field(default_factory=dict)
-    deadline: float = float("inf")
-    """Earliest deadline (monotonic) of the calls: it bounds the whole wait."""
+    deadlines: dict[int, float] = field(default_factory=dict)
+    """Deadline (monotonic) of each waiting call; the earliest bounds the whole
+    wait. Per call, so that a call that gave up takes its deadline with it."""
 
 
 class ManagerServer:
@@ -146,7 +148,9 @@ class ManagerServer:
             options=[("grpc.so_reuseport", 0)],
             interceptors=auth.server_interceptors(self._secret, "manager server"),
         )
-        pb_grpc.add_ManagerServiceServicer_to_server(_ManagerServicer(self), self._server)
+        add_servicer(
+            pb_grpc.add_ManagerServiceServicer_to_server, _ManagerServicer(self), self._server
+        )
         bound = 0
         try:
             bound = self._server.add_insecure_port(join_host_port(host, port))
@@ -173,10 +177,13 @@ class ManagerServer:
     ) -> QuorumResult:
         """Waits until every rank asked, then asks the lighthouse for the group."""
         self._check_rank(group_rank)
+        for name in ("step", "commit_failures"):
+            if getattr(req, name) < 0:
+                raise ValueError(f"{name} ({getattr(req, name)}) must not be negative")
         self._checkpoint_metadata[group_rank] = req.checkpoint_metadata
         rnd = self._quorum_round
         if timeout_s is not None:
-            rnd.deadline = min(rnd.deadline, time.monotonic() + timeout_s)
+            rnd.deadlines[group_rank] = time.monotonic() + timeout_s
         future = asyncio.get_running_loop().create_future()
         old = rnd.futures.get(group_rank)
         if old is not None and not old.done():
@@ -191,6 +198,7 @@ class ManagerServer:
         finally:
             if rnd.futures.get(group_rank) is future and not future.done():
                 del rnd.calls[group_rank], rnd.futures[group_rank]
+                rnd.deadlines.pop(group_rank, None)
 
     async def _lighthouse_quorum(self, rnd: _Round) -> None:
         calls: dict[int, pb.ManagerQuorumRequest] = rnd.calls  # type: ignore[assignment]
@@ -210,7 +218,8 @@ class ManagerServer:
             commit_failures=max(r.commit_failures for r in reqs),
         )
         init_sync = any(r.init_sync for r in reqs)
-        timeout_s = min(rnd.deadline - time.monotonic(), 24 * 3600.0)
+        deadline = min(rnd.deadlines.values(), default=float("inf"))
+        timeout_s = min(deadline - time.monotonic(), 24 * 3600.0)
         try:
             quorum = await self._quorum_with_retries(
                 member, timedelta(seconds=max(timeout_s, 0.001))
@@ -275,8 +284,12 @@ class ManagerServer:
         try:
             return await asyncio.shield(future)
         finally:
-            if not future.done() and self._votes.get(step) is rnd:
+            if not future.done() and rnd.futures.get(group_rank) is future:
                 del rnd.calls[group_rank], rnd.futures[group_rank]
+                # An abandoned vote must not leave its step behind: fuzzed or
+                # stale steps would otherwise pile up for good.
+                if not rnd.calls and self._votes.get(step) is rnd:
+                    del self._votes[step]
 
     def checkpoint_metadata(self, rank: int) -> str | None:
         return self._checkpoint_metadata.get(rank)
@@ -316,6 +329,10 @@ class ManagerServer:
         self._loop.stop()
 
     async def _stop(self, leave: bool) -> None:
+        # Heartbeats end first: one that reached the lighthouse after our Leave
+        # would make us healthy again, and the others wait out its timeout.
+        self._heartbeater.cancel()
+        await asyncio.gather(self._heartbeater, return_exceptions=True)
         if leave:
             try:
                 await self._lighthouse.leave(self.replica_id, self._connect_timeout)
@@ -323,7 +340,6 @@ class ManagerServer:
                 logger.warning(
                     "[%s] could not tell the lighthouse we leave: %s", self.replica_id, e
                 )
-        self._heartbeater.cancel()
         await self._server.stop(grace=None)
         await self._lighthouse.close()
 

@@ -261,6 +261,12 @@ class _Server(ThreadingHTTPServer):
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     disable_nagle_algorithm = True
+    default_request_version = "HTTP/1.0"
+    """A two-word request line ("GET /x") is answered with a status line too,
+    not in HTTP/0.9's bare-body style that a client cannot tell from data."""
+    timeout = 60.0
+    """Seconds a socket operation may wait: a peer that connects and goes
+    silent is dropped instead of pinning a server thread for good."""
     server: _Server
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
@@ -268,7 +274,10 @@ class _Handler(BaseHTTPRequestHandler):
         if why is not None:
             self.server.refusals.refused(self.client_address[0], "a checkpoint GET", why)
             return self._refuse(401, why, auth.WWW_AUTHENTICATE)
-        url = urlsplit(self.path)
+        try:
+            url = urlsplit(self.path)
+        except ValueError as e:  # e.g. "http://[" as the target
+            return self._refuse(400, f"unparsable request target {self.path[:100]!r}: {e}")
         match = re.fullmatch(r"/checkpoint/(\d{1,19})", url.path)
         if match is None:
             return self._refuse(404, f"unknown path {url.path!r}; use /checkpoint/{{step}}")
@@ -287,6 +296,21 @@ class _Handler(BaseHTTPRequestHandler):
                            self.client_address[0], e)  # fmt: skip
         finally:
             self.server.transport._end(self.connection)
+
+    def _not_allowed(self) -> None:
+        body = f"method {self.command} not allowed; only GET is served".encode()
+        self.send_response(405)
+        self.send_header("Allow", "GET")
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")  # a request body, if any, stays unread
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    # Known methods get 405 (not http.server's 501); unknown ones keep 501 (RFC 9110).
+    do_HEAD = do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed  # noqa: N815
+    do_TRACE = do_CONNECT = _not_allowed  # noqa: N815
 
     def _send_state(self, staged: _Staged, chunk: int, of: int) -> None:
         start, end = _format.chunk_ranges(sum(staged.nbytes), of)[chunk]

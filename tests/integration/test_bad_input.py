@@ -1,0 +1,571 @@
+"""Malformed and extreme requests against real servers: the lighthouse, a
+ManagerServer and the checkpoint HTTP server. Each must answer with a proper
+status, never crash, and go on serving the healthy members afterwards.
+
+Raw gRPC requests go through a generic `channel.unary_unary` with identity
+serializers, so the bytes reach the server exactly as generated.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import grpc
+import pytest
+import torch
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from lighthouse import (
+    LighthouseClient,
+    LighthouseServer,
+    LighthouseUnavailableError,
+    QuorumTimeoutError,
+)
+from lighthouse._proto import torchft_pb2 as pb
+from torchft_like.checkpointing import HTTPTransport
+from torchft_like.manager_server import ManagerClient, ManagerServer
+
+pytestmark = [
+    pytest.mark.timeout(60),
+    pytest.mark.filterwarnings("ignore:Generating overly large repr"),
+]
+T = timedelta(seconds=10)
+FUZZ = settings(
+    max_examples=40,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+WAIT_S = 0.05
+"""Deadline of a fuzzed call that must wait (for a quorum or the other rank)."""
+ANSWER_S = 5.0
+"""Deadline of a call that must be refused: ample on a loaded machine."""
+RAW_S = 0.25
+"""Deadline of a call of raw bytes, which may or may not be well-formed."""
+
+INT64 = st.one_of(
+    st.sampled_from([-(2**63), -1, 0, 1, 2**63 - 1]), st.integers(-(2**63), 2**63 - 1)
+)
+UINT64 = st.one_of(st.sampled_from([0, 1, 2**64 - 1]), st.integers(0, 2**64 - 1))
+HUGE = [1 << 10, 1 << 20, 5 << 20]
+"""String lengths; 5 MiB is over gRPC's default 4 MiB message limit."""
+TEXT = st.integers(0, 7).flatmap(
+    # One string in eight is huge: each such call waits out a longer deadline.
+    lambda k: st.sampled_from(HUGE).map(lambda n: "r" * n) if k == 0 else st.text(max_size=30)
+)
+
+# Statuses that mean "your request was handled and refused or timed out";
+# UNKNOWN and INTERNAL would mean the server raised.
+REFUSED = {
+    grpc.StatusCode.OK,
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.UNAVAILABLE,
+}
+
+
+def raw_call(
+    channel: grpc.Channel, method: str, payload: bytes, timeout: float = RAW_S
+) -> tuple[grpc.StatusCode, str]:
+    call = channel.unary_unary(method, request_serializer=None, response_deserializer=None)
+    if len(payload) > 1 << 16:
+        timeout = max(timeout, 0.5)  # megabytes take a while just to travel
+    try:
+        call(payload, timeout=timeout)
+    except grpc.RpcError as e:
+        return e.code(), e.details() or ""
+    return grpc.StatusCode.OK, ""
+
+
+def check(
+    channel: grpc.Channel, method: str, payload: bytes, expected: tuple[grpc.StatusCode, str]
+) -> None:
+    """Sends `payload`; the answer must have the expected code and a message
+    containing the expected word (the field at fault)."""
+    want, word = expected
+    timeout = WAIT_S if want == grpc.StatusCode.DEADLINE_EXCEEDED else ANSWER_S
+    code, details = raw_call(channel, method, payload, timeout)
+    assert_refused_properly(code, details)
+    assert code == want, details[:300]
+    assert word in details, details[:300]
+
+
+TOO_BIG = (grpc.StatusCode.RESOURCE_EXHAUSTED, "")
+WAITS = (grpc.StatusCode.DEADLINE_EXCEEDED, "")
+
+
+def assert_refused_properly(code: grpc.StatusCode, details: str) -> None:
+    assert code in REFUSED, f"{code}: {details[:300]}"
+    if code not in (grpc.StatusCode.OK, grpc.StatusCode.DEADLINE_EXCEEDED):
+        assert details, f"{code} without a message"
+
+
+@pytest.fixture(autouse=True)
+def no_server_errors(caplog):
+    """A server that logs an error (a traceback from a handler) has not handled
+    the input, whatever status the client saw."""
+    yield
+    errors = [
+        r
+        for r in caplog.get_records("call")
+        # grpc's note that a caller went away before its answer could be sent.
+        if r.levelno >= logging.ERROR and "ExecuteBatchError" not in r.getMessage()
+    ]
+    assert not errors, "\n".join(r.getMessage()[:300] for r in errors)
+
+
+@pytest.fixture(scope="module")
+def lighthouse():
+    # Fuzzed replica ids stay healthy for heartbeat_timeout_ms: keep it short so
+    # the healthy members are not outvoted for long afterwards. min_replicas=2:
+    # a lone (fuzzed) caller never gets a quorum, so every well-formed fuzzed
+    # call must end at its deadline.
+    server = LighthouseServer(
+        bind="127.0.0.1:0", min_replicas=2, join_timeout_ms=100, heartbeat_timeout_ms=300
+    )
+    yield server
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def lighthouse_channel(lighthouse):
+    channel = grpc.insecure_channel(lighthouse.address().removeprefix("http://"))
+    yield channel
+    channel.close()
+
+
+def healthy_pair_gets_a_quorum(lighthouse: LighthouseServer) -> None:
+    """Two well-behaved replicas still get one quorum of exactly the two of them,
+    once the fuzzed ids' heartbeats expired."""
+    time.sleep(0.4)
+    clients = [LighthouseClient(lighthouse.address()) for _ in range(2)]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            futures = [
+                pool.submit(c.quorum, f"healthy-{i}", T, step=7) for i, c in enumerate(clients)
+            ]
+            quorums = [f.result(timeout=30) for f in futures]
+    finally:
+        for c in clients:
+            c.close()
+    assert quorums[0].replica_ids() == quorums[1].replica_ids() == ("healthy-0", "healthy-1")
+
+
+# ---- lighthouse ---------------------------------------------------------------
+
+LIGHTHOUSE_METHODS = [f"/torchft.LighthouseService/{m}" for m in ("Quorum", "Heartbeat", "Leave")]
+
+
+@FUZZ
+@given(method=st.sampled_from(LIGHTHOUSE_METHODS), payload=st.binary(max_size=200))
+@example(method=LIGHTHOUSE_METHODS[0], payload=b"\xff\xff\xff")  # corrupt wire format
+@example(method=LIGHTHOUSE_METHODS[0], payload=b"\x0a\x05\x0a\x03\xc3\x28a")  # bad UTF-8
+@example(method=LIGHTHOUSE_METHODS[1], payload=b"\x0a\x02\xc3\x28")
+def test_raw_bytes_to_the_lighthouse_get_a_proper_status(lighthouse_channel, method, payload):
+    code, details = raw_call(lighthouse_channel, method, payload)
+    assert code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), details
+    assert_refused_properly(code, details)
+
+
+def test_undecodable_bytes_are_invalid_argument_naming_the_message(lighthouse_channel):
+    code, details = raw_call(lighthouse_channel, LIGHTHOUSE_METHODS[0], b"\xff\xff\xff")
+    assert code == grpc.StatusCode.INVALID_ARGUMENT
+    assert "LighthouseQuorumRequest" in details
+
+
+def test_an_unknown_method_is_unimplemented(lighthouse_channel):
+    code, _ = raw_call(lighthouse_channel, "/torchft.LighthouseService/Nope", b"")
+    assert code == grpc.StatusCode.UNIMPLEMENTED
+
+
+@FUZZ
+@given(
+    replica_id=TEXT,
+    address=TEXT,
+    step=INT64,
+    world_size=UINT64,
+    commit_failures=INT64,
+    shrink_only=st.booleans(),
+    data=TEXT,
+)
+@example(
+    replica_id="r", address="", step=0, world_size=1, commit_failures=0, shrink_only=False,
+    data="d" * (5 << 20),
+)  # fmt: skip
+def test_extreme_quorum_requests_are_answered_or_refused_with_the_field(
+    lighthouse_channel, replica_id, address, step, world_size, commit_failures, shrink_only, data
+):
+    member = pb.QuorumMember(
+        replica_id=replica_id,
+        address=address,
+        store_address=address,
+        step=step,
+        world_size=world_size,
+        shrink_only=shrink_only,
+        data=data,
+        commit_failures=commit_failures,
+    )
+    payload = pb.LighthouseQuorumRequest(requester=member).SerializeToString()
+    if len(payload) > 4 << 20:
+        expected = TOO_BIG
+    elif not replica_id:
+        expected = (grpc.StatusCode.INVALID_ARGUMENT, "replica_id")
+    elif step < 0 or commit_failures < 0:
+        expected = (grpc.StatusCode.INVALID_ARGUMENT, "step" if step < 0 else "commit_failures")
+    else:
+        expected = WAITS  # min_replicas=2: alone, it waits until its deadline
+    check(lighthouse_channel, LIGHTHOUSE_METHODS[0], payload, expected)
+
+
+def test_a_duplicate_replica_id_supersedes_the_earlier_call():
+    """Two live calls with one replica id: the older is aborted with a reason,
+    the newer one is the member."""
+    # min_replicas=2 never lets the lone caller through: both must wait.
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=2)
+    first, second = LighthouseClient(server.address()), LighthouseClient(server.address())
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            older = pool.submit(first.quorum, "dup", timedelta(seconds=5))
+            deadline = time.monotonic() + 5
+            while not server.status()["replicas"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            with pytest.raises(Exception, match="(?i)deadline|no quorum"):
+                second.quorum("dup", timedelta(seconds=0.3))
+            with pytest.raises(Exception, match="called Quorum again"):
+                older.result(timeout=10)
+    finally:
+        first.close()
+        second.close()
+        server.shutdown()
+
+
+def test_the_lighthouse_serves_healthy_members_after_the_fuzzing(lighthouse, lighthouse_channel):
+    healthy_pair_gets_a_quorum(lighthouse)
+    # The status page still renders every (hostile) replica id it saw.
+    assert lighthouse.status()["replicas"]
+
+
+def test_requests_after_shutdown_fail_as_unavailable_and_waiters_are_released():
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=2)
+    client = LighthouseClient(server.address(), connect_timeout=timedelta(seconds=1))
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(client.quorum, "waiter", timedelta(seconds=30))
+            deadline = time.monotonic() + 5
+            while not server.status()["replicas"] and time.monotonic() < deadline:
+                time.sleep(0.01)
+            started = time.monotonic()
+            server.shutdown()
+            server.shutdown()  # idempotent
+            with pytest.raises(Exception):  # noqa: B017 (any error, but soon)
+                waiting.result(timeout=10)
+            assert time.monotonic() - started < 10
+        # Refused at once, or (on a loaded machine) still connecting at the deadline.
+        with pytest.raises((LighthouseUnavailableError, QuorumTimeoutError)):
+            client.heartbeat("late", timedelta(seconds=1))
+    finally:
+        client.close()
+
+
+# ---- ManagerServer ------------------------------------------------------------
+
+# Kill is left out on purpose: it ends the process that hosts the server.
+MANAGER_METHODS = [
+    f"/torchft.ManagerService/{m}" for m in ("Quorum", "ShouldCommit", "CheckpointMetadata")
+]
+
+
+@pytest.fixture(scope="module")
+def group_lighthouse():
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    yield server
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def group(group_lighthouse):
+    """A replica group of two ranks whose ManagerServer takes the fuzzing."""
+    server = ManagerServer(
+        replica_id="fuzzed-group",
+        lighthouse_addr=group_lighthouse.address(),
+        hostname="127.0.0.1",
+        bind="127.0.0.1:0",
+        store_addr="127.0.0.1:1",
+        world_size=2,
+    )
+    yield server
+    server.shutdown()
+
+
+@pytest.fixture(scope="module")
+def group_channel(group):
+    channel = grpc.insecure_channel(group.address().removeprefix("http://"))
+    yield channel
+    channel.close()
+
+
+@FUZZ
+@given(method=st.sampled_from(MANAGER_METHODS), payload=st.binary(max_size=200))
+@example(method=MANAGER_METHODS[0], payload=b"\xff\xff\xff")
+@example(method=MANAGER_METHODS[1], payload=b"\x18\xff\xff\xff\xff\xff\xff\xff\xff\xff\x01")
+def test_raw_bytes_to_a_manager_server_get_a_proper_status(group_channel, method, payload):
+    code, details = raw_call(group_channel, method, payload)
+    assert code not in (grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL), details
+    assert_refused_properly(code, details)
+
+
+@FUZZ
+@given(
+    group_rank=INT64,
+    step=INT64,
+    commit_failures=INT64,
+    metadata=TEXT,
+    shrink_only=st.booleans(),
+    init_sync=st.booleans(),
+)
+def test_extreme_manager_quorum_requests_are_refused_or_time_out(
+    group_channel, group_rank, step, commit_failures, metadata, shrink_only, init_sync
+):
+    request = pb.ManagerQuorumRequest(
+        group_rank=group_rank,
+        step=step,
+        checkpoint_metadata=metadata,
+        shrink_only=shrink_only,
+        init_sync=init_sync,
+        commit_failures=commit_failures,
+    )
+    payload = request.SerializeToString()
+    if len(payload) > 4 << 20:
+        expected = TOO_BIG
+    elif not 0 <= group_rank < 2:
+        expected = (grpc.StatusCode.INVALID_ARGUMENT, "group_rank")
+    elif step < 0 or commit_failures < 0:
+        expected = (grpc.StatusCode.INVALID_ARGUMENT, "step" if step < 0 else "commit_failures")
+    else:
+        expected = WAITS  # one rank of two asked: it waits for the other
+    check(group_channel, MANAGER_METHODS[0], payload, expected)
+
+
+@FUZZ
+@given(group_rank=INT64, step=INT64, vote=st.booleans(), rank=INT64)
+def test_extreme_commit_votes_and_metadata_requests_are_refused_or_time_out(
+    group_channel, group, group_rank, step, vote, rank
+):
+    vote_req = pb.ShouldCommitRequest(should_commit=vote, group_rank=group_rank, step=step)
+    expected = (grpc.StatusCode.INVALID_ARGUMENT, "group_rank")
+    check(group_channel, MANAGER_METHODS[1], vote_req.SerializeToString(),
+          expected if not 0 <= group_rank < 2 else WAITS)  # fmt: skip
+    meta_req = pb.CheckpointMetadataRequest(rank=rank).SerializeToString()
+    code, details = raw_call(group_channel, MANAGER_METHODS[2], meta_req, ANSWER_S)
+    assert code in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.OK), details
+    assert code == grpc.StatusCode.OK or str(rank) in details
+
+
+def test_the_manager_server_serves_its_group_after_the_fuzzing(group):
+    clients = [ManagerClient(group.address()) for _ in range(2)]
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            results = list(
+                pool.map(
+                    lambda r: clients[r]._quorum(
+                        group_rank=r, step=3, checkpoint_metadata=f"m{r}", shrink_only=False,
+                        timeout=T,
+                    ),
+                    range(2),
+                )
+            )  # fmt: skip
+            votes = list(pool.map(lambda r: clients[r].should_commit(r, 3, True, T), range(2)))
+        assert results[0].quorum_id == results[1].quorum_id
+        assert results[0].max_step == 3 and votes == [True, True]
+        assert clients[0]._checkpoint_metadata(1, T) == "m1"
+    finally:
+        for c in clients:
+            c.close()
+    # Votes that timed out left nothing behind (one entry per fuzzed step would
+    # grow without bound).
+    assert not group._votes
+
+
+def test_a_rank_that_gave_up_does_not_shorten_the_next_quorum_of_its_group(group, group_lighthouse):
+    """The deadline of an abandoned call must leave with it; the group's next
+    lighthouse request gets the deadline of the calls still waiting."""
+    clients = [ManagerClient(group.address()) for _ in range(2)]
+    peer = LighthouseClient(group_lighthouse.address())
+
+    def group_quorum() -> list:
+        with ThreadPoolExecutor(2) as pool:
+            return list(pool.map(lambda r: clients[r]._quorum(r, 4, "", False, T), range(2)))
+
+    def peer_waiting() -> bool:
+        replicas = group_lighthouse.status()["replicas"]
+        return any(r["waiting"] for r in replicas if r["replica_id"] == "peer")
+
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            # A quorum of the group and a peer, so that the group's next one
+            # must wait for the peer (fast quorum needs every previous member).
+            first = pool.submit(peer.quorum, "peer", T, step=4)
+            deadline = time.monotonic() + 10
+            while not peer_waiting() and time.monotonic() < deadline:
+                time.sleep(0.01)
+            assert group_quorum()[0].replica_world_size == 2
+            assert first.result(timeout=15).replica_ids() == ("fuzzed-group", "peer")
+
+            with pytest.raises(QuorumTimeoutError):
+                clients[0]._quorum(0, 5, "", False, timedelta(seconds=0.2))
+            time.sleep(0.3)  # well past the abandoned call's deadline
+
+            late = pool.submit(lambda: (time.sleep(0.5), peer.quorum("peer", T, step=5))[1])
+            results = group_quorum()
+            assert late.result(timeout=15).replica_ids() == ("fuzzed-group", "peer")
+        assert results[0].quorum_id == results[1].quorum_id
+        assert results[0].replica_world_size == 2
+    finally:
+        peer.leave("peer")
+        peer.close()
+        for c in clients:
+            c.close()
+
+
+def test_a_manager_server_after_shutdown_is_unavailable(group_lighthouse):
+    server = ManagerServer(
+        replica_id="short-lived",
+        lighthouse_addr=group_lighthouse.address(),
+        hostname="127.0.0.1",
+        bind="127.0.0.1:0",
+        store_addr="127.0.0.1:1",
+        world_size=1,
+    )
+    server.shutdown()
+    server.shutdown()  # idempotent
+    client = ManagerClient(server.address(), connect_timeout=timedelta(seconds=1))
+    try:
+        with pytest.raises(LighthouseUnavailableError, match="could not connect"):
+            client.should_commit(0, 0, True, timedelta(seconds=1))
+    finally:
+        client.close()
+
+
+# ---- checkpoint HTTP server -----------------------------------------------------
+
+STAGED_STEP = 5
+HTTP_METHODS = ["GET", "HEAD", "POST", "PUT", "DELETE", "OPTIONS", "PATCH", "TRACE", "CONNECT"]
+TOKEN = st.text(alphabet="ABCDEFGHIJKLMNOPQRSTUVWXYZ", min_size=1, max_size=12)
+PATH = st.one_of(
+    st.just(f"/checkpoint/{STAGED_STEP}"),
+    st.builds(lambda s: f"/checkpoint/{s}", st.one_of(INT64, st.text(max_size=30))),
+    st.builds(
+        lambda c, o: f"/checkpoint/{STAGED_STEP}?chunk={c}&of={o}",
+        st.one_of(st.integers(-3, 300), st.text(max_size=5)),
+        st.one_of(st.integers(-3, 300), st.text(max_size=5)),
+    ),
+    st.text(max_size=60).map(lambda t: "/" + t),
+    st.text(max_size=60),
+)
+HEADER = st.tuples(
+    st.sampled_from(["Range", "Content-Length", "Host", "Transfer-Encoding", "Expect", "X-Junk"]),
+    st.one_of(
+        st.builds(lambda a, b: f"bytes={a}-{b}", INT64, INT64),
+        st.text(max_size=40),
+        st.sampled_from(["chunked", "100-continue", "-1", "99999999999999999999", "x" * 70000]),
+    ),
+)
+
+
+@pytest.fixture(scope="module")
+def source():
+    transport = HTTPTransport(timeout=T, hostname="127.0.0.1")
+    state = {"w": torch.arange(10, dtype=torch.float32), "step": STAGED_STEP}
+    transport.send_checkpoint([1], STAGED_STEP, state, T)
+    yield transport, state
+    transport.shutdown()
+
+
+def http_exchange(port: int, request: bytes) -> bytes:
+    """Sends raw bytes; returns the final status line, after any interim 1xx
+    ("100 Continue" answers an Expect header); empty if the server hung up."""
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as sock:
+        try:
+            sock.sendall(request)
+            sock.shutdown(socket.SHUT_WR)
+        except OSError:
+            pass  # the server may answer and close before reading it all
+        data = b""
+        while True:
+            final = [line for line in data.split(b"\r\n")[:-1] if line.startswith(b"HTTP/")]
+            final = [line for line in final if not line.split(b" ")[1:2] == [b"100"]]
+            if final:
+                return final[0]
+            chunk = sock.recv(4096)
+            if not chunk:
+                return b""
+            data += chunk
+
+
+@FUZZ
+@given(
+    method=st.one_of(st.sampled_from(HTTP_METHODS), TOKEN),
+    path=PATH,
+    headers=st.lists(HEADER, max_size=4),
+)
+@example(method="GET", path="http://[::1/checkpoint/5", headers=[])
+@example(method="GET", path="//[/checkpoint/5", headers=[])
+@example(method="GET", path=f"/checkpoint/{STAGED_STEP}?chunk=" + "9" * 5000 + "&of=2", headers=[])
+@example(method="HEAD", path=f"/checkpoint/{STAGED_STEP}", headers=[])
+@example(method="GET", path="", headers=[])  # two words: an HTTP/0.9 request line
+@example(method="GET", path="/checkpoint/9" * 10000, headers=[])
+def test_bad_http_requests_get_a_4xx_and_never_a_hang_up(source, method, path, headers):
+    transport, _ = source
+    port = int(transport.metadata().rsplit(":", 1)[1])
+    lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1"]
+    lines += [f"{name}: {value}" for name, value in headers]
+    request = ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogatepass")
+    status = http_exchange(port, request)
+    assert status.startswith(b"HTTP/1."), f"no answer to {request[:200]!r}"
+    code = int(status.split()[1])
+    if code == 200:
+        assert method == "GET" and path.startswith(f"/checkpoint/{STAGED_STEP}")
+    elif method not in HTTP_METHODS:
+        assert code == 501 or 400 <= code < 500, status  # RFC 9110: 501, method unknown
+    else:
+        assert 400 <= code < 500, status
+
+
+def test_the_checkpoint_server_serves_a_valid_checkpoint_after_the_fuzzing(source):
+    transport, state = source
+    receiver = HTTPTransport(timeout=T, hostname="127.0.0.1")
+    try:
+        got = receiver.recv_checkpoint(0, transport.metadata(), STAGED_STEP, T)
+    finally:
+        receiver.shutdown()
+    assert torch.equal(got["w"], state["w"]) and got["step"] == STAGED_STEP
+
+
+def test_a_connection_that_never_sends_is_dropped_and_frees_its_thread(source, monkeypatch):
+    """A peer that opens connections and goes silent must not pin server threads."""
+    from torchft_like.checkpointing import http_transport
+
+    assert 0 < http_transport._Handler.timeout <= 300
+    monkeypatch.setattr(http_transport._Handler, "timeout", 0.3)  # not a minute in a test
+    transport, _ = source
+    port = int(transport.metadata().rsplit(":", 1)[1])
+    before = threading.active_count()
+    silent = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(20)]
+    try:
+        deadline = time.monotonic() + 10
+        while threading.active_count() > before and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert threading.active_count() <= before
+        for sock in silent:
+            assert sock.recv(1) == b""  # the server hung up on us
+    finally:
+        for sock in silent:
+            sock.close()
