@@ -12,11 +12,14 @@ receiver process fetches it twice: "fresh" (a new process, new buffers) and
   recv_into()s a preallocated buffer: fresh (never touched, so every page
   faults during the receive) and reused (the same buffer again, already
   faulted in). These are the two baselines.
-- ours_cN: torchft_like's HTTPTransport with num_chunks=N.
+- ours_cN: torchft_like's HTTPTransport with num_chunks=N; ours_cN_touch
+  (with --touch) prefaults by touching pages instead of madvise.
 - torchft: pytorch/torchft's HTTPTransport (num_chunks=0), when importable.
 
 Times are taken in the receiver, from the call to the last byte (or the
-returned state dict). Reports medians, min/max, MB/s, and ratios of
+returned state dict), with the receiver's CPU time over the same span
+(`cpu_s`, all its threads: what load from other work on the machine
+inflates least). Reports medians, min/max, MB/s, and ratios of
 medians to both raw baselines: `vs_fresh` divides by raw fresh (the honest
 baseline for a fresh receiver), `vs_reused` by raw into a reused buffer.
 """
@@ -117,15 +120,15 @@ def serve(kind: str, mb: float, chunks: int) -> None:
 # --- receivers: two fetches, print JSON [fresh_s, warm_s] ----------------------
 
 
-def receive(kind: str, address: str, nbytes: int, chunks: int) -> None:
+def receive(kind: str, address: str, nbytes: int, chunks: int, touch: bool) -> None:
     import torch
 
-    times = []
+    times, cpu = [], []
     if kind == "raw":
         host, port = address.rsplit(":", 1)
         buf = None
         for _ in range(2):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             if buf is None:  # fresh: never touched; then reused
                 buf = torch.empty(nbytes, dtype=torch.uint8)
             view = memoryview(buf.numpy()).cast("B")
@@ -137,25 +140,28 @@ def receive(kind: str, address: str, nbytes: int, chunks: int) -> None:
                         raise ConnectionError(f"raw stream ended after {got} of {nbytes} bytes")
                     got += n
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
     else:
         if kind == "ours":
-            from torchft_like.checkpointing import HTTPTransport
+            from torchft_like.checkpointing import HTTPTransport, _http_fetch
 
+            _http_fetch._Prefaulter.use_madvise = not touch
             transport = HTTPTransport(timeout=TIMEOUT, num_chunks=chunks, hostname="127.0.0.1")
         else:
             from torchft.checkpointing.http_transport import HTTPTransport as TorchftHTTP
 
             transport = TorchftHTTP(timeout=TIMEOUT, num_chunks=0)
         for _ in range(2):
-            start = time.perf_counter()
+            start, start_cpu = time.perf_counter(), time.process_time()
             state = transport.recv_checkpoint(0, address, 1, TIMEOUT)
             times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
             got = state_bytes(state)
             if got != nbytes:
                 raise RuntimeError(f"{kind} received {got} bytes, want {nbytes}")
             del state
         transport.shutdown()
-    print(json.dumps(times), flush=True)
+    print(json.dumps([times, cpu]), flush=True)
 
 
 # --- the driver ---------------------------------------------------------------
@@ -179,9 +185,13 @@ def torchft_importable() -> bool:
     return True
 
 
-def run_size(mb: float, repeats: int, contenders: list[tuple[str, str, int]]) -> list[dict]:
+Contender = tuple[str, str, int, bool]
+"""(name, kind, num_chunks, touch)"""
+
+
+def run_size(mb: float, repeats: int, contenders: list[Contender]) -> list[dict]:
     senders = {name: worker(["--serve", kind, "--mb", str(mb), "--chunks", str(c)])
-               for name, kind, c in contenders}  # fmt: skip
+               for name, kind, c, _ in contenders}  # fmt: skip
     try:
         addresses = {}
         for name, proc in senders.items():
@@ -191,12 +201,12 @@ def run_size(mb: float, repeats: int, contenders: list[tuple[str, str, int]]) ->
             addresses[name] = (line[0], int(line[1]))
         sizes = {nbytes for _, nbytes in addresses.values()}
         assert len(sizes) == 1, f"contenders hold different sizes: {sizes}"
-        times: dict[str, list[list[float]]] = {name: [] for name in senders}
+        times: dict[str, list[list[list[float]]]] = {name: [] for name in senders}
         for _ in range(repeats):
-            for name, kind, chunks in contenders:  # interleaved: A B C A B C
+            for name, kind, chunks, touch in contenders:  # interleaved: A B C A B C
                 address, nbytes = addresses[name]
                 proc = worker(["--recv", kind, "--address", address, "--nbytes", str(nbytes),
-                               "--chunks", str(chunks)])  # fmt: skip
+                               "--chunks", str(chunks)] + ["--touch"] * touch)  # fmt: skip
                 out, _ = proc.communicate(timeout=600)
                 if proc.returncode != 0:
                     raise RuntimeError(f"receiver {name} failed ({proc.returncode})")
@@ -211,11 +221,12 @@ def run_size(mb: float, repeats: int, contenders: list[tuple[str, str, int]]) ->
                 proc.kill()
                 proc.wait()
     nbytes = next(iter(sizes))
-    series = {}
-    for name, pairs in times.items():
+    series, cpus = {}, {}
+    for name, runs in times.items():
         second = "reused" if name == "raw" else "warm"
-        series[f"{name}_fresh"] = [p[0] for p in pairs]
-        series[f"{name}_{second}"] = [p[1] for p in pairs]
+        for i, label in enumerate([f"{name}_fresh", f"{name}_{second}"]):
+            series[label] = [wall[i] for wall, _ in runs]
+            cpus[label] = [cpu[i] for _, cpu in runs]
     fresh, reused = statistics.median(series["raw_fresh"]), statistics.median(series["raw_reused"])
     rows = []
     for name, values in series.items():
@@ -224,7 +235,8 @@ def run_size(mb: float, repeats: int, contenders: list[tuple[str, str, int]]) ->
             "mb": round(nbytes / 1e6), "contender": name, "median_s": round(med, 3),
             "min_s": round(min(values), 3), "max_s": round(max(values), 3),
             "mb_per_s": round(nbytes / 1e6 / med), "vs_fresh": round(fresh / med, 2),
-            "vs_reused": round(reused / med, 2), "n": len(values),
+            "vs_reused": round(reused / med, 2), "cpu_s": round(statistics.median(cpus[name]), 3),
+            "n": len(values),
         })  # fmt: skip
     return rows
 
@@ -237,6 +249,8 @@ def main() -> None:
     parser.add_argument("--ours-chunks", type=int, nargs="+", default=[1],
                         help="num_chunks of each contender of ours (default 1)")  # fmt: skip
     parser.add_argument("--no-torchft", action="store_true", help="skip pytorch/torchft")
+    parser.add_argument("--touch", action="store_true",
+                        help="also run ours touching pages, not madvise")  # fmt: skip
     parser.add_argument("--smoke", action="store_true", help="4 MB, 1 repeat: a few seconds")
     parser.add_argument("--results", default="bench_results/transfer.jsonl")
     parser.add_argument("--serve", choices=["raw", "ours", "torchft"], help=argparse.SUPPRESS)
@@ -248,12 +262,16 @@ def main() -> None:
     if args.serve:
         return serve(args.serve, args.mb[0], args.chunks)
     if args.recv:
-        return receive(args.recv, args.address, args.nbytes, args.chunks)
+        return receive(args.recv, args.address, args.nbytes, args.chunks, args.touch)
     if args.smoke:
         args.mb, args.repeats = [4], 1
-    contenders = [("raw", "raw", 0)] + [(f"ours_c{c}", "ours", c) for c in args.ours_chunks]
+    contenders: list[Contender] = [("raw", "raw", 0, False)]
+    for c in args.ours_chunks:
+        contenders.append((f"ours_c{c}", "ours", c, False))
+        if args.touch:
+            contenders.append((f"ours_c{c}_touch", "ours", c, True))
     if not args.no_torchft and torchft_importable():
-        contenders.append(("torchft", "torchft", 0))
+        contenders.append(("torchft", "torchft", 0, False))
     rows = []
     for mb in args.mb:
         rows += run_size(mb, args.repeats, contenders)

@@ -213,8 +213,10 @@ def test_disallow_cuts_off_a_transfer_stalled_past_the_timeout(make):
         response.read()
 
 
-def test_the_prefaulter_never_writes_a_piece_a_reader_has_claimed(monkeypatch):
+@pytest.mark.parametrize("use_madvise", [True, False])
+def test_the_prefaulter_never_writes_a_piece_a_reader_has_claimed(monkeypatch, use_madvise):
     monkeypatch.setattr(_http_fetch, "SLICE", 16 << 10)  # many pieces, many races
+    monkeypatch.setattr(_http_fetch._Prefaulter, "use_madvise", use_madvise)
     monkeypatch.setattr(_http_fetch._Prefaulter, "_MIN_TENSOR_BYTES", 1)
     tensors = [torch.empty(3 << 20, dtype=torch.uint8), torch.empty(1 << 20, dtype=torch.uint8)]
     nbytes = [t.numel() for t in tensors]

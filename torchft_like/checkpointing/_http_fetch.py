@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import http.client
 import itertools
 import logging
@@ -250,14 +252,20 @@ class _Prefaulter:
     """Faults in the pages of the receiving tensors ahead of the socket reads.
 
     Fresh memory pays a page fault per 4 KiB page, and inside a socket read
-    that cost adds to the transfer. A thread that touches the pages ahead of
-    the readers overlaps it with the network: receiving 100 MB was about
-    1.3x faster with it on the 2-core dev VM. It writes only pieces no
-    reader has claimed, so it never overwrites received bytes.
+    that cost adds to the transfer. A thread that faults the pages in ahead
+    of the readers overlaps it with the network: receiving 100 MB was about
+    1.3x faster with it on the 2-core dev VM. It asks the kernel to populate
+    each piece (madvise MADV_POPULATE_WRITE, Linux 5.14+: one call per
+    piece, no trap per page, about 20% cheaper than touching a byte a page
+    here, and it writes no data); where the kernel refuses, it touches one
+    byte a page. Either way it works only on pieces no reader has claimed,
+    so it never overwrites received bytes.
     """
 
     _PAGE = 4096
     _MIN_TENSOR_BYTES = 1 << 20  # smaller tensors come from malloc's warm heap
+    use_madvise = True
+    """False touches every page instead (for comparison in bench.transfer)."""
 
     def __init__(self, tensors: list[torch.Tensor], streams: list[list[Piece]]) -> None:
         self._tensors = tensors
@@ -301,14 +309,43 @@ class _Prefaulter:
                         continue
                     self._faulting = piece
                 index, lo, hi = piece
-                try:  # torch releases the GIL here; one byte a page faults it in
-                    _format.flat_bytes(self._tensors[index])[lo : hi : self._PAGE].zero_()
+                try:
+                    flat = _format.flat_bytes(self._tensors[index])
+                    if not (self.use_madvise and _populate(flat.data_ptr() + lo, hi - lo)):
+                        flat[lo : hi : self._PAGE].zero_()  # torch releases the GIL here
                 finally:
                     with self._cond:
                         self._faulting = None
                         self._cond.notify_all()
         except Exception:
             logger.exception("prefaulting the receive buffers failed; reads fault them in")
+
+
+_MADV_POPULATE_WRITE = 23
+_libc: ctypes.CDLL | None = None
+
+
+def _populate(address: int, nbytes: int) -> bool:
+    """Faults in the whole pages of [address, address + nbytes) for writing,
+    without writing them; False where the kernel cannot (then touch them)."""
+    global _libc
+    start = -(-address // _Prefaulter._PAGE) * _Prefaulter._PAGE
+    end = (address + nbytes) // _Prefaulter._PAGE * _Prefaulter._PAGE
+    if end <= start:
+        return True  # no whole page: the reader faults it in
+    try:
+        if _libc is None:
+            _libc = ctypes.CDLL(None, use_errno=True)
+            _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        if _libc.madvise(start, end - start, _MADV_POPULATE_WRITE) == 0:  # releases the GIL
+            return True
+        code = ctypes.get_errno()
+    except (OSError, AttributeError) as e:  # no libc.madvise (not Linux)
+        code = getattr(e, "errno", None) or errno.ENOSYS
+    _Prefaulter.use_madvise = False
+    logger.info("madvise(MADV_POPULATE_WRITE) failed (%s); touching pages instead",
+                errno.errorcode.get(code, code))  # fmt: skip
+    return False
 
 
 def hang_up(conn: socket.socket) -> None:
