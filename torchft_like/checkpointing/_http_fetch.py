@@ -287,7 +287,8 @@ class _Prefaulter:
             self._thread.start()
 
     def claim(self, piece: Piece) -> None:
-        """Reserves `piece` for a reader, after any fault-in of it finishes."""
+        """Reserves `piece` for a reader, after any touching of it finishes
+        (a populate writes nothing, so a reader need not wait for one)."""
         with self._cond:
             while self._faulting == piece:
                 self._cond.wait()
@@ -307,12 +308,16 @@ class _Prefaulter:
                         return
                     if piece in self._claimed:
                         continue
-                    self._faulting = piece
                 index, lo, hi = piece
+                flat = _format.flat_bytes(self._tensors[index])
+                if self.use_madvise and _populate(flat.data_ptr() + lo, hi - lo):
+                    continue
+                with self._cond:  # touching writes: only a piece no reader holds
+                    if piece in self._claimed:
+                        continue
+                    self._faulting = piece
                 try:
-                    flat = _format.flat_bytes(self._tensors[index])
-                    if not (self.use_madvise and _populate(flat.data_ptr() + lo, hi - lo)):
-                        flat[lo : hi : self._PAGE].zero_()  # torch releases the GIL here
+                    flat[lo : hi : self._PAGE].zero_()  # torch releases the GIL here
                 finally:
                     with self._cond:
                         self._faulting = None
