@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from torchft_like.checkpointing import HTTPTransport
-from torchft_like.checkpointing._checksum import updater
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=10)
@@ -136,8 +135,3 @@ def test_a_transfer_corrupted_on_every_attempt_is_never_applied_and_named(source
     assert f"from {proxy.url} has crc32c" in message
     assert "the state was not applied" in message
     assert proxy.connections >= 2
-
-
-def test_a_stream_naming_an_unknown_checksum_is_refused_naming_the_ones_known():
-    with pytest.raises(ValueError, match=r"checksum 'md5' is not available here \(have \["):
-        updater("md5")

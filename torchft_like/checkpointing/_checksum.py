@@ -33,6 +33,35 @@ ITEM = struct.Struct("!I")
 """One checksum in a stream's trailer."""
 
 
+Segment = tuple[int, int, int]
+"""(tensor index, offset, length) of the part of one tensor in one stream."""
+
+
+def mismatches(
+    segments: list[list[Segment]], sent: list[list[int]], received: dict[tuple[int, int], int]
+) -> list[tuple[Segment, int, int]]:
+    """The segments whose received checksum differs from the sent one.
+
+    Args:
+        segments: per stream, its segments in order.
+        sent: per stream, the checksums of its trailer, one a segment.
+        received: per (stream, tensor index), the checksum of the bytes
+            received; absent means no bytes (checksum 0).
+
+    Returns:
+        (segment, received, sent) for each mismatch, in stream order.
+    """
+    out = []
+    for i, stream in enumerate(segments):
+        if len(stream) != len(sent[i]):
+            raise ValueError(f"stream {i} has {len(stream)} segments but {len(sent[i])} checksums")
+        for segment, crc in zip(stream, sent[i]):
+            got = received.get((i, segment[0]), 0)
+            if got != crc:
+                out.append((segment, got, crc))
+    return out
+
+
 def updater(name: str) -> Update:
     """The update function of the algorithm a header names."""
     if name not in ALGORITHMS:

@@ -117,14 +117,10 @@ class Fetch:
         sent: list[list[int]],
         received: dict[tuple[int, int], int],
     ) -> None:
-        bad = [
-            (header.specs[index], offset, length, received.get((i, index), 0), crc)
-            for i, stream in enumerate(segments)
-            for (index, offset, length), crc in zip(stream, sent[i], strict=True)
-            if received.get((i, index), 0) != crc
-        ]
+        bad = _checksum.mismatches(segments, sent, received)
         if bad:
-            spec, offset, length, got, crc = bad[0]
+            (index, offset, length), got, crc = bad[0]
+            spec = header.specs[index]
             more = f" (and {len(bad) - 1} more segments)" if len(bad) > 1 else ""
             raise ChecksumMismatch(
                 f"tensor {spec.path} bytes [{offset}, {offset + length}) of {spec.nbytes} from "
