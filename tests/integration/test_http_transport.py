@@ -195,7 +195,8 @@ def test_disallow_waits_for_a_transfer_in_flight(make):
     data = first + response.read()
     assert disallowed.wait(5)
     big["w"].zero_()  # the "optimizer" writes only after disallow returned
-    received = torch.frombuffer(bytearray(data[-original.numel() * 4 :]), dtype=torch.float32)
+    tensor_bytes = data[-original.numel() * 4 - 4 : -4]  # then one checksum
+    received = torch.frombuffer(bytearray(tensor_bytes), dtype=torch.float32)
     assert torch.equal(received, original)
 
 
@@ -212,8 +213,10 @@ def test_disallow_cuts_off_a_transfer_stalled_past_the_timeout(make):
         response.read()
 
 
-def test_the_prefaulter_never_writes_a_piece_a_reader_has_claimed(monkeypatch):
+@pytest.mark.parametrize("use_madvise", [True, False])
+def test_the_prefaulter_never_writes_a_piece_a_reader_has_claimed(monkeypatch, use_madvise):
     monkeypatch.setattr(_http_fetch, "SLICE", 16 << 10)  # many pieces, many races
+    monkeypatch.setattr(_http_fetch._Prefaulter, "use_madvise", use_madvise)
     monkeypatch.setattr(_http_fetch._Prefaulter, "_MIN_TENSOR_BYTES", 1)
     tensors = [torch.empty(3 << 20, dtype=torch.uint8), torch.empty(1 << 20, dtype=torch.uint8)]
     nbytes = [t.numel() for t in tensors]
@@ -247,7 +250,7 @@ def serve_body(body: bytes, status: int = 200) -> http.server.ThreadingHTTPServe
 
 
 def stream(doc: dict, data: bytes = b"") -> bytes:
-    body = json.dumps(doc).encode()
+    body = json.dumps({"checksum": "crc32c", **doc}).encode()
     return _format.PREFIX.pack(_format.MAGIC, len(body)) + body + data
 
 
@@ -258,7 +261,7 @@ def stream(doc: dict, data: bytes = b"") -> bytes:
         (
             stream(
                 {
-                    "format": 1,
+                    "format": 2,
                     "step": 1,
                     "tree": {
                         "tensor": {"dtype": "object", "shape": [1], "nbytes": 8, "device": "cpu"}
@@ -268,8 +271,11 @@ def stream(doc: dict, data: bytes = b"") -> bytes:
             ),
             "unknown dtype 'object'",
         ),
-        (stream({"format": 1, "step": 2, "tree": None}), "the header is of step 2"),
-        (stream({"format": 1, "step": 1, "tree": None}, b"extra"), "has 5 bytes of data, not 0"),
+        (stream({"format": 2, "step": 2, "tree": None}), "the header is of step 2"),
+        (
+            stream({"format": 2, "step": 1, "tree": None}, b"extra"),
+            "has 5 bytes after its header, not 0 of data and 0 of checksums",
+        ),
     ],
 )
 def test_a_malicious_or_broken_stream_is_refused(make, body, message):

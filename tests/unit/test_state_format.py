@@ -12,7 +12,8 @@ from torchft_like.checkpointing import _format
 
 
 def header_of(tree, step=7, **overrides) -> bytes:
-    doc = {"format": _format.FORMAT_VERSION, "step": step, "tree": tree, **overrides}
+    doc = {"format": _format.FORMAT_VERSION, "step": step, "checksum": "crc32c", "tree": tree}
+    doc.update(overrides)
     return json.dumps(doc).encode()
 
 
@@ -28,16 +29,16 @@ def test_a_tree_survives_encoding_with_int_keys_tuples_and_plain_values():
         "extra": [None, True, 1, 2.5, float("inf"), "s", 10**30],
     }
     tree, tensors = _format.flatten(state)
-    encoded = _format.encode_header(7, tree)
+    encoded = _format.encode_header(7, tree, "crc32")
     length = _format.decode_prefix(encoded[: _format.PREFIX.size])
     header = _format.decode_header(encoded[_format.PREFIX.size :])
 
     assert length == len(encoded) - _format.PREFIX.size
-    assert header.step == 7
-    assert [(s.dtype, s.shape, s.nbytes) for s in header.specs] == [
-        (torch.float32, (2, 3), 24),
-        (torch.bfloat16, (0,), 0),
-        (torch.float32, (), 4),
+    assert (header.step, header.checksum) == (7, "crc32")
+    assert [(s.dtype, s.shape, s.nbytes, s.path) for s in header.specs] == [
+        (torch.float32, (2, 3), 24, "state['model']['w']"),
+        (torch.bfloat16, (0,), 0, "state['model']['b']"),
+        (torch.float32, (), 4, "state['optim']['state'][0]['step']"),
     ]
     rebuilt = _format.unflatten(header.tree, tensors)
     assert rebuilt["optim"]["state"][0]["step"] is tensors[2]
@@ -67,9 +68,11 @@ def test_values_the_format_cannot_carry_are_a_type_error_naming_their_path(state
     "body, message",
     [
         (pickle.dumps({"w": 1}), "header is not JSON"),
-        (b"[1, 2]", "exactly format, step and tree"),
-        (header_of(None, format=2), "format 2 is not supported"),
+        (b"[1, 2]", "an object with a format"),
+        (header_of(None, format=1), "format 1 is not supported"),
+        (header_of(None, extra=1), "exactly format, step, checksum and tree"),
         (header_of(None, step="7"), "step '7' is not an int"),
+        (header_of(None, checksum=None), "checksum None is not an algorithm name"),
         (header_of({"set": [1]}), "unknown node kind 'set'"),
         (header_of({"dict": [], "list": []}), "unexpected node"),
         (header_of({"dict": [[True, 1]]}), "dict items must be"),

@@ -2,12 +2,18 @@
 
 A stream is, in order:
 
-1. a 16-byte prefix: the magic ``b"TFLSTAT1"`` (format version 1) and the
-   header length as an unsigned 64-bit big-endian integer;
-2. the header, UTF-8 JSON: ``{"format": 1, "step": int, "tree": node}``;
+1. a 16-byte prefix: the magic ``b"TFLSTAT1"`` and the header length as an
+   unsigned 64-bit big-endian integer;
+2. the header, UTF-8 JSON: ``{"format": 2, "step": int, "checksum": name,
+   "tree": node}``, where name is "crc32c" or "crc32" (zlib's);
 3. the bytes of the tensor leaves, in the order they appear in the tree
    (depth first, dict items in insertion order), or the byte range
-   ``[start, end)`` of that concatenation when the stream is one chunk.
+   ``[start, end)`` of that concatenation when the stream is one chunk;
+4. the trailer: per segment of that range (`segments`: the part of one
+   tensor that falls in it), the checksum of its bytes as an unsigned
+   32-bit big-endian integer. A receiver verifies every tensor segment
+   before it hands the state to anyone, so a corrupted or truncated
+   transfer is refused, never applied.
 
 A node is a JSON null, bool, int, float or string standing for itself, or
 an object with exactly one key:
@@ -35,7 +41,7 @@ import torch
 
 MAGIC = b"TFLSTAT1"
 PREFIX = struct.Struct("!8sQ")
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 MAX_HEADER_BYTES = 64 << 20
 """Far above any real model's tree (about 150 bytes a tensor); a bound so a
 bad peer cannot make us allocate without limit."""
@@ -59,6 +65,8 @@ class TensorSpec:
     shape: tuple[int, ...]
     nbytes: int
     device: str
+    path: str = "state"
+    """Its key path, e.g. ``state['model']['w']``, for error messages."""
 
 
 @dataclass(frozen=True)
@@ -68,6 +76,7 @@ class Header:
     step: int
     tree: Any
     specs: list[TensorSpec]
+    checksum: str = "crc32c"
 
 
 def flatten(state: Any) -> tuple[Any, list[torch.Tensor]]:
@@ -116,9 +125,10 @@ def _tensor_leaf(tensor: torch.Tensor, path: str) -> dict[str, Any]:
     }
 
 
-def encode_header(step: int, tree: Any) -> bytes:
+def encode_header(step: int, tree: Any, checksum: str) -> bytes:
     """The prefix and JSON header of a stream for `step`."""
-    body = json.dumps({"format": FORMAT_VERSION, "step": step, "tree": tree}).encode()
+    doc = {"format": FORMAT_VERSION, "step": step, "checksum": checksum, "tree": tree}
+    body = json.dumps(doc).encode()
     return PREFIX.pack(MAGIC, len(body)) + body
 
 
@@ -140,18 +150,22 @@ def decode_header(body: bytes) -> Header:
         doc = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ValueError(f"header is not JSON: {e}") from None
-    if not isinstance(doc, dict) or set(doc) != {"format", "step", "tree"}:
-        raise ValueError("header must be an object with exactly format, step and tree")
+    if not isinstance(doc, dict) or "format" not in doc:
+        raise ValueError("header must be an object with a format")
     if doc["format"] != FORMAT_VERSION:
         raise ValueError(f"format {doc['format']!r} is not supported (want {FORMAT_VERSION})")
+    if set(doc) != {"format", "step", "checksum", "tree"}:
+        raise ValueError("header must be an object with exactly format, step, checksum and tree")
     if type(doc["step"]) is not int:
         raise ValueError(f"step {doc['step']!r} is not an int")
+    if not isinstance(doc["checksum"], str):
+        raise ValueError(f"checksum {doc['checksum']!r} is not an algorithm name")
     specs: list[TensorSpec] = []
     try:
         _check_node(doc["tree"], specs, "state")
     except RecursionError:
         raise ValueError("header tree is nested too deeply") from None
-    return Header(doc["step"], doc["tree"], specs)
+    return Header(doc["step"], doc["tree"], specs, doc["checksum"])
 
 
 def _check_node(node: Any, specs: list[TensorSpec], path: str) -> None:
@@ -192,7 +206,7 @@ def _check_spec(leaf: Any, path: str) -> TensorSpec:
     device = leaf["device"]
     if not isinstance(device, str) or len(device) > 32:
         raise ValueError(f"{path}: bad device {device!r}")
-    return TensorSpec(dtype, tuple(shape), nbytes, device)
+    return TensorSpec(dtype, tuple(shape), nbytes, device, path)
 
 
 def unflatten(tree: Any, tensors: list[torch.Tensor]) -> Any:

@@ -1,0 +1,282 @@
+"""Healing-state transfer between two processes versus raw loopback TCP, interleaved.
+
+    python -m bench.transfer [--mb 100 1000] [--repeats 3] [--ours-chunks 1 4] [--smoke]
+
+For each size, one long-lived sender process per contender holds the state
+of an MLP (weights, biases and AdamW moments: many tensors of realistic
+sizes) and serves it; then, per repeat and in turn (A B C A B C ...), a new
+receiver process fetches it twice: "fresh" (a new process, new buffers) and
+"warm" (a second fetch in the same process). Contenders:
+
+- raw: a sender sendall()s one buffer of the same size; the receiver
+  recv_into()s a preallocated buffer: fresh (never touched, so every page
+  faults during the receive) and reused (the same buffer again, already
+  faulted in). These are the two baselines.
+- ours_cN: torchft_like's HTTPTransport with num_chunks=N; ours_cN_touch
+  (with --touch) prefaults by touching pages instead of madvise.
+- torchft: pytorch/torchft's HTTPTransport (num_chunks=0), when importable.
+
+Times are taken in the receiver, from the call to the last byte (or the
+returned state dict), with the receiver's CPU time over the same span
+(`cpu_s`, all its threads: what load from other work on the machine
+inflates least). Reports medians, min/max, MB/s, and ratios of
+medians to both raw baselines: `vs_fresh` divides by raw fresh (the honest
+baseline for a fresh receiver), `vs_reused` by raw into a reused buffer.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+from bench._report import REPO, report
+
+TIMEOUT = timedelta(seconds=120)
+
+
+# --- the state ----------------------------------------------------------------
+
+
+def mlp_state(nbytes: int) -> dict[str, Any]:
+    """An MLP's state dict plus its AdamW state after one step, about `nbytes`."""
+    import torch
+
+    width = 256 if nbytes < 20e6 else 1024 if nbytes < 300e6 else 2048
+    per_layer = 12 * (width * width + width)  # fp32 weight + bias, and two moments
+    layers = max(1, round(nbytes / per_layer))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*(torch.nn.Linear(width, width) for _ in range(layers)))
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optim = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    optim.step()
+    for p in model.parameters():
+        p.grad = None
+    return {"model": model.state_dict(), "optim": optim.state_dict(), "torchft": {"step": 1}}
+
+
+def state_bytes(state: Any) -> int:
+    import torch
+
+    if isinstance(state, torch.Tensor):
+        return state.numel() * state.element_size()
+    if isinstance(state, dict):
+        return sum(state_bytes(v) for v in state.values())
+    if isinstance(state, (list, tuple)):
+        return sum(state_bytes(v) for v in state)
+    return 0
+
+
+# --- senders: print one line "ADDRESS nbytes", serve until stdin closes --------
+
+
+def serve(kind: str, mb: float, chunks: int) -> None:
+    import torch
+
+    state = mlp_state(int(mb * 1e6))
+    nbytes = state_bytes(state)
+    if kind == "raw":
+        buf = torch.ones(nbytes, dtype=torch.uint8)  # faulted in, like live weights
+        listener = socket.create_server(("127.0.0.1", 0))
+        listener.settimeout(0.2)
+        address = f"127.0.0.1:{listener.getsockname()[1]}"
+    elif kind == "ours":
+        from torchft_like.checkpointing import HTTPTransport
+
+        transport = HTTPTransport(timeout=TIMEOUT, num_chunks=chunks, hostname="127.0.0.1")
+        transport.send_checkpoint([1], 1, state, TIMEOUT)
+        address = transport.metadata()
+    else:
+        from torchft.checkpointing.http_transport import HTTPTransport as TorchftHTTP
+
+        transport = TorchftHTTP(timeout=TIMEOUT, num_chunks=0)
+        transport.send_checkpoint([1], 1, state, TIMEOUT)
+        address = transport.metadata()
+    print(address, nbytes, flush=True)
+    if kind != "raw":
+        sys.stdin.read()
+        return
+    closed = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), closed.set()), daemon=True).start()
+    view = memoryview(buf.numpy()).cast("B")
+    while not closed.is_set():
+        try:
+            conn, _ = listener.accept()
+        except TimeoutError:
+            continue
+        with conn:
+            conn.sendall(view)
+
+
+# --- receivers: two fetches, print JSON [fresh_s, warm_s] ----------------------
+
+
+def receive(kind: str, address: str, nbytes: int, chunks: int, touch: bool) -> None:
+    import torch
+
+    times, cpu = [], []
+    if kind == "raw":
+        host, port = address.rsplit(":", 1)
+        buf = None
+        for _ in range(2):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            if buf is None:  # fresh: never touched; then reused
+                buf = torch.empty(nbytes, dtype=torch.uint8)
+            view = memoryview(buf.numpy()).cast("B")
+            with socket.create_connection((host, int(port))) as conn:
+                got = 0
+                while got < nbytes:
+                    n = conn.recv_into(view[got:])
+                    if not n:
+                        raise ConnectionError(f"raw stream ended after {got} of {nbytes} bytes")
+                    got += n
+            times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
+    else:
+        if kind == "ours":
+            from torchft_like.checkpointing import HTTPTransport, _http_fetch
+
+            _http_fetch._Prefaulter.use_madvise = not touch
+            transport = HTTPTransport(timeout=TIMEOUT, num_chunks=chunks, hostname="127.0.0.1")
+        else:
+            from torchft.checkpointing.http_transport import HTTPTransport as TorchftHTTP
+
+            transport = TorchftHTTP(timeout=TIMEOUT, num_chunks=0)
+        for _ in range(2):
+            start, start_cpu = time.perf_counter(), time.process_time()
+            state = transport.recv_checkpoint(0, address, 1, TIMEOUT)
+            times.append(time.perf_counter() - start)
+            cpu.append(time.process_time() - start_cpu)
+            got = state_bytes(state)
+            if got != nbytes:
+                raise RuntimeError(f"{kind} received {got} bytes, want {nbytes}")
+            del state
+        transport.shutdown()
+    print(json.dumps([times, cpu]), flush=True)
+
+
+# --- the driver ---------------------------------------------------------------
+
+
+def worker(args: list[str]) -> subprocess.Popen:
+    quiet = "torchft" in args  # its server logs every request to stderr
+    return subprocess.Popen(
+        [sys.executable, "-m", "bench.transfer", *args],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO,
+        stderr=subprocess.DEVNULL if quiet else None,
+        env={**os.environ, "OMP_NUM_THREADS": "1"},
+    )  # fmt: skip
+
+
+def torchft_importable() -> bool:
+    try:
+        import torchft.checkpointing.http_transport  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+Contender = tuple[str, str, int, bool]
+"""(name, kind, num_chunks, touch)"""
+
+
+def run_size(mb: float, repeats: int, contenders: list[Contender]) -> list[dict]:
+    senders = {name: worker(["--serve", kind, "--mb", str(mb), "--chunks", str(c)])
+               for name, kind, c, _ in contenders}  # fmt: skip
+    try:
+        addresses = {}
+        for name, proc in senders.items():
+            line = proc.stdout.readline().split()
+            if len(line) != 2:
+                raise RuntimeError(f"sender {name} failed to start")
+            addresses[name] = (line[0], int(line[1]))
+        sizes = {nbytes for _, nbytes in addresses.values()}
+        assert len(sizes) == 1, f"contenders hold different sizes: {sizes}"
+        times: dict[str, list[list[list[float]]]] = {name: [] for name in senders}
+        for _ in range(repeats):
+            for name, kind, chunks, touch in contenders:  # interleaved: A B C A B C
+                address, nbytes = addresses[name]
+                proc = worker(["--recv", kind, "--address", address, "--nbytes", str(nbytes),
+                               "--chunks", str(chunks)] + ["--touch"] * touch)  # fmt: skip
+                out, _ = proc.communicate(timeout=600)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"receiver {name} failed ({proc.returncode})")
+                times[name].append(json.loads(out.strip().splitlines()[-1]))
+    finally:
+        for proc in senders.values():
+            proc.stdin.close()
+        for proc in senders.values():
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+    nbytes = next(iter(sizes))
+    series, cpus = {}, {}
+    for name, runs in times.items():
+        second = "reused" if name == "raw" else "warm"
+        for i, label in enumerate([f"{name}_fresh", f"{name}_{second}"]):
+            series[label] = [wall[i] for wall, _ in runs]
+            cpus[label] = [cpu[i] for _, cpu in runs]
+    fresh, reused = statistics.median(series["raw_fresh"]), statistics.median(series["raw_reused"])
+    rows = []
+    for name, values in series.items():
+        med = statistics.median(values)
+        rows.append({
+            "mb": round(nbytes / 1e6), "contender": name, "median_s": round(med, 3),
+            "min_s": round(min(values), 3), "max_s": round(max(values), 3),
+            "mb_per_s": round(nbytes / 1e6 / med), "vs_fresh": round(fresh / med, 2),
+            "vs_reused": round(reused / med, 2), "cpu_s": round(statistics.median(cpus[name]), 3),
+            "n": len(values),
+        })  # fmt: skip
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--mb", type=float, nargs="+", default=[100, 1000],
+                        help="state sizes in MB (default 100 1000)")  # fmt: skip
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--ours-chunks", type=int, nargs="+", default=[1],
+                        help="num_chunks of each contender of ours (default 1)")  # fmt: skip
+    parser.add_argument("--no-torchft", action="store_true", help="skip pytorch/torchft")
+    parser.add_argument("--touch", action="store_true",
+                        help="also run ours touching pages, not madvise")  # fmt: skip
+    parser.add_argument("--smoke", action="store_true", help="4 MB, 1 repeat: a few seconds")
+    parser.add_argument("--results", default="bench_results/transfer.jsonl")
+    parser.add_argument("--serve", choices=["raw", "ours", "torchft"], help=argparse.SUPPRESS)
+    parser.add_argument("--recv", choices=["raw", "ours", "torchft"], help=argparse.SUPPRESS)
+    parser.add_argument("--address", help=argparse.SUPPRESS)
+    parser.add_argument("--nbytes", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--chunks", type=int, default=1, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.serve:
+        return serve(args.serve, args.mb[0], args.chunks)
+    if args.recv:
+        return receive(args.recv, args.address, args.nbytes, args.chunks, args.touch)
+    if args.smoke:
+        args.mb, args.repeats = [4], 1
+    contenders: list[Contender] = [("raw", "raw", 0, False)]
+    for c in args.ours_chunks:
+        contenders.append((f"ours_c{c}", "ours", c, False))
+        if args.touch:
+            contenders.append((f"ours_c{c}_touch", "ours", c, True))
+    if not args.no_torchft and torchft_importable():
+        contenders.append(("torchft", "torchft", 0, False))
+    rows = []
+    for mb in args.mb:
+        rows += run_size(mb, args.repeats, contenders)
+    report(rows, args.results)
+
+
+if __name__ == "__main__":
+    main()
