@@ -46,9 +46,24 @@ CONTENDERS = ("ref", "ours", "ours_stream")
 # ---- load process ------------------------------------------------------------
 
 
-async def _group(
-    gid: int, target: str, cfg: dict, stats: dict, t0: float, w0: float, w1: float
-) -> None:
+def _why(e: Exception) -> str:
+    if hasattr(e, "code"):
+        return f"{e.code().name} {e.details()}"[:300]
+    return f"{type(e).__name__} {e}"[:300]
+
+
+class _Clock:
+    """The measurement window, set by the driver once every group is ready."""
+
+    def __init__(self) -> None:
+        self.go = asyncio.Event()
+        self.t0 = self.w0 = self.w1 = float("inf")
+
+    def in_window(self, t: float) -> bool:
+        return self.w0 <= t < self.w1
+
+
+async def _group(gid: int, cfg: dict, stats: dict, clock: _Clock, ready: asyncio.Queue) -> None:
     import grpc
     from grpc import aio
 
@@ -57,57 +72,61 @@ async def _group(
 
     # A channel (and TCP connection) of its own, as a real group has: without
     # a local subchannel pool, channels to one target share one connection.
-    channel = aio.insecure_channel(target, options=[("grpc.use_local_subchannel_pool", 1)])
+    channel = aio.insecure_channel(cfg["target"], options=[("grpc.use_local_subchannel_pool", 1)])
     stub = pb_grpc.LighthouseServiceStub(channel)
     rid = f"group{gid}:{os.getpid()}"
     hb_s = cfg["heartbeat_ms"] / 1000
-    stop_at = w1 + 0.2
-
-    def in_window(t: float) -> bool:
-        return w0 <= t < w1
 
     async def heartbeats() -> None:
         req = pb.LighthouseHeartbeatRequest(replica_id=rid)
         await asyncio.sleep(random.random() * hb_s)
         call = stub.HeartbeatStream() if cfg["stream"] else None
         nxt = time.time()
-        while time.time() < stop_at:
+        while time.time() < clock.w1 + 0.2:
             start = time.time()
             try:
                 if call is not None:
                     await call.write(req)
                 else:
                     await stub.Heartbeat(req, timeout=5)
-                if in_window(start):
+                if clock.in_window(start):
                     stats["hb_lat"].append(time.time() - start)
                     stats["hb_ok"] += 1
             except (grpc.RpcError, asyncio.InvalidStateError) as e:
-                if in_window(start):
-                    stats["errors"].append(f"heartbeat: {str(e)[:200]}")
+                if clock.in_window(start):
+                    stats["errors"].append(f"heartbeat: {_why(e)}")
                 if call is not None:
                     call = stub.HeartbeatStream()
-            nxt += hb_s
+            nxt = max(nxt + hb_s, time.time() - hb_s)
             await asyncio.sleep(max(0.0, nxt - time.time()))
         if call is not None:
             call.cancel()
 
+    async def ask(step: int, timeout: float = 60) -> None:
+        member = pb.QuorumMember(replica_id=rid, address=f"http://g{gid}", step=step)
+        await stub.Quorum(pb.LighthouseQuorumRequest(requester=member), timeout=timeout)
+
     async def quorums() -> None:
-        step = 0
+        # Warm-up: connected, and in the first quorum; a thousand connecting
+        # at once on a loaded 2-core box can take a while.
+        await ask(0, timeout=600)
+        await ready.put(gid)
+        await clock.go.wait()
+        step = 1
         while True:
-            at = t0 + step * cfg["step_s"]
-            if at >= w1:
+            at = clock.t0 + (step - 1) * cfg["step_s"]
+            if at >= clock.w1:
                 return
             await asyncio.sleep(max(0.0, at - time.time()))
-            member = pb.QuorumMember(replica_id=rid, address=f"http://g{gid}", step=step)
             start = time.time()
             try:
-                await stub.Quorum(pb.LighthouseQuorumRequest(requester=member), timeout=30)
-                if in_window(start):
-                    stats["q_lat"].append(time.time() - start)
+                await ask(step)
+                if clock.in_window(start):
+                    stats["quorums"].append((step, start, time.time()))
             except grpc.RpcError as e:
-                if in_window(start):
-                    stats["errors"].append(f"quorum: {str(e)[:200]}")
-            step = max(step + 1, int((time.time() - t0) / cfg["step_s"]) + 1)
+                if clock.in_window(start):
+                    stats["errors"].append(f"quorum: {_why(e)}")
+            step = max(step + 1, int((time.time() - clock.t0) / cfg["step_s"]) + 2)
 
     try:
         await asyncio.gather(heartbeats(), quorums())
@@ -116,15 +135,24 @@ async def _group(
 
 
 async def _load(cfg: dict) -> dict:
-    stats: dict = {"hb_lat": [], "q_lat": [], "hb_ok": 0, "errors": []}
-    t0, w0, w1 = cfg["t0"], cfg["w0"], cfg["w1"]
+    """One load process: its groups, the ready/go handshake, its own CPU."""
+    stats: dict = {"hb_lat": [], "quorums": [], "hb_ok": 0, "errors": []}
+    clock = _Clock()
+    ready: asyncio.Queue = asyncio.Queue()
     me = psutil.Process()
-    tasks = [
-        asyncio.create_task(_group(g, cfg["target"], cfg, stats, t0, w0, w1)) for g in cfg["gids"]
-    ]
-    await asyncio.sleep(max(0.0, w0 - time.time()))
+    tasks = []
+    for g in cfg["gids"]:  # paced: no connection storm
+        tasks.append(asyncio.create_task(_group(g, cfg, stats, clock, ready)))
+        await asyncio.sleep(0.005)
+    for _ in cfg["gids"]:
+        await ready.get()
+    print("ready", flush=True)
+    line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    clock.t0, clock.w0, clock.w1 = json.loads(line)
+    clock.go.set()
+    await asyncio.sleep(max(0.0, clock.w0 - time.time()))
     c0 = me.cpu_times()
-    await asyncio.sleep(max(0.0, w1 - time.time()))
+    await asyncio.sleep(max(0.0, clock.w1 - time.time()))
     c1 = me.cpu_times()
     await asyncio.gather(*tasks, return_exceptions=True)
     stats["cpu_s"] = (c1.user + c1.system) - (c0.user + c0.system)
@@ -145,16 +173,17 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(contender: str, n: int, port: int) -> subprocess.Popen:
+def start_server(contender: str, n: int, port: int, log: str | None) -> subprocess.Popen:
     if contender == "ref":
         exe = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent))
         args = [exe, "--min_replicas", str(n), "--bind", f"127.0.0.1:{port}"]
     else:
         args = [sys.executable, "-m", "lighthouse", "--min-replicas", str(n),
                 "--bind", f"127.0.0.1:{port}", "--http-bind", "",
-                "--log-level", "WARNING"]  # fmt: skip
+                "--log-level", "INFO" if log else "WARNING"]  # fmt: skip
     args += ["--join_timeout_ms", "60000", "--heartbeat_timeout_ms", "5000"]
-    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
+    out = open(f"{log}.{contender}.{n}", "w") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(args, stdout=out, stderr=out, cwd=REPO)
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
         try:
@@ -177,15 +206,11 @@ def pct(xs: list[float], q: float) -> float:
 
 def run_one(contender: str, n: int, args: argparse.Namespace) -> dict:
     port = free_port()
-    server = start_server(contender, n, port)
+    server = start_server(contender, n, port, args.server_log)
     loads: list[subprocess.Popen] = []
     try:
         sp = psutil.Process(server.pid)
         procs = max(1, min(args.procs, n))
-        # Time to connect everyone, then one warm-up step before the window.
-        t0 = time.time() + 1.0 + n / 500
-        w0 = t0 + args.step_s * args.warmup_steps
-        w1 = w0 + args.seconds
         for p in range(procs):
             cfg = {
                 "target": f"127.0.0.1:{port}",
@@ -193,25 +218,28 @@ def run_one(contender: str, n: int, args: argparse.Namespace) -> dict:
                 "stream": contender == "ours_stream",
                 "heartbeat_ms": args.heartbeat_ms,
                 "step_s": args.step_s,
-                "t0": t0,
-                "w0": w0,
-                "w1": w1,
             }
             proc = subprocess.Popen(
                 [sys.executable, "-m", "bench.lighthouse_load", "--load-process", json.dumps(cfg)],
-                stdout=subprocess.PIPE, cwd=REPO, text=True,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, cwd=REPO, text=True,
                 env={**os.environ, "PYTHONPATH": str(REPO)},
             )  # fmt: skip
             loads.append(proc)
+        for proc in loads:  # every group connected and in the first quorum
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a load process for {contender} n={n} failed")
+        t0 = time.time() + 0.3
+        w0 = t0 + args.step_s * args.warmup_steps
+        w1 = w0 + args.seconds
+        for proc in loads:
+            proc.stdin.write(json.dumps([t0, w0, w1]) + "\n")
+            proc.stdin.flush()
         time.sleep(max(0.0, w0 - time.time()))
         s0 = sp.cpu_times()
         time.sleep(max(0.0, w1 - time.time()))
         s1 = sp.cpu_times()
         rss_mb = sp.memory_info().rss / 2**20
-        results = []
-        for proc in loads:
-            out, _ = proc.communicate(timeout=args.seconds + 60)
-            results.append(json.loads(out.strip().splitlines()[-1]))
+        results = [json.loads(proc.stdout.read().strip().splitlines()[-1]) for proc in loads]
     finally:
         for proc in loads:
             if proc.poll() is None:
@@ -219,7 +247,13 @@ def run_one(contender: str, n: int, args: argparse.Namespace) -> dict:
                 proc.wait(10)
         server.kill()
         server.wait(10)
-    q = [x for r in results for x in r["q_lat"]]
+    calls = [tuple(x) for r in results for x in r["quorums"]]
+    q = [end - start for _, start, end in calls]
+    # The lighthouse's own part: from the step's last call to each answer.
+    last_call: dict[int, float] = {}
+    for step, start, _ in calls:
+        last_call[step] = max(last_call.get(step, 0.0), start)
+    q_after_last = [end - last_call[step] for step, _, end in calls]
     hb = [x for r in results for x in r["hb_lat"]]
     errors = [e for r in results for e in r["errors"]]
     if errors:
@@ -229,6 +263,7 @@ def run_one(contender: str, n: int, args: argparse.Namespace) -> dict:
         "server": contender,
         "q_p50_ms": round(1000 * pct(q, 0.5), 1),
         "q_p99_ms": round(1000 * pct(q, 0.99), 1),
+        "q_last_p99_ms": round(1000 * pct(q_after_last, 0.99), 1),
         "quorums": len(q),
         "hb_p99_ms": round(1000 * pct(hb, 0.99), 2),
         "hb_per_s": round(sum(r["hb_ok"] for r in results) / args.seconds),
@@ -249,8 +284,9 @@ def main() -> None:
     parser.add_argument("--procs", type=int, default=4, help="load processes (default 4)")
     parser.add_argument("--heartbeat-ms", type=int, default=100)
     parser.add_argument("--step-s", type=float, default=1.0)
-    parser.add_argument("--warmup-steps", type=int, default=2)
+    parser.add_argument("--warmup-steps", type=int, default=1)
     parser.add_argument("--smoke", action="store_true", help="10 groups, 3 s, one load process")
+    parser.add_argument("--server-log", help="write each server's log to SERVER_LOG.NAME.N")
     parser.add_argument("--results", default="bench_results/lighthouse_load.jsonl")
     parser.add_argument("--load-process", metavar="CONFIG_JSON", help=argparse.SUPPRESS)
     args = parser.parse_args()
