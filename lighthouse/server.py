@@ -37,6 +37,9 @@ from lighthouse.quorum import (
 
 logger = logging.getLogger(__name__)
 
+DECIDE_COST_FACTOR = 10
+"""A call-triggered decision waits for 10x the previous one's cost (see decide_soon)."""
+
 
 @dataclass
 class _Waiter:
@@ -63,6 +66,10 @@ class _Coordinator:
         self.reason = "no replica has asked for a quorum yet"
         self._logged_status: tuple[str, int, int] | None = None
         self._decide_soon = False
+        self._decided_at = 0.0
+        """perf_counter seconds when the last call-triggered decision ended."""
+        self._decide_cost_s = 0.0
+        """How long that decision took."""
 
     def heartbeat(self, replica_id: str) -> None:
         self.heartbeats[replica_id] = time.monotonic()
@@ -129,16 +136,28 @@ class _Coordinator:
                 del self.waiters[member.replica_id]
 
     def decide_soon(self) -> None:
-        """Decides once for every call that arrived in this loop iteration: a
-        decision costs O(replicas), so deciding per call is O(replicas^2) a step."""
-        if not self._decide_soon:
-            self._decide_soon = True
-            asyncio.get_running_loop().call_soon(self._decide_now)
+        """Decides once for all the calls that arrive meanwhile. A decision
+        costs O(replicas), so deciding per call is O(replicas^2) a step; the
+        next one waits until 10x the last one's cost has passed, which keeps
+        decisions under ~10% of the loop (20 us with 2 replicas, ~10 ms with
+        a thousand)."""
+        if self._decide_soon:
+            return
+        self._decide_soon = True
+        loop = asyncio.get_running_loop()
+        wait = self._decided_at + DECIDE_COST_FACTOR * self._decide_cost_s - time.perf_counter()
+        if wait > 0:
+            loop.call_later(wait, self._decide_now)
+        else:
+            loop.call_soon(self._decide_now)
 
     def _decide_now(self) -> None:
         self._decide_soon = False
         if self.waiters:
+            start = time.perf_counter()
             self.decide()
+            self._decided_at = time.perf_counter()
+            self._decide_cost_s = self._decided_at - start
 
     def decide(self) -> None:
         now = time.monotonic()
