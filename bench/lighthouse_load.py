@@ -5,20 +5,23 @@
 
 Each simulated group is an asyncio gRPC client with its own connection; the
 groups are spread over --procs load processes. A group heartbeats every
---heartbeat-ms and calls Quorum once per --step-s "step" (all groups call at
-the same step boundary, as synchronous training does). Any server of the
-torchft wire protocol can be driven, so one run measures, interleaved:
+--heartbeat-ms and calls Quorum once per --step-s "step": all groups ask at
+the same step boundary, as synchronous training does, and every group asks
+for every step, late or not. After a warm-up quorum that every group is in
+(connecting a thousand takes a while on a loaded box) and --warmup-steps,
+the window of --seconds starts. Any server of the torchft wire protocol can
+be driven, so one run measures, interleaved per N:
 
 - `ref`: pytorch/torchft's Rust lighthouse (.venv/bin/torchft_lighthouse),
 - `ours`: torchft-lighthouse with unary Heartbeat calls,
 - `ours_stream`: torchft-lighthouse with the HeartbeatStream RPC.
 
-Reported over the measurement window (after one warm-up step): quorum call
-latency p50/p99, heartbeat latency p99 (unary: the call; stream: the write,
-which only waits for flow control), heartbeats per second completed vs
-offered, the lighthouse's CPU (psutil cpu_times, fraction of one core) and
-RSS, the load processes' own CPU (they share the machine's cores with the
-lighthouse), and errors.
+Columns: quorum call latency p50/p99 (q_*: from the call; q_last_p99: from
+the step's last call, the lighthouse's own part); heartbeat latency p99
+(unary: the call; stream: the write, which only waits for flow control);
+heartbeats per second completed vs offered; the lighthouse's CPU (psutil
+cpu_times over the window, fraction of one core) and RSS; the load
+processes' own CPU, which competes with the lighthouse on a small box; errors.
 """
 
 from __future__ import annotations
@@ -58,6 +61,7 @@ class _Clock:
     def __init__(self) -> None:
         self.go = asyncio.Event()
         self.t0 = self.w0 = self.w1 = float("inf")
+        self.steps = self.warmup_steps = 0
 
     def in_window(self, t: float) -> bool:
         return self.w0 <= t < self.w1
@@ -75,6 +79,7 @@ async def _group(gid: int, cfg: dict, stats: dict, clock: _Clock, ready: asyncio
     channel = aio.insecure_channel(cfg["target"], options=[("grpc.use_local_subchannel_pool", 1)])
     stub = pb_grpc.LighthouseServiceStub(channel)
     rid = f"group{gid}:{os.getpid()}"
+    done = asyncio.Event()
     hb_s = cfg["heartbeat_ms"] / 1000
 
     async def heartbeats() -> None:
@@ -82,7 +87,7 @@ async def _group(gid: int, cfg: dict, stats: dict, clock: _Clock, ready: asyncio
         await asyncio.sleep(random.random() * hb_s)
         call = stub.HeartbeatStream() if cfg["stream"] else None
         nxt = time.time()
-        while time.time() < clock.w1 + 0.2:
+        while not done.is_set():
             start = time.time()
             try:
                 if call is not None:
@@ -112,21 +117,19 @@ async def _group(gid: int, cfg: dict, stats: dict, clock: _Clock, ready: asyncio
         await ask(0, timeout=600)
         await ready.put(gid)
         await clock.go.wait()
-        step = 1
-        while True:
+        # Every group asks for every step, late or not: a group that skipped
+        # a step would leave the others waiting for it.
+        for step in range(1, clock.steps + 1):
             at = clock.t0 + (step - 1) * cfg["step_s"]
-            if at >= clock.w1:
-                return
             await asyncio.sleep(max(0.0, at - time.time()))
             start = time.time()
             try:
                 await ask(step)
-                if clock.in_window(start):
+                if clock.warmup_steps < step < clock.steps:  # the last one closes the window
                     stats["quorums"].append((step, start, time.time()))
             except grpc.RpcError as e:
-                if clock.in_window(start):
-                    stats["errors"].append(f"quorum: {_why(e)}")
-            step = max(step + 1, int((time.time() - clock.t0) / cfg["step_s"]) + 2)
+                stats["errors"].append(f"quorum: {_why(e)}")
+        done.set()
 
     try:
         await asyncio.gather(heartbeats(), quorums())
@@ -148,7 +151,7 @@ async def _load(cfg: dict) -> dict:
         await ready.get()
     print("ready", flush=True)
     line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-    clock.t0, clock.w0, clock.w1 = json.loads(line)
+    clock.t0, clock.w0, clock.w1, clock.steps, clock.warmup_steps = json.loads(line)
     clock.go.set()
     await asyncio.sleep(max(0.0, clock.w0 - time.time()))
     c0 = me.cpu_times()
@@ -232,7 +235,8 @@ def run_one(contender: str, n: int, args: argparse.Namespace) -> dict:
         w0 = t0 + args.step_s * args.warmup_steps
         w1 = w0 + args.seconds
         for proc in loads:
-            proc.stdin.write(json.dumps([t0, w0, w1]) + "\n")
+            steps = args.warmup_steps + round(args.seconds / args.step_s) + 1
+            proc.stdin.write(json.dumps([t0, w0, w1, steps, args.warmup_steps]) + "\n")
             proc.stdin.flush()
         time.sleep(max(0.0, w0 - time.time()))
         s0 = sp.cpu_times()
