@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
 import shutil
 import socket
 import subprocess
@@ -17,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from lighthouse import LighthouseClient, LighthouseServer, QuorumTimeoutError
+from lighthouse import LighthouseClient, LighthouseServer, QuorumError, QuorumTimeoutError
 from lighthouse.client import AsyncLighthouseClient
 from tests.procs import PYTHON, Children, wait_for_line
 from torchft_like._procs import kill_tree
@@ -137,40 +138,64 @@ def free_port() -> int:
 
 
 @pytest.fixture
-def reference_lighthouse():
-    """pytorch/torchft's Rust lighthouse: it knows no HeartbeatStream."""
+def reference_lighthouse(tmp_path):
+    """pytorch/torchft's Rust lighthouse, which knows no HeartbeatStream; its
+    log (where it counts the replicas heartbeating) goes to a file."""
     exe = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent))
     if exe is None:
         pytest.skip("torchft-nightly's torchft_lighthouse is not installed")
     port = free_port()
+    log = tmp_path / "reference.log"
     proc = subprocess.Popen(
         [exe, "--min_replicas", "1", "--bind", f"127.0.0.1:{port}",
          "--heartbeat_timeout_ms", "500", "--join_timeout_ms", "60000"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True,
+        stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True,
     )  # fmt: skip
     try:
-        deadline = time.monotonic() + 20
+        deadline = time.monotonic() + 30
         while True:
             try:
                 socket.create_connection(("127.0.0.1", port), timeout=1).close()
                 break
             except OSError:
+                assert proc.poll() is None, log.read_text(errors="replace")
                 assert time.monotonic() < deadline, "the reference lighthouse did not start"
                 time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://127.0.0.1:{port}", log
     finally:
         assert not kill_tree(proc.pid)
         proc.wait(10)
 
 
+def heartbeating_at_last_quorum(log: Path) -> int:
+    """The Rust lighthouse logs `[N heartbeating]` with each decision; the one
+    right after the last quorum request counts the requester as heartbeating
+    (later ones, on its ticks, may not: the request is its only heartbeat)."""
+    text = log.read_text(errors="replace")
+    after_request = text.rsplit("Received quorum request", 1)
+    assert len(after_request) == 2, f"no quorum request in the reference's log:\n{text}"
+    count = re.search(r"\[(\d+) heartbeating\]", after_request[1])
+    assert count, f"no decision after the last quorum request:\n{text}"
+    return int(count.group(1))
+
+
+def ask_for_a_quorum(client: LighthouseClient) -> None:
+    """Makes the reference decide (and log) once; the answer does not matter."""
+    try:
+        client.quorum("observer", timedelta(seconds=1))
+    except QuorumError:
+        pass
+
+
 def test_manager_server_falls_back_to_unary_heartbeats_on_the_reference_lighthouse(
     reference_lighthouse, caplog
 ):
+    address, log = reference_lighthouse
     caplog.set_level(logging.INFO, logger="torchft_like.manager_server")
-    observer = LighthouseClient(reference_lighthouse)
+    observer = LighthouseClient(address)
     manager = ManagerServer(
         replica_id="fallback",
-        lighthouse_addr=reference_lighthouse,
+        lighthouse_addr=address,
         hostname="127.0.0.1",
         bind="127.0.0.1:0",
         store_addr="fallback-store:1",
@@ -181,15 +206,42 @@ def test_manager_server_falls_back_to_unary_heartbeats_on_the_reference_lighthou
         while "has no HeartbeatStream" not in caplog.text:
             assert time.monotonic() < deadline, f"no fallback logged:\n{caplog.text}"
             time.sleep(0.05)
-        # Unary heartbeats keep `fallback` healthy well past the 500 ms
-        # heartbeat timeout, so the observer alone is no majority and waits.
+        # Unary heartbeats keep `fallback` heartbeating in the reference's
+        # eyes well past its 500 ms heartbeat timeout (so the observer alone
+        # is no majority and waits)...
         time.sleep(1.0)
-        with pytest.raises(QuorumTimeoutError):
-            observer.quorum("observer", timedelta(seconds=1.5))
+        ask_for_a_quorum(observer)
+        assert heartbeating_at_last_quorum(log) == 2
+        # ... and stop with the ManagerServer.
         manager.shutdown()
-        # Its heartbeats stopped: after 500 ms the observer is a quorum alone.
-        quorum = observer.quorum("observer", timedelta(seconds=10))
-        assert quorum.replica_ids() == ("observer",)
+        time.sleep(1.0)
+        ask_for_a_quorum(observer)
+        assert heartbeating_at_last_quorum(log) == 1
     finally:
         manager.shutdown()
         observer.close()
+
+
+def test_manager_server_heartbeats_reach_a_restarted_lighthouse_on_the_same_port():
+    port = free_port()
+    lighthouse = LighthouseServer(bind=f"127.0.0.1:{port}", min_replicas=1)
+    manager = ManagerServer(
+        replica_id="m",
+        lighthouse_addr=lighthouse.address(),
+        hostname="127.0.0.1",
+        bind="127.0.0.1:0",
+        store_addr="m-store:1",
+        world_size=1,
+    )
+
+    def healthy_on(server: LighthouseServer) -> bool:
+        return any(r["healthy"] for r in server.status()["replicas"])
+
+    try:
+        asyncio.run(wait_until(lambda: healthy_on(lighthouse), "a heartbeat"))
+        lighthouse.shutdown()
+        lighthouse = LighthouseServer(bind=f"127.0.0.1:{port}", min_replicas=1)
+        asyncio.run(wait_until(lambda: healthy_on(lighthouse), "a heartbeat after the restart", 20))
+    finally:
+        manager.shutdown()
+        lighthouse.shutdown()
