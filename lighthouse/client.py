@@ -7,6 +7,7 @@ unreachable lighthouse is reported within that time instead of after the
 
 from __future__ import annotations
 
+import asyncio
 import json
 import socket
 from datetime import timedelta
@@ -178,10 +179,9 @@ class AsyncLighthouseClient:
             interceptors=auth.aio_client_interceptors(secret),
         )
         self._stub = pb_grpc.LighthouseServiceStub(self._channel)
+        self._heartbeat_call: Any = None
 
     async def _ensure_connected(self) -> None:
-        import asyncio
-
         state = self._channel.get_state(try_to_connect=True)
         if state == grpc.ChannelConnectivity.READY:
             return
@@ -211,6 +211,62 @@ class AsyncLighthouseClient:
         except grpc.RpcError as e:
             raise map_rpc_error(e, f"lighthouse {self.addr}", "Heartbeat") from None
 
+    async def stream_heartbeat(self, replica_id: str, timeout: timedelta) -> bool:
+        """Sends one heartbeat on our HeartbeatStream call, opening it first if needed.
+
+        One long-lived call costs the lighthouse far less than a unary call
+        per heartbeat, and its closing (our process died) tells the lighthouse
+        at once that we are gone. After an error the next call opens a new
+        stream (a restarted lighthouse).
+
+        Returns:
+            False if the lighthouse does not know HeartbeatStream (it answered
+            UNIMPLEMENTED, as pytorch/torchft's does): use heartbeat() instead.
+            A write may be accepted before that answer arrives, so the False
+            can come on the second call.
+
+        Raises:
+            LighthouseUnavailableError, QuorumTimeoutError, QuorumError: the
+            stream failed; see map_rpc_error.
+        """
+        await self._ensure_connected()
+        if self._heartbeat_call is None:
+            self._heartbeat_call = self._stub.HeartbeatStream()
+        call = self._heartbeat_call
+        error: grpc.RpcError | None = None
+        if not call.done():
+            try:
+                request = pb.LighthouseHeartbeatRequest(replica_id=replica_id)
+                await asyncio.wait_for(call.write(request), timeout.total_seconds())
+                return True
+            except grpc.RpcError as e:
+                error = e
+            except asyncio.InvalidStateError:
+                pass  # finished meanwhile: its status says why
+            except asyncio.TimeoutError:
+                error = aio.AioRpcError(
+                    grpc.StatusCode.DEADLINE_EXCEEDED,
+                    aio.Metadata(),
+                    aio.Metadata(),
+                    f"heartbeat not sent within {timeout.total_seconds():.1f} s",
+                )
+        self.close_heartbeat_stream()
+        if error is None:
+            code, details = await call.code(), await call.details()
+            if code == grpc.StatusCode.UNIMPLEMENTED:
+                return False
+            error = aio.AioRpcError(code, aio.Metadata(), aio.Metadata(), details)
+        if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+            return False
+        raise map_rpc_error(error, f"lighthouse {self.addr}", "HeartbeatStream") from None
+
+    def close_heartbeat_stream(self) -> None:
+        """Ends our heartbeat stream; the lighthouse takes it as us being gone
+        unless we said Leave first."""
+        if self._heartbeat_call is not None:
+            self._heartbeat_call.cancel()
+            self._heartbeat_call = None
+
     async def leave(self, replica_id: str, timeout: timedelta) -> None:
         """See LighthouseClient.leave."""
         await self._ensure_connected()
@@ -223,4 +279,5 @@ class AsyncLighthouseClient:
                 raise map_rpc_error(e, f"lighthouse {self.addr}", "Leave") from None
 
     async def close(self) -> None:
+        self.close_heartbeat_stream()
         await self._channel.close()

@@ -8,7 +8,7 @@ every clause of the rule is tested as a plain function (tests/unit).
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
@@ -84,6 +84,9 @@ class LighthouseState:
     heartbeats: Mapping[str, float]
     """replica_id -> monotonic seconds of its last heartbeat or Quorum call."""
     prev_quorum: Quorum | None = None
+    streams_closed: Mapping[str, float] = field(default_factory=dict)
+    """replica_id -> monotonic seconds when its last heartbeat stream ended
+    without a Leave: its process most likely died and its connection closed."""
 
 
 @dataclass(frozen=True)
@@ -96,13 +99,45 @@ class QuorumDecision:
     """Stable short code of the reason (`fast`, `valid`, `stragglers`, ...)."""
 
 
-def healthy_replicas(now: float, heartbeats: Mapping[str, float], timeout_ms: int) -> set[str]:
-    return {rid for rid, seen in heartbeats.items() if now - seen < timeout_ms / 1000}
+def stream_closed_since_heartbeat(
+    heartbeats: Mapping[str, float], streams_closed: Mapping[str, float]
+) -> set[str]:
+    """Replicas whose heartbeat stream ended after their last heartbeat.
+
+    A live group keeps its stream open however slow it is, so a stream that
+    ends without a Leave means the process (or its connection) is gone: no
+    need to wait for the heartbeat timeout. Any later heartbeat or Quorum call
+    (a reconnect after a lighthouse restart or a network blip) outdates it.
+    """
+    return {
+        rid
+        for rid, closed in streams_closed.items()
+        if rid in heartbeats and closed >= heartbeats[rid]
+    }
+
+
+def healthy_replicas(
+    now: float,
+    heartbeats: Mapping[str, float],
+    timeout_ms: int,
+    streams_closed: Mapping[str, float] | None = None,
+) -> set[str]:
+    """Replicas heard from within the timeout, less those whose stream closed since."""
+    healthy = {rid for rid, seen in heartbeats.items() if now - seen < timeout_ms / 1000}
+    if streams_closed:
+        healthy -= stream_closed_since_heartbeat(heartbeats, streams_closed)
+    return healthy
 
 
 def compute_quorum(now: float, state: LighthouseState, config: LighthouseConfig) -> QuorumDecision:
     """Decides whether a quorum can be issued now, following DESIGN.md's rule."""
-    healthy = healthy_replicas(now, state.heartbeats, config.heartbeat_timeout_ms)
+    timeout_s = config.heartbeat_timeout_ms / 1000
+    gone = {
+        rid
+        for rid in stream_closed_since_heartbeat(state.heartbeats, state.streams_closed)
+        if now - state.heartbeats[rid] < timeout_s
+    }
+    healthy = healthy_replicas(now, state.heartbeats, config.heartbeat_timeout_ms) - gone
     joined = {rid: p for rid, p in state.participants.items() if rid in healthy}
     shrink_only = any(p.member.shrink_only for p in joined.values())
     prev_ids = set(state.prev_quorum.replica_ids()) if state.prev_quorum else set()
@@ -113,6 +148,9 @@ def compute_quorum(now: float, state: LighthouseState, config: LighthouseConfig)
     tally = f"[{len(joined)}/{len(healthy)} participants healthy]"
     if shrink_only:
         tally += "[shrink_only]"
+    if gone:
+        tally += f"[{len(gone)} gone: heartbeat stream closed: {', '.join(sorted(gone)[:3])}"
+        tally += ", ...]" if len(gone) > 3 else "]"
 
     if state.prev_quorum is not None and prev_ids <= joined.keys() and members:
         return QuorumDecision(members, f"fast quorum: every previous member joined {tally}", "fast")

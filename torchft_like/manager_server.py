@@ -301,13 +301,24 @@ class ManagerServer:
     # ---- background ----------------------------------------------------------
 
     async def _heartbeat_loop(self) -> None:
+        """Heartbeats on one stream (its closing tells the lighthouse at once
+        that we died); unary calls to a lighthouse without HeartbeatStream."""
         failing = False
+        use_stream = True
         interval = self._heartbeat_interval.total_seconds()
+        timeout = timedelta(seconds=max(1.0, 10 * interval))
         while True:
             try:
-                await self._lighthouse.heartbeat(
-                    self.replica_id, timedelta(seconds=max(1.0, 10 * interval))
-                )
+                if use_stream and not await self._lighthouse.stream_heartbeat(
+                    self.replica_id, timeout
+                ):
+                    use_stream = False
+                    logger.info(
+                        "[%s] the lighthouse has no HeartbeatStream; unary heartbeats",
+                        self.replica_id,
+                    )
+                if not use_stream:
+                    await self._lighthouse.heartbeat(self.replica_id, timeout)
                 if failing:
                     logger.info("[%s] lighthouse heartbeats succeed again", self.replica_id)
                 failing = False
@@ -340,6 +351,7 @@ class ManagerServer:
                 logger.warning(
                     "[%s] could not tell the lighthouse we leave: %s", self.replica_id, e
                 )
+        self._lighthouse.close_heartbeat_stream()
         await self._server.stop(grace=None)
         await self._lighthouse.close()
 

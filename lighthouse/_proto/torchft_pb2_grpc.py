@@ -26,7 +26,15 @@ if _version_not_supported:
 
 
 class LighthouseServiceStub:
-    """Missing associated documentation comment in .proto file."""
+    """torchft_like addition, HeartbeatStream: one long-lived call per replica
+    carries all its heartbeats (a LighthouseHeartbeatRequest each), far cheaper
+    for the lighthouse than one unary Heartbeat call each. The stream ending
+    without a Leave (the process died, its connection closed) marks the replica
+    unhealthy at once; its next heartbeat makes it healthy again. The response
+    is sent when the client closes the stream. Peers that do not know it answer
+    UNIMPLEMENTED, and clients fall back to unary Heartbeat.
+
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -49,10 +57,23 @@ class LighthouseServiceStub:
                 request_serializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseLeaveRequest.SerializeToString,
                 response_deserializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseLeaveResponse.FromString,
                 _registered_method=True)
+        self.HeartbeatStream = channel.stream_unary(
+                '/torchft.LighthouseService/HeartbeatStream',
+                request_serializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatRequest.SerializeToString,
+                response_deserializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatResponse.FromString,
+                _registered_method=True)
 
 
 class LighthouseServiceServicer:
-    """Missing associated documentation comment in .proto file."""
+    """torchft_like addition, HeartbeatStream: one long-lived call per replica
+    carries all its heartbeats (a LighthouseHeartbeatRequest each), far cheaper
+    for the lighthouse than one unary Heartbeat call each. The stream ending
+    without a Leave (the process died, its connection closed) marks the replica
+    unhealthy at once; its next heartbeat makes it healthy again. The response
+    is sent when the client closes the stream. Peers that do not know it answer
+    UNIMPLEMENTED, and clients fall back to unary Heartbeat.
+
+    """
 
     def Quorum(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -67,6 +88,12 @@ class LighthouseServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Leave(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def HeartbeatStream(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -90,6 +117,11 @@ def add_LighthouseServiceServicer_to_server(servicer, server):
                     request_deserializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseLeaveRequest.FromString,
                     response_serializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseLeaveResponse.SerializeToString,
             ),
+            'HeartbeatStream': grpc.stream_unary_rpc_method_handler(
+                    servicer.HeartbeatStream,
+                    request_deserializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatRequest.FromString,
+                    response_serializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'torchft.LighthouseService', rpc_method_handlers)
@@ -99,7 +131,15 @@ def add_LighthouseServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class LighthouseService:
-    """Missing associated documentation comment in .proto file."""
+    """torchft_like addition, HeartbeatStream: one long-lived call per replica
+    carries all its heartbeats (a LighthouseHeartbeatRequest each), far cheaper
+    for the lighthouse than one unary Heartbeat call each. The stream ending
+    without a Leave (the process died, its connection closed) marks the replica
+    unhealthy at once; its next heartbeat makes it healthy again. The response
+    is sent when the client closes the stream. Peers that do not know it answer
+    UNIMPLEMENTED, and clients fall back to unary Heartbeat.
+
+    """
 
     @staticmethod
     def Quorum(request,
@@ -172,6 +212,33 @@ class LighthouseService:
             '/torchft.LighthouseService/Leave',
             lighthouse_dot___proto_dot_torchft__pb2.LighthouseLeaveRequest.SerializeToString,
             lighthouse_dot___proto_dot_torchft__pb2.LighthouseLeaveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeartbeatStream(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/torchft.LighthouseService/HeartbeatStream',
+            lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatRequest.SerializeToString,
+            lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,

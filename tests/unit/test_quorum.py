@@ -33,8 +33,10 @@ def state(
     beats: dict[str, float] | None = None,
     prev: list[str] | None = None,
     shrink_only: tuple[str, ...] = (),
+    closed: dict[str, float] | None = None,
 ) -> LighthouseState:
-    """joined: replica -> seconds ago it joined; beats: replica -> seconds since heartbeat.
+    """joined: replica -> seconds ago it joined; beats: replica -> seconds since
+    heartbeat; closed: replica -> seconds since its heartbeat stream ended.
 
     Joined replicas heartbeat just now unless `beats` says otherwise.
     """
@@ -45,7 +47,8 @@ def state(
         for rid, ago in joined.items()
     }
     prev_quorum = Quorum(1, tuple(member(r) for r in prev), 0.0) if prev is not None else None
-    return LighthouseState(participants, heartbeats, prev_quorum)
+    streams_closed = {rid: NOW - ago for rid, ago in (closed or {}).items()}
+    return LighthouseState(participants, heartbeats, prev_quorum, streams_closed)
 
 
 @pytest.mark.parametrize(
@@ -136,6 +139,49 @@ def state(
             "valid",
             "every healthy replica joined",
         ),
+        (
+            "a member whose stream closed after its last heartbeat is not waited for",
+            state({"a": 0, "c": 0}, beats={"b": 0.5}, prev=["a", "b", "c"], closed={"b": 0.2}),
+            ["a", "c"],
+            "valid",
+            "every healthy replica joined [2/2 participants healthy]"
+            "[1 gone: heartbeat stream closed: b]",
+        ),
+        (
+            "a closed stream does not count against the majority",
+            state({"a": 0}, beats={"b": 0.3, "c": 0.3}, closed={"b": 0.1, "c": 0.2}),
+            None,
+            "too_few",
+            "[1/1 participants healthy][2 gone: heartbeat stream closed: b, c]",
+        ),
+        (
+            "a heartbeat after the stream closed makes the replica healthy again",
+            state({"a": 0, "c": 0}, beats={"b": 0.1}, prev=["a", "b", "c"], closed={"b": 0.2}),
+            None,
+            "stragglers",
+            "waiting for 1 healthy straggler, join timeout in 5.0 s [2/3 participants healthy]",
+        ),
+        (
+            "a slow member with its stream open is waited for",
+            state({"a": 0, "c": 0}, beats={"b": 0.9}, prev=["a", "b", "c"]),
+            None,
+            "stragglers",
+            "waiting for 1 healthy straggler",
+        ),
+        (
+            "a participant whose stream closed is left out",
+            state({"a": 0, "b": 1, "c": 0}, beats={"b": 0.5}, closed={"b": 0.4}),
+            ["a", "c"],
+            "valid",
+            "[2/2 participants healthy][1 gone: heartbeat stream closed: b]",
+        ),
+        (
+            "a closed stream past the heartbeat timeout is an expired replica, not news",
+            state({"a": 0, "c": 0}, beats={"b": 2}, closed={"b": 1.5}),
+            ["a", "c"],
+            "valid",
+            "every healthy replica joined [2/2 participants healthy]",
+        ),
     ],
 )
 def test_compute_quorum(name, st, expected_members, kind, reason_part):
@@ -144,6 +190,8 @@ def test_compute_quorum(name, st, expected_members, kind, reason_part):
     assert got == expected_members, decision.reason
     assert decision.kind == kind
     assert reason_part in decision.reason
+    if "gone" not in reason_part:
+        assert "gone" not in decision.reason
 
 
 def test_members_are_sorted_by_replica_id():

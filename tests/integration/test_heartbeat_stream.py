@@ -1,0 +1,247 @@
+"""The streaming heartbeat against real servers: a SIGKILLed group is dropped
+at once, a live one never is, and the fallback to unary heartbeats works
+against pytorch/torchft's Rust lighthouse."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import threading
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+from lighthouse import LighthouseClient, LighthouseServer, QuorumError, QuorumTimeoutError
+from lighthouse.client import AsyncLighthouseClient
+from tests.procs import PYTHON, Children, wait_for_line
+from torchft_like._procs import kill_tree
+from torchft_like.manager_server import ManagerServer
+
+pytestmark = pytest.mark.timeout(90)
+
+# A replica group's rank 0 in a process of its own: its ManagerServer
+# heartbeats on a stream; it joins one quorum, then idles until killed.
+DOOMED = """
+import sys, time
+from datetime import timedelta
+from lighthouse import LighthouseClient
+from torchft_like.manager_server import ManagerServer
+addr = sys.argv[1]
+server = ManagerServer(replica_id="doomed", lighthouse_addr=addr, hostname="127.0.0.1",
+                       bind="127.0.0.1:0", store_addr="doomed-store:1", world_size=1)
+print("ready", flush=True)
+q = LighthouseClient(addr).quorum("doomed", timedelta(seconds=30))
+print("joined", q.quorum_id, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def children():
+    kids = Children()
+    yield kids
+    kids.kill_all()
+
+
+def quorum_in_thread(client: LighthouseClient, rid: str, timeout: timedelta) -> dict:
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["quorum"] = client.quorum(rid, timeout)
+        except Exception as e:
+            out["error"] = e
+
+    out["thread"] = threading.Thread(target=run, daemon=True)
+    out["thread"].start()
+    return out
+
+
+def test_a_sigkilled_group_leaves_the_next_quorum_at_once(children):
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, heartbeat_timeout_ms=5000)
+    survivor = LighthouseClient(server.address())
+    try:
+        doomed = children.spawn([PYTHON, "-c", DOOMED, server.address()])
+        wait_for_line(doomed, r"^ready", timeout=30)
+        first = quorum_in_thread(survivor, "survivor", timedelta(seconds=30))
+        wait_for_line(doomed, r"^joined", timeout=30)
+        first["thread"].join(10)
+        assert first["quorum"].replica_ids() == ("doomed", "survivor")
+
+        # Alive, merely not asking: its open stream keeps it in the count.
+        with pytest.raises(QuorumTimeoutError):
+            survivor.quorum("survivor", timedelta(seconds=1))
+
+        killed_at = time.monotonic()
+        assert not kill_tree(doomed.pid)
+        doomed.wait(10)
+        quorum = survivor.quorum("survivor", timedelta(seconds=10))
+        took = time.monotonic() - killed_at
+        assert quorum.replica_ids() == ("survivor",)
+        assert quorum.quorum_id > first["quorum"].quorum_id
+        assert took < 1.0, f"the survivor waited {took:.2f} s for a quorum without the dead group"
+        assert "[1 gone: heartbeat stream closed: doomed]" in server.status()["reason"]
+    finally:
+        survivor.close()
+        server.shutdown()
+
+
+def test_a_heartbeat_after_the_stream_closed_makes_the_replica_healthy_again():
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+
+    def healthy() -> bool:
+        (replica,) = server.status()["replicas"]
+        return replica["healthy"]
+
+    async def scenario() -> list[bool]:
+        client = AsyncLighthouseClient(server.address())
+        seen = []
+        try:
+            assert await client.stream_heartbeat("r", timedelta(seconds=5))
+            await wait_until(lambda: server.status()["replicas"], "the first heartbeat")
+            seen.append(healthy())
+            client.close_heartbeat_stream()  # as a lighthouse restart or a blip would
+            await wait_until(lambda: not healthy(), "the closed stream to be noticed")
+            seen.append(healthy())
+            assert await client.stream_heartbeat("r", timedelta(seconds=5))
+            await wait_until(healthy, "the reconnected stream's heartbeat")
+            seen.append(healthy())
+        finally:
+            await client.close()
+        return seen
+
+    try:
+        assert asyncio.run(scenario()) == [True, False, True]
+    finally:
+        server.shutdown()
+
+
+async def wait_until(predicate, what: str, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.02)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
+def reference_lighthouse(tmp_path):
+    """pytorch/torchft's Rust lighthouse, which knows no HeartbeatStream; its
+    log (where it counts the replicas heartbeating) goes to a file."""
+    exe = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent))
+    if exe is None:
+        pytest.skip("torchft-nightly's torchft_lighthouse is not installed")
+    port = free_port()
+    log = tmp_path / "reference.log"
+    proc = subprocess.Popen(
+        [exe, "--min_replicas", "1", "--bind", f"127.0.0.1:{port}",
+         "--heartbeat_timeout_ms", "500", "--join_timeout_ms", "60000"],
+        stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True,
+    )  # fmt: skip
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                socket.create_connection(("127.0.0.1", port), timeout=1).close()
+                break
+            except OSError:
+                assert proc.poll() is None, log.read_text(errors="replace")
+                assert time.monotonic() < deadline, "the reference lighthouse did not start"
+                time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}", log
+    finally:
+        assert not kill_tree(proc.pid)
+        proc.wait(10)
+
+
+def heartbeating_at_last_quorum(log: Path) -> int:
+    """The Rust lighthouse logs `[N heartbeating]` with each decision; the one
+    right after the last quorum request counts the requester as heartbeating
+    (later ones, on its ticks, may not: the request is its only heartbeat)."""
+    text = log.read_text(errors="replace")
+    after_request = text.rsplit("Received quorum request", 1)
+    assert len(after_request) == 2, f"no quorum request in the reference's log:\n{text}"
+    count = re.search(r"\[(\d+) heartbeating\]", after_request[1])
+    assert count, f"no decision after the last quorum request:\n{text}"
+    return int(count.group(1))
+
+
+def ask_for_a_quorum(client: LighthouseClient) -> None:
+    """Makes the reference decide (and log) once; the answer does not matter."""
+    try:
+        client.quorum("observer", timedelta(seconds=1))
+    except QuorumError:
+        pass
+
+
+def test_manager_server_falls_back_to_unary_heartbeats_on_the_reference_lighthouse(
+    reference_lighthouse, caplog
+):
+    address, log = reference_lighthouse
+    caplog.set_level(logging.INFO, logger="torchft_like.manager_server")
+    observer = LighthouseClient(address)
+    manager = ManagerServer(
+        replica_id="fallback",
+        lighthouse_addr=address,
+        hostname="127.0.0.1",
+        bind="127.0.0.1:0",
+        store_addr="fallback-store:1",
+        world_size=1,
+    )
+    try:
+        deadline = time.monotonic() + 10
+        while "has no HeartbeatStream" not in caplog.text:
+            assert time.monotonic() < deadline, f"no fallback logged:\n{caplog.text}"
+            time.sleep(0.05)
+        # Unary heartbeats keep `fallback` heartbeating in the reference's
+        # eyes well past its 500 ms heartbeat timeout (so the observer alone
+        # is no majority and waits)...
+        time.sleep(1.0)
+        ask_for_a_quorum(observer)
+        assert heartbeating_at_last_quorum(log) == 2
+        # ... and stop with the ManagerServer.
+        manager.shutdown()
+        time.sleep(1.0)
+        ask_for_a_quorum(observer)
+        assert heartbeating_at_last_quorum(log) == 1
+    finally:
+        manager.shutdown()
+        observer.close()
+
+
+def test_manager_server_heartbeats_reach_a_restarted_lighthouse_on_the_same_port():
+    port = free_port()
+    lighthouse = LighthouseServer(bind=f"127.0.0.1:{port}", min_replicas=1)
+    manager = ManagerServer(
+        replica_id="m",
+        lighthouse_addr=lighthouse.address(),
+        hostname="127.0.0.1",
+        bind="127.0.0.1:0",
+        store_addr="m-store:1",
+        world_size=1,
+    )
+
+    def healthy_on(server: LighthouseServer) -> bool:
+        return any(r["healthy"] for r in server.status()["replicas"])
+
+    try:
+        asyncio.run(wait_until(lambda: healthy_on(lighthouse), "a heartbeat"))
+        lighthouse.shutdown()
+        lighthouse = LighthouseServer(bind=f"127.0.0.1:{port}", min_replicas=1)
+        asyncio.run(wait_until(lambda: healthy_on(lighthouse), "a heartbeat after the restart", 20))
+    finally:
+        manager.shutdown()
+        lighthouse.shutdown()
