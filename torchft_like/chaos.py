@@ -391,6 +391,10 @@ class Runner:
                         self.problems.append(f"group {g.index} exited with {rc} unprovoked")
                     self.kill_group(g)
                     g.restart_at = now + (cause.fault.delay_s if cause else 1.0)
+                    logger.info(
+                        "group %d: torchrun exited with %d; restarting it in %.1f s",
+                        g.index, rc, g.restart_at - now,
+                    )  # fmt: skip
             if g.state == "dead" and now >= g.restart_at and not self.stop_step:
                 self.launch(g)
             if g.state == "running":
@@ -508,8 +512,18 @@ def report(runner: Runner, left: list[str]) -> int:
     for o in runner.outcomes:
         if o.settled_at is None or o.fired_at is None or o.settled_at != o.settled_at:
             continue
+        # A survivor hit by a later fault stalls for its own reason from then on.
+        stalls = []
+        for g in o.survivors:
+            hit = min(
+                (x.fired_at for x in runner.outcomes
+                 if x.fault.group == g and x.fired_at is not None and x.fired_at > o.fired_at),
+                default=float("inf"),
+            )  # fmt: skip
+            before = [r for r in records if r.t < hit]
+            stalls.append(checks.survivor_stall_s(before, [g], o.fired_at, min(o.settled_at, hit)))
+        o.stall_s = max(stalls, default=None)
         survivors = list(o.survivors)
-        o.stall_s = checks.survivor_stall_s(records, survivors, o.fired_at, o.settled_at)
         who = [o.fault.group] if o.fault.group is not None else survivors
         since = o.recovered_at if o.recovered_at is not None else o.fired_at
         first = checks.first_commit_after(records, who, since)

@@ -14,29 +14,59 @@ from tests.procs import PYTHON
 from torchft_like._procs import tree
 
 
-@pytest.mark.timeout(200)
-def test_a_small_chaos_schedule_ends_bit_identical_with_every_fault_healed(children, tmp_path):
+def run_chaos(children, tmp_path, args: list[str], timeout: float) -> dict:
+    """Runs the chaos runner to its end; returns its summary.json."""
     out = tmp_path / "chaos"
     runner = children.spawn(
-        [PYTHON, "-m", "torchft_like.chaos", "--groups", "3", "--nproc-per-group", "2",
-         "--steps", "60", "--faults", "4", "--seed", "3",
-         "--kinds", "kill_group,kill_rank,kill_group,restart_lighthouse",
-         "--step-sleep", "0.2", "--max-delay-s", "1.5", "--timeout", "170",
-         "--out", str(out)],
+        [PYTHON, "-m", "torchft_like.chaos", "--step-sleep", "0.2", "--max-delay-s", "1.5",
+         "--timeout", str(timeout - 20), "--out", str(out), *args],
         log=tmp_path / "chaos.log",
     )  # fmt: skip
-    rc = runner.wait(timeout=190)
+    rc = runner.wait(timeout=timeout)
     log = (tmp_path / "chaos.log").read_text()
     assert rc == 0, f"chaos runner failed:\n{log[-4000:]}"
+    assert "CHECKS PASSED" in log and "goodput" in log
     summary = json.loads((out / "summary.json").read_text())
     assert summary["problems"] == []
-    faults = summary["faults"]
-    kinds = sorted(f["fault"]["kind"] for f in faults if f["fired_at"] is not None)
-    assert kinds == ["kill_group", "kill_group", "kill_rank", "restart_lighthouse"]
-    assert all(f["rejoin_s"] is not None for f in faults), "a victim never committed again"
-    hashes = {f["hash"] for f in summary["finals"].values()}
-    assert len(summary["finals"]) == 3 and len(hashes) == 1
-    assert "CHECKS PASSED" in log and "goodput" in log
+    assert all(f["rejoin_s"] is not None for f in summary["faults"]), "a victim never came back"
+    assert len({f["hash"] for f in summary["finals"].values()}) == 1
+    return summary
+
+
+def fired(summary: dict) -> list[str]:
+    return sorted(f["fault"]["kind"] for f in summary["faults"] if f["fired_at"] is not None)
+
+
+@pytest.mark.timeout(200)
+def test_group_kills_a_hang_and_a_lighthouse_restart_all_heal_and_end_bit_identical(
+    children, tmp_path
+):
+    summary = run_chaos(
+        children, tmp_path,
+        ["--groups", "3", "--nproc-per-group", "1", "--steps", "60", "--faults", "5",
+         "--seed", "1",
+         "--kinds", "kill_group,kill_group,kill_group,stop_group,restart_lighthouse"],
+        timeout=180,
+    )  # fmt: skip
+    assert fired(summary) == ["kill_group"] * 3 + ["restart_lighthouse", "stop_group"]
+    assert len(summary["finals"]) == 3
+
+
+@pytest.mark.timeout(150)
+def test_a_killed_rank_is_restarted_by_torchrun_and_then_by_the_runner(children, tmp_path):
+    # Seed 0 kills rank 0 then rank 1 of group 1; with --max-restarts 1 torchrun
+    # restarts its workers after the first and gives up after the second.
+    summary = run_chaos(
+        children, tmp_path,
+        ["--groups", "2", "--nproc-per-group", "2", "--steps", "40", "--faults", "2",
+         "--seed", "0", "--kinds", "kill_rank", "--max-restarts", "1"],
+        timeout=130,
+    )  # fmt: skip
+    assert fired(summary) == ["kill_rank", "kill_rank"]
+    log = (tmp_path / "chaos.log").read_text()
+    assert "group 1: torchrun exited" in log
+    starts = (tmp_path / "chaos" / "group1.jsonl").read_text().count('"event": "start"')
+    assert starts == 3, "expected the first start, torchrun's restart and the runner's"
 
 
 @pytest.mark.timeout(120)
