@@ -84,6 +84,8 @@ class LighthouseState:
     heartbeats: Mapping[str, float]
     """replica_id -> monotonic seconds of its last heartbeat or Quorum call."""
     prev_quorum: Quorum | None = None
+    started_at: float = float("-inf")
+    """Monotonic seconds when this lighthouse started (see compute_quorum)."""
 
 
 @dataclass(frozen=True)
@@ -145,6 +147,24 @@ def compute_quorum(now: float, state: LighthouseState, config: LighthouseConfig)
         return QuorumDecision(
             members, f"join timeout passed, quorum without stragglers {tally}", "join_timeout"
         )
+    # A lighthouse that just (re)started has not heard from every live replica
+    # yet. When the job was already training (a member past step 0), give the
+    # others up to one heartbeat timeout since the start (and at most the join
+    # timeout) to reconnect, rather than issue a quorum of the first caller
+    # alone and make the rest heal.
+    if state.prev_quorum is None and any(m.step > 0 for m in members):
+        first_join = min(p.joined_at for p in candidates.values())
+        left_s = min(
+            config.heartbeat_timeout_ms / 1000 - (now - state.started_at),
+            config.join_timeout_ms / 1000 - (now - first_join),
+        )
+        if left_s > 0:
+            return QuorumDecision(
+                None,
+                f"lighthouse restarted mid-job: waiting {left_s:.1f} s for replicas "
+                f"to reconnect {tally}",
+                "restart_grace",
+            )
     return QuorumDecision(members, f"every healthy replica joined {tally}", "valid")
 
 
