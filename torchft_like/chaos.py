@@ -146,7 +146,9 @@ class Runner:
     next_fault: int = 0
     stop_step: int = 0
     """The step every group was asked to stop at (0: not yet)."""
-    steps_done_at: float = 0.0
+    unhealthy_since: float = 0.0
+    due_since: float = 0.0
+    """When the next fault's step was reached while it could not fire yet."""
 
     @property
     def stop_file(self) -> Path:
@@ -421,20 +423,40 @@ class Runner:
         one quorum, so they all stop at the same step."""
         if self.stop_step or self.leading_step() < self.args.steps:
             return
-        pending = self.active or self.next_fault < len(self.schedule)
-        healthy = all(self.healthy(g) for g in self.groups)
-        if self.steps_done_at == 0:
-            self.steps_done_at = time.time()
-        overdue = time.time() - self.steps_done_at > self.args.settle_timeout_s
-        if (pending or not healthy) and not overdue:
-            return
-        if overdue:
+        if self.active or self.next_fault < len(self.schedule):
+            return  # each fault is bounded by the settle timeout
+        now = time.time()
+        if not all(self.healthy(g) for g in self.groups):
+            if self.unhealthy_since == 0:
+                self.unhealthy_since = now
+            if now - self.unhealthy_since <= self.args.settle_timeout_s:
+                return
             self.problems.append("not every group was back and healthy at the end")
         self.stop_step = self.leading_step() + 3
         tmp = self.stop_file.with_suffix(".tmp")
         tmp.write_text(str(self.stop_step))
         tmp.rename(self.stop_file)
         logger.info("asked every group to stop at step %d", self.stop_step)
+
+    def maybe_fire(self) -> None:
+        """Fires the next fault once its step is reached and it can fire; one
+        that cannot fire within the settle timeout is a failure and skipped."""
+        if self.next_fault >= len(self.schedule) or self.stop_step:
+            return
+        fault, now = self.schedule[self.next_fault], time.time()
+        if self.leading_step() < fault.at_step:
+            return
+        if self.can_fire(fault):
+            self.fire(fault, self.next_fault)
+        else:
+            if self.due_since == 0:
+                self.due_since = now
+            if now - self.due_since <= self.args.settle_timeout_s:
+                return
+            self.problems.append(f"fault {self.next_fault} could not fire: groups not healthy")
+            self.outcomes.append(_Outcome(self.next_fault, fault, note="could not fire"))
+        self.next_fault += 1
+        self.due_since = 0.0
 
     def run(self) -> None:
         self.port = free_port()
@@ -453,11 +475,7 @@ class Runner:
             self.track()
             self.poll_groups()
             self.active = [a for a in self.active if not self.advance(a)]
-            if self.next_fault < len(self.schedule) and not self.stop_step:
-                fault = self.schedule[self.next_fault]
-                if self.leading_step() >= fault.at_step and self.can_fire(fault):
-                    self.fire(fault, self.next_fault)
-                    self.next_fault += 1
+            self.maybe_fire()
             self.maybe_stop()
             over = all(g.state in ("finished", "dead") for g in self.groups)
             if over and any(g.state == "finished" for g in self.groups):
