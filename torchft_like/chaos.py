@@ -157,7 +157,8 @@ class Runner:
     # ---- processes -----------------------------------------------------------
 
     def _spawn(self, argv: list[str], log_name: str, env: dict[str, str]) -> subprocess.Popen:
-        proc = spawn(argv, open(self.out / log_name, "ab"), env, REPO)
+        with open(self.out / log_name, "ab") as log:  # the child keeps its own copy
+            proc = spawn(argv, log, env, REPO)
         self.procs.append(proc)
         return proc
 
@@ -235,8 +236,13 @@ class Runner:
             except subprocess.TimeoutExpired:
                 pass
         left = []
-        for p in self.seen.values():
-            kill_tree(p.pid)
+        for p in self.seen.values():  # an orphan whose parent died first
+            try:
+                if p.is_running():  # psutil checks the pid was not reused
+                    p.kill()
+                    p.wait(timeout=5)
+            except (psutil.NoSuchProcess, psutil.TimeoutExpired, ChildProcessError):
+                pass
             try:
                 if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
                     left.append(f"{p.pid} {' '.join(p.cmdline()[:4])}")
@@ -567,6 +573,16 @@ def report(runner: Runner, left: list[str]) -> int:
     print(f"\nfaults injected: {len(done)} of {len(runner.schedule)} scheduled (seed {a.seed})")
     print(f"survivor stall s: median {_med(stalls)}, worst {_fmt(max(stalls, default=None))}")
     print(f"rejoin s:         median {_med(rejoins)}, worst {_fmt(max(rejoins, default=None))}")
+    for kind in FaultKind:
+        of_kind = [o for o in done if o.fault.kind == kind]
+        if of_kind:
+            st = [o.stall_s for o in of_kind if o.stall_s is not None]
+            rj = [o.rejoin_s for o in of_kind if o.rejoin_s is not None]
+            print(
+                f"  {kind.value:<18} x{len(of_kind):<3} stall median {_med(st)} worst "
+                f"{_fmt(max(st, default=None))}, rejoin median {_med(rj)} worst "
+                f"{_fmt(max(rj, default=None))}"
+            )
     print(
         f"goodput {gp.goodput:.1%} ({gp.participant_steps} group-steps committed; fault-free "
         f"step {gp.fault_free_step_s:.3f} s); participation {gp.participation:.1%} of "
