@@ -149,13 +149,14 @@ def compute_quorum(now: float, state: LighthouseState, config: LighthouseConfig)
         )
     # A lighthouse that just (re)started has not heard from every live replica
     # yet. When the job was already training (a member past step 0), give the
-    # others up to one heartbeat timeout since the start (and at most the join
+    # others half a heartbeat timeout since the start (at most the join
     # timeout) to reconnect, rather than issue a quorum of the first caller
-    # alone and make the rest heal.
+    # alone and make the rest heal. Half: a caller that sends no heartbeats
+    # besides its Quorum call must still be healthy when the wait ends.
     if state.prev_quorum is None and any(m.step > 0 for m in members):
         first_join = min(p.joined_at for p in candidates.values())
         left_s = min(
-            config.heartbeat_timeout_ms / 1000 - (now - state.started_at),
+            config.heartbeat_timeout_ms / 2000 - (now - state.started_at),
             config.join_timeout_ms / 1000 - (now - first_join),
         )
         if left_s > 0:

@@ -1,5 +1,5 @@
 """The quorum rule right after a lighthouse (re)start: a job already past
-step 0 gives its replicas one heartbeat timeout to reconnect."""
+step 0 gives its replicas half a heartbeat timeout to reconnect."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from lighthouse.quorum import (
 )
 
 NOW = 1000.0
-CONFIG = LighthouseConfig(min_replicas=1, heartbeat_timeout_ms=1000, join_timeout_ms=5000)
+CONFIG = LighthouseConfig(min_replicas=1, heartbeat_timeout_ms=2000, join_timeout_ms=5000)
 
 
 def state(steps: dict[str, int], started_ago: float, joined_ago: float = 0.0, prev=False):
@@ -34,7 +34,7 @@ def state(steps: dict[str, int], started_ago: float, joined_ago: float = 0.0, pr
     [
         ("a job in progress waits after a restart", state({"a": 12}, 0.2), "restart_grace",
          "lighthouse restarted mid-job: waiting 0.8 s for replicas to reconnect"),
-        ("until one heartbeat timeout has passed", state({"a": 12}, 1.0), "valid",
+        ("until half a heartbeat timeout has passed", state({"a": 12}, 1.0), "valid",
          "every healthy replica joined"),
         ("at most the join timeout", state({"a": 12}, 0.2, joined_ago=5.0), "valid",
          "every healthy replica joined"),
@@ -44,7 +44,7 @@ def state(steps: dict[str, int], started_ago: float, joined_ago: float = 0.0, pr
          "fast quorum"),
     ],
 )  # fmt: skip
-def test_a_restarted_lighthouse_waits_one_heartbeat_timeout_for_a_running_job(
+def test_a_restarted_lighthouse_waits_half_a_heartbeat_timeout_for_a_running_job(
     name, st, kind, reason_part
 ):
     decision = compute_quorum(NOW, st, CONFIG)
