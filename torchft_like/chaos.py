@@ -121,6 +121,7 @@ class _Outcome:
     index: int
     fault: Fault
     fired_at: float | None = None
+    incarnation: int = 0
     survivors: tuple[int, ...] = ()
     recovered_at: float | None = None
     settled_at: float | None = None
@@ -367,17 +368,7 @@ class Runner:
             act.settled_at = float("nan")
         if act.settled_at is None:
             return False
-        self.outcomes.append(
-            _Outcome(
-                act.index,
-                f,
-                act.fired_at,
-                act.survivors,
-                act.recovered_at,
-                act.settled_at,
-                act.note,
-            )  # fmt: skip
-        )
+        self.outcomes.append(_outcome(act, act.settled_at))
         return True
 
     # ---- the loop --------------------------------------------------------------
@@ -486,10 +477,8 @@ class Runner:
             over = all(g.state in ("finished", "dead") for g in self.groups)
             if over and any(g.state == "finished" for g in self.groups):
                 for a in self.active:
-                    self.outcomes.append(
-                        _Outcome(a.index, a.fault, a.fired_at, a.survivors, a.recovered_at,
-                                 note="training ended before it settled")
-                    )  # fmt: skip
+                    a.note = "training ended before it settled"
+                    self.outcomes.append(_outcome(a, None))
                 for i in range(self.next_fault, len(self.schedule)):
                     self.outcomes.append(_Outcome(i, self.schedule[i], note="not fired"))
                 self.active = []
@@ -501,6 +490,19 @@ class Runner:
                     len(self.schedule), " ".join(g.state for g in self.groups),
                 )  # fmt: skip
             time.sleep(0.1)
+
+
+def _outcome(act: _Active, settled_at: float | None) -> _Outcome:
+    return _Outcome(
+        index=act.index,
+        fault=act.fault,
+        fired_at=act.fired_at,
+        incarnation=act.incarnation,
+        survivors=act.survivors,
+        recovered_at=act.recovered_at,
+        settled_at=settled_at,
+        note=act.note,
+    )
 
 
 def _rank_of(proc: psutil.Process) -> int | None:
@@ -550,7 +552,10 @@ def report(runner: Runner, left: list[str]) -> int:
         survivors = list(o.survivors)
         who = [o.fault.group] if o.fault.group is not None else survivors
         since = o.recovered_at if o.recovered_at is not None else o.fired_at
-        first = checks.first_commit_after(records, who, since)
+        fresh = records
+        if o.fault.kind == FaultKind.KILL_RANK:  # a step in flight at the kill may commit
+            fresh = [r for r in records if r.group not in who or r.incarnation > o.incarnation]
+        first = checks.first_commit_after(fresh, who, since)
         o.rejoin_s = first - since if first is not None else None
     final_step = runner.leading_step()
     gp = checks.goodput(records, a.groups, final_step)

@@ -37,7 +37,7 @@ def fired(summary: dict) -> list[str]:
     return sorted(f["fault"]["kind"] for f in summary["faults"] if f["fired_at"] is not None)
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(260)
 def test_group_kills_a_hang_and_a_lighthouse_restart_all_heal_and_end_bit_identical(
     children, tmp_path
 ):
@@ -46,13 +46,13 @@ def test_group_kills_a_hang_and_a_lighthouse_restart_all_heal_and_end_bit_identi
         ["--groups", "3", "--nproc-per-group", "1", "--steps", "60", "--faults", "5",
          "--seed", "1",
          "--kinds", "kill_group,kill_group,kill_group,stop_group,restart_lighthouse"],
-        timeout=180,
+        timeout=240,
     )  # fmt: skip
     assert fired(summary) == ["kill_group"] * 3 + ["restart_lighthouse", "stop_group"]
     assert len(summary["finals"]) == 3
 
 
-@pytest.mark.timeout(150)
+@pytest.mark.timeout(260)
 def test_a_killed_rank_is_restarted_by_torchrun_and_then_by_the_runner(children, tmp_path):
     # Seed 0 kills rank 0 then rank 1 of group 1; with --max-restarts 1 torchrun
     # restarts its workers after the first and gives up after the second.
@@ -60,7 +60,7 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_then_by_the_runner(children,
         children, tmp_path,
         ["--groups", "2", "--nproc-per-group", "2", "--steps", "40", "--faults", "2",
          "--seed", "0", "--kinds", "kill_rank", "--max-restarts", "1"],
-        timeout=130,
+        timeout=240,
     )  # fmt: skip
     assert fired(summary) == ["kill_rank", "kill_rank"]
     log = (tmp_path / "chaos.log").read_text()
