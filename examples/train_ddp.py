@@ -57,6 +57,12 @@ parser.add_argument(
     help="compare a fingerprint of the state across replicas every K committed steps; "
     "a divergent replica heals (0: off)",
 )
+parser.add_argument(
+    "--stop-file",
+    default=None,
+    help="also stop once the committed step reaches the number written in this file "
+    "(a driver ends every group of one quorum at the same step)",
+)
 args = parser.parse_args()
 
 REPLICA_GROUP_ID = int(os.environ.get("REPLICA_GROUP_ID", 0))
@@ -154,9 +160,19 @@ emit({"event": "start", "t": START_TIME, "ready": ready_time, "replica_id": mana
 
 # --- training loop ----------------------------------------------------------
 
+
+def last_step() -> int:
+    """--steps, or the step in --stop-file once a driver has written it."""
+    try:
+        with open(args.stop_file) as f:
+            return min(args.steps, int(f.read()))
+    except (TypeError, OSError, ValueError):  # no flag, no file yet, or half written
+        return args.steps
+
+
 epoch = 0
 batches = iter(loader)
-while manager.current_step() < args.steps:
+while manager.current_step() < last_step():
     try:
         x, y = next(batches)
     except StopIteration:
@@ -200,5 +216,13 @@ while manager.current_step() < args.steps:
 
 final_hash = state_hash()
 log.info("finished at step %d, state hash %s", manager.current_step(), final_hash)
-emit({"event": "final", "t": time.time(), "step": manager.current_step(), "hash": final_hash})
+emit(
+    {
+        "event": "final",
+        "t": time.time(),
+        "step": manager.current_step(),
+        "hash": final_hash,
+        "quorum_id": manager.quorum_id(),  # groups in one last quorum must agree
+    }
+)
 manager.shutdown()

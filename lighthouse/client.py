@@ -28,6 +28,11 @@ CHANNEL_OPTIONS = [
     # Keep idle connections alive, so the per-step call never pays a reconnect.
     ("grpc.keepalive_time_ms", 10_000),
     ("grpc.keepalive_permit_without_calls", 1),
+    # gRPC's default reconnect backoff grows to 120 s: a lighthouse restarted
+    # after a short outage would stay unreachable for minutes. Cap it at 1 s.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
 ]
 
 

@@ -87,6 +87,8 @@ class LighthouseState:
     streams_closed: Mapping[str, float] = field(default_factory=dict)
     """replica_id -> monotonic seconds when its last heartbeat stream ended
     without a Leave: its process most likely died and its connection closed."""
+    started_at: float = float("-inf")
+    """Monotonic seconds when this lighthouse started (see compute_quorum)."""
 
 
 @dataclass(frozen=True)
@@ -183,6 +185,25 @@ def compute_quorum(now: float, state: LighthouseState, config: LighthouseConfig)
         return QuorumDecision(
             members, f"join timeout passed, quorum without stragglers {tally}", "join_timeout"
         )
+    # A lighthouse that just (re)started has not heard from every live replica
+    # yet. When the job was already training (a member past step 0), give the
+    # others half a heartbeat timeout since the start (at most the join
+    # timeout) to reconnect, rather than issue a quorum of the first caller
+    # alone and make the rest heal. Half: a caller that sends no heartbeats
+    # besides its Quorum call must still be healthy when the wait ends.
+    if state.prev_quorum is None and any(m.step > 0 for m in members):
+        first_join = min(p.joined_at for p in candidates.values())
+        left_s = min(
+            config.heartbeat_timeout_ms / 2000 - (now - state.started_at),
+            config.join_timeout_ms / 1000 - (now - first_join),
+        )
+        if left_s > 0:
+            return QuorumDecision(
+                None,
+                f"lighthouse restarted mid-job: waiting {left_s:.1f} s for replicas "
+                f"to reconnect {tally}",
+                "restart_grace",
+            )
     return QuorumDecision(members, f"every healthy replica joined {tally}", "valid")
 
 

@@ -63,6 +63,7 @@ class _Coordinator:
         self.members: dict[str, QuorumMember] = {}
         """Last known self-description of each replica, for the status page."""
         self.prev_quorum: Quorum | None = None
+        self.started_at = time.monotonic()
         self.quorum_id = 0
         self.reason = "no replica has asked for a quorum yet"
         self._logged_status: tuple[str, int, int] | None = None
@@ -166,7 +167,8 @@ class _Coordinator:
             {rid: w.participant for rid, w in self.waiters.items()},
             self.heartbeats,
             self.prev_quorum,
-            self.streams_closed,
+            streams_closed=self.streams_closed,
+            started_at=self.started_at,
         )
         decision = compute_quorum(now, state, self.config)
         self.reason = decision.reason

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp, TCPStore
 
 from lighthouse import auth
+from lighthouse.errors import QuorumError
 from torchft_like._work import FutureWork, completed_work
 from torchft_like.checkpointing import CheckpointTransport, HTTPTransport
 from torchft_like.fingerprint import fingerprint
@@ -345,6 +346,9 @@ class Manager:
             )
             self._timings["quorum_s"] = time.monotonic() - start
             self._apply_quorum(result, allow_heal)
+        except QuorumError as e:  # expected when peers or the lighthouse fail: no traceback
+            self._logger.warning("quorum failed: %s", e)
+            self.report_error(e)
         except Exception as e:
             self._logger.exception("quorum failed: %s", e)
             self.report_error(e)

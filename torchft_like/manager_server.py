@@ -32,11 +32,16 @@ from lighthouse.client import (
     map_rpc_error,
 )
 from lighthouse.decode_guard import add_servicer
-from lighthouse.errors import QuorumError, QuorumTimeoutError
+from lighthouse.errors import LighthouseUnavailableError, QuorumError, QuorumTimeoutError
 from lighthouse.quorum import Quorum, QuorumMember
 from torchft_like.recovery import QuorumResult, compute_quorum_result, fingerprint_data
 
 logger = logging.getLogger(__name__)
+
+
+def retry_delay_s(num_failures: int) -> float:
+    """Backoff before the next lighthouse attempt: 0.1 s doubling to 1 s."""
+    return min(1.0, 0.1 * 2**num_failures)
 
 
 def result_to_proto(r: QuorumResult) -> pb.ManagerQuorumResponse:
@@ -219,11 +224,9 @@ class ManagerServer:
         )
         init_sync = any(r.init_sync for r in reqs)
         deadline = min(rnd.deadlines.values(), default=float("inf"))
-        timeout_s = min(deadline - time.monotonic(), 24 * 3600.0)
+        deadline = min(deadline, time.monotonic() + 24 * 3600.0)
         try:
-            quorum = await self._quorum_with_retries(
-                member, timedelta(seconds=max(timeout_s, 0.001))
-            )
+            quorum = await self._quorum_with_retries(member, deadline)
         except Exception as e:
             for f in rnd.futures.values():
                 if not f.done():
@@ -241,22 +244,65 @@ class ManagerServer:
                 logger.error("[%s] DIVERGENCE: %s", self.replica_id, result.divergence)
             f.set_result(result)
 
-    async def _quorum_with_retries(self, member: QuorumMember, timeout: timedelta) -> Quorum:
-        for attempt in range(self._quorum_retries + 1):
+    async def _quorum_with_retries(self, member: QuorumMember, deadline: float) -> Quorum:
+        """Asks the lighthouse until `deadline` (monotonic).
+
+        An unreachable lighthouse (restarting, a network blip) is retried with
+        backoff until the deadline, so the group waits out the outage and goes
+        on when it is back instead of failing one step per attempt. Other
+        failures are retried `quorum_retries` times.
+        """
+        attempt = 0
+        outage_start: float | None = None
+        num_unreachable = 0
+        while True:
+            # A little before the ranks' own deadline, so they get our error
+            # (naming the lighthouse) rather than a bare deadline.
+            remaining = max(deadline - time.monotonic() - 0.1, 0.001)
             try:
-                return await self._lighthouse.quorum(member, timeout)
-            except QuorumError as e:
-                if attempt == self._quorum_retries:
+                quorum = await asyncio.wait_for(
+                    self._lighthouse.quorum(member, timedelta(seconds=remaining)), remaining
+                )
+            except asyncio.TimeoutError:
+                text = f"lighthouse {self._lighthouse_addr} %s until the quorum deadline"
+                if outage_start is not None:
+                    raise LighthouseUnavailableError(text % "unreachable") from None
+                raise QuorumTimeoutError(text % "gave no quorum") from None
+            except LighthouseUnavailableError as e:
+                if outage_start is None:
+                    outage_start = time.monotonic()
+                    logger.warning(
+                        "[%s] lighthouse unreachable, retrying for up to %.1f s: %s",
+                        self.replica_id,
+                        remaining,
+                        e,
+                    )
+                delay = retry_delay_s(num_unreachable)
+                num_unreachable += 1
+                if time.monotonic() + delay >= deadline:
                     raise
+                await asyncio.sleep(delay)
+                continue
+            except QuorumError as e:
+                if attempt >= self._quorum_retries:
+                    raise
+                attempt += 1
                 logger.warning(
                     "[%s] lighthouse quorum failed (attempt %d of %d), retrying: %s",
                     self.replica_id,
-                    attempt + 1,
+                    attempt,
                     self._quorum_retries + 1,
                     e,
                 )
-                await asyncio.sleep(min(1.0, 0.1 * 2**attempt))
-        raise AssertionError("unreachable")
+                await asyncio.sleep(retry_delay_s(attempt - 1))
+                continue
+            if outage_start is not None:
+                logger.info(
+                    "[%s] lighthouse reachable again after %.1f s",
+                    self.replica_id,
+                    time.monotonic() - outage_start,
+                )
+            return quorum
 
     # ---- commit vote -------------------------------------------------------
 

@@ -1,0 +1,104 @@
+"""End to end: the chaos runner (python -m torchft_like.chaos) with real
+torchrun groups, real SIGKILL and SIGSTOP, and a real lighthouse restart."""
+
+from __future__ import annotations
+
+import json
+import signal
+import time
+
+import psutil
+import pytest
+
+from tests.procs import PYTHON
+from torchft_like._procs import tree
+
+
+def run_chaos(children, tmp_path, args: list[str], timeout: float) -> dict:
+    """Runs the chaos runner to its end; returns its summary.json."""
+    out = tmp_path / "chaos"
+    runner = children.spawn(
+        [PYTHON, "-m", "torchft_like.chaos", "--step-sleep", "0.2", "--max-delay-s", "1.5",
+         "--timeout", str(timeout - 20), "--out", str(out), *args],
+        log=tmp_path / "chaos.log",
+    )  # fmt: skip
+    rc = runner.wait(timeout=timeout)
+    log = (tmp_path / "chaos.log").read_text()
+    assert rc == 0, f"chaos runner failed:\n{log[-4000:]}"
+    assert "CHECKS PASSED" in log and "goodput" in log
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["problems"] == []
+    assert all(f["rejoin_s"] is not None for f in summary["faults"]), "a victim never came back"
+    assert len({f["hash"] for f in summary["finals"].values()}) == 1
+    return summary
+
+
+def fired(summary: dict) -> list[str]:
+    return sorted(f["fault"]["kind"] for f in summary["faults"] if f["fired_at"] is not None)
+
+
+@pytest.mark.timeout(260)
+def test_group_kills_a_hang_and_a_lighthouse_restart_all_heal_and_end_bit_identical(
+    children, tmp_path
+):
+    summary = run_chaos(
+        children, tmp_path,
+        ["--groups", "3", "--nproc-per-group", "1", "--steps", "60", "--faults", "5",
+         "--seed", "1",
+         "--kinds", "kill_group,kill_group,kill_group,stop_group,restart_lighthouse"],
+        timeout=240,
+    )  # fmt: skip
+    assert fired(summary) == ["kill_group"] * 3 + ["restart_lighthouse", "stop_group"]
+    assert len(summary["finals"]) == 3
+
+
+@pytest.mark.timeout(260)
+def test_a_killed_rank_is_restarted_by_torchrun_and_then_by_the_runner(children, tmp_path):
+    # Seed 0 kills rank 0 then rank 1 of group 1; with --max-restarts 1 torchrun
+    # restarts its workers after the first and gives up after the second.
+    summary = run_chaos(
+        children, tmp_path,
+        ["--groups", "2", "--nproc-per-group", "2", "--steps", "40", "--faults", "2",
+         "--seed", "0", "--kinds", "kill_rank", "--max-restarts", "1"],
+        timeout=240,
+    )  # fmt: skip
+    assert fired(summary) == ["kill_rank", "kill_rank"]
+    log = (tmp_path / "chaos.log").read_text()
+    assert "group 1: torchrun exited" in log
+    starts = (tmp_path / "chaos" / "group1.jsonl").read_text().count('"event": "start"')
+    assert starts == 3, "expected the first start, torchrun's restart and the runner's"
+
+
+@pytest.mark.timeout(120)
+def test_interrupting_the_runner_kills_every_child(children, tmp_path):
+    runner = children.spawn(
+        [PYTHON, "-m", "torchft_like.chaos", "--groups", "2", "--nproc-per-group", "1",
+         "--steps", "1000", "--faults", "0", "--out", str(tmp_path / "chaos")],
+        log=tmp_path / "chaos.log",
+    )  # fmt: skip
+    deadline = time.monotonic() + 90
+    while True:
+        procs = tree(runner.pid)
+        workers = [p for p in procs if "train_ddp.py" in " ".join(_cmdline(p))]
+        if len(workers) == 2:
+            break
+        assert time.monotonic() < deadline, "the runner never started two groups"
+        time.sleep(0.2)
+    runner.send_signal(signal.SIGINT)
+    assert runner.wait(timeout=30) == 130
+    alive = [p for p in procs[1:] if _running(p)]
+    assert not alive, f"children outlived the interrupted runner: {alive}"
+
+
+def _cmdline(p: psutil.Process) -> list[str]:
+    try:
+        return p.cmdline()
+    except psutil.Error:
+        return []
+
+
+def _running(p: psutil.Process) -> bool:
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

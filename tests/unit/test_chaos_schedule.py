@@ -1,0 +1,205 @@
+"""The chaos runner's pure parts: the seeded fault schedule and the checks
+computed from the per-step logs."""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+
+from torchft_like._chaos_checks import (
+    StepRecord,
+    committed_step_regressions,
+    final_agreement,
+    first_commit_after,
+    goodput,
+    step_regressions,
+    survivor_stall_s,
+)
+from torchft_like._chaos_schedule import (
+    ALL_KINDS,
+    FaultKind,
+    ScheduleConfig,
+    make_schedule,
+    parse_kinds,
+)
+
+K = FaultKind
+
+
+def config(**overrides) -> ScheduleConfig:
+    base = dict(num_groups=3, nproc_per_group=2, num_steps=100, num_faults=8, seed=0)
+    return ScheduleConfig(**{**base, **overrides})
+
+
+# ---- schedule ------------------------------------------------------------------
+
+
+def test_the_same_seed_gives_the_same_schedule_and_another_seed_another():
+    assert make_schedule(config(seed=7)) == make_schedule(config(seed=7))
+    assert make_schedule(config(seed=7)) != make_schedule(config(seed=8))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {"num_faults": 1},
+        {"num_faults": 300, "num_steps": 3000},
+        {"warmup_steps": 30, "tail_steps": 50},
+        {"num_groups": 2, "nproc_per_group": 1},
+    ],
+)
+def test_faults_lie_between_warmup_and_tail_in_step_order_with_delays_in_range(overrides):
+    cfg = config(**overrides)
+    faults = make_schedule(cfg)
+    assert len(faults) == cfg.num_faults
+    steps = [f.at_step for f in faults]
+    assert steps == sorted(steps)
+    assert all(cfg.warmup_steps <= s < cfg.num_steps - cfg.tail_steps for s in steps)
+    assert all(cfg.min_delay_s <= f.delay_s <= cfg.max_delay_s for f in faults)
+
+
+@pytest.mark.parametrize(
+    "kinds, num_faults, expected",
+    [
+        (ALL_KINDS, 4, {k: 1 for k in ALL_KINDS}),
+        (ALL_KINDS, 8, {k: 2 for k in ALL_KINDS}),
+        ((K.KILL_GROUP, K.KILL_RANK, K.KILL_GROUP, K.RESTART_LIGHTHOUSE), 4,
+         {K.KILL_GROUP: 2, K.KILL_RANK: 1, K.RESTART_LIGHTHOUSE: 1}),
+        ((K.STOP_GROUP,), 5, {K.STOP_GROUP: 5}),
+    ],
+)  # fmt: skip
+def test_kinds_are_cycled_so_a_list_as_long_as_the_faults_gives_each_once(
+    kinds, num_faults, expected
+):
+    faults = make_schedule(config(kinds=kinds, num_faults=num_faults))
+    assert Counter(f.kind for f in faults) == expected
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_victims_exist_and_only_rank_kills_name_a_rank(seed):
+    cfg = config(seed=seed, num_faults=40, num_steps=400)
+    for f in make_schedule(cfg):
+        if f.kind == K.RESTART_LIGHTHOUSE:
+            assert f.group is None and f.rank is None
+        else:
+            assert 0 <= f.group < cfg.num_groups
+            assert (f.rank is not None) == (f.kind == K.KILL_RANK)
+            assert f.rank is None or 0 <= f.rank < cfg.nproc_per_group
+
+
+def test_a_rank_kill_in_single_rank_groups_is_a_group_kill():
+    faults = make_schedule(config(nproc_per_group=1, kinds=(K.KILL_RANK,), num_faults=3))
+    assert {f.kind for f in faults} == {K.KILL_GROUP}
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        ({"num_groups": 0}, r"num_groups \(0\) must be at least 1"),
+        ({"num_faults": -1}, r"num_faults \(-1\) must be 0 or more"),
+        ({"num_groups": 1}, r"num_groups \(1\) must be at least 2 to fault a group"),
+        ({"kinds": ()}, "kinds is empty"),
+        ({"min_delay_s": 2.0, "max_delay_s": 1.0}, "min_delay_s <= max_delay_s"),
+        ({"warmup_steps": 60, "tail_steps": 40}, r"must be below num_steps \(100\)"),
+    ],
+)
+def test_bad_configs_are_refused_naming_the_value_and_the_rule(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        config(**overrides)
+
+
+def test_one_group_may_see_lighthouse_restarts_only():
+    cfg = config(num_groups=1, kinds=(K.RESTART_LIGHTHOUSE,))
+    assert all(f.group is None for f in make_schedule(cfg))
+
+
+def test_kinds_parse_from_a_comma_list_and_unknown_names_are_refused():
+    assert parse_kinds("kill_group, stop_group") == (K.KILL_GROUP, K.STOP_GROUP)
+    with pytest.raises(ValueError, match="unknown fault kind 'nap'; use a comma list of"):
+        parse_kinds("kill_group,nap")
+
+
+# ---- checks --------------------------------------------------------------------
+
+
+def rec(group, t, step, committed=True, participants=2, incarnation=0) -> StepRecord:
+    return StepRecord(group, incarnation, t, step, committed, participants)
+
+
+@pytest.mark.parametrize(
+    "records, num_problems",
+    [
+        ([rec(0, 1, 1), rec(0, 2, 2), rec(0, 3, 2, committed=False)], 0),
+        ([rec(0, 1, 5), rec(0, 2, 4)], 1),
+        # a restarted group counts from 0 again in its new incarnation
+        ([rec(0, 1, 5), rec(0, 2, 1, incarnation=1), rec(0, 3, 6, incarnation=1)], 0),
+        ([rec(0, 1, 5), rec(1, 2, 1)], 0),
+    ],
+)
+def test_a_step_going_back_within_one_incarnation_is_a_problem(records, num_problems):
+    assert len(step_regressions(records)) == num_problems
+
+
+@pytest.mark.parametrize(
+    "records, num_problems",
+    [
+        # one quorum: a member logs step 4 just after the other logged 5
+        ([rec(0, 1, 4), rec(0, 2, 5), rec(1, 2.1, 4), rec(1, 2.2, 5)], 0),
+        # a group trained alone from scratch while the job was at step 50
+        ([rec(0, 1, 50), rec(1, 2, 1), rec(1, 3, 2)], 2),
+        # an uncommitted step behind the job is fine (a healing replica)
+        ([rec(0, 1, 50), rec(1, 2, 3, committed=False), rec(1, 3, 51)], 0),
+    ],
+)
+def test_the_highest_committed_step_never_goes_backwards(records, num_problems):
+    assert len(committed_step_regressions(records)) == num_problems
+
+
+def fin(step, hash_, quorum) -> dict:
+    return {"step": step, "hash": hash_, "quorum_id": quorum}
+
+
+@pytest.mark.parametrize(
+    "finals, outside, num_problems",
+    [
+        ({0: fin(60, "a", 7), 1: fin(60, "a", 7), 2: fin(60, "a", 7)}, [], 0),
+        ({0: fin(60, "a", 7), 1: fin(60, "b", 7), 2: fin(60, "a", 7)}, [], 1),
+        ({0: fin(60, "a", 7), 1: fin(61, "a", 7)}, [], 1),
+        # a group that ended in another quorum trained alone: reported, not compared
+        ({0: fin(60, "a", 7), 1: fin(60, "a", 7), 2: fin(60, "z", 9)}, [2], 0),
+        ({}, [], 1),
+    ],
+)
+def test_groups_of_the_last_quorum_must_end_bit_identical(finals, outside, num_problems):
+    got_outside, problems = final_agreement(finals)
+    assert got_outside == outside and len(problems) == num_problems
+
+
+def test_goodput_counts_participants_per_committed_step_against_a_fault_free_rate():
+    # two groups, 1 s per step; group 1 misses steps 3 and 4 (its commits absent)
+    records = [rec(0, t, t, participants=2) for t in (1, 2)]
+    records += [rec(1, t, t, participants=2) for t in (1, 2)]
+    records += [rec(0, t, t, participants=1) for t in (3, 4)]
+    records += [rec(0, t, t, participants=2) for t in (5, 6)]
+    records += [rec(1, t, t, participants=2) for t in (5, 6)]
+    g = goodput(records, num_groups=2, num_steps=6)
+    assert g.participant_steps == 10
+    assert g.participation == pytest.approx(10 / 12)
+    assert g.fault_free_step_s == pytest.approx(1.0)
+    assert g.goodput == pytest.approx(10 / 12)
+
+
+def test_survivor_stall_is_the_longest_commit_gap_around_the_fault():
+    records = [rec(0, t, i) for i, t in enumerate([1.0, 2.0, 6.0, 7.0, 8.0, 20.0], 1)]
+    records.append(rec(1, 3.0, 3))  # the victim's commits do not count
+    assert survivor_stall_s(records, [0], start=2.5, end=7.5) == pytest.approx(4.0)
+    # the first commit after the settle point closes the window
+    assert survivor_stall_s(records, [0], start=8.5, end=9.0) == pytest.approx(12.0)
+
+
+def test_first_commit_after_ignores_uncommitted_steps_and_other_groups():
+    records = [rec(0, 1, 1), rec(1, 2, 1, committed=False), rec(1, 3, 2), rec(0, 4, 3)]
+    assert first_commit_after(records, [1], 1.5) == 3
+    assert first_commit_after(records, [1], 3) is None

@@ -1,0 +1,140 @@
+"""The chaos runner's verdicts, computed from the groups' per-step JSON logs:
+step monotonicity, final-state agreement, goodput, and per-fault stall and
+rejoin times. Pure: records in, numbers and problem strings out."""
+
+from __future__ import annotations
+
+import statistics
+from collections import defaultdict
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    group: int
+    incarnation: int
+    """How many times this group's training processes had started before
+    (0 for the first start): steps restart from 0 in a new incarnation."""
+    t: float
+    step: int
+    committed: bool
+    participants: int
+
+
+def step_regressions(records: list[StepRecord]) -> list[str]:
+    """Each incarnation's step never decreases (records in log order)."""
+    problems = []
+    last: dict[tuple[int, int], StepRecord] = {}
+    for r in records:
+        prev = last.get((r.group, r.incarnation))
+        if prev is not None and r.step < prev.step:
+            problems.append(
+                f"group {r.group} went back from step {prev.step} to {r.step} "
+                f"(incarnation {r.incarnation}, t={r.t:.3f})"
+            )
+        last[(r.group, r.incarnation)] = r
+    return problems
+
+
+def committed_step_regressions(records: list[StepRecord], slack: int = 1) -> list[str]:
+    """The job's highest committed step never goes backwards: every commit
+    lands at most `slack` below the highest one committed before it (a member
+    of the same quorum may log its commit of step N after another member
+    logged N+1)."""
+    problems = []
+    highest = 0
+    for r in sorted(records, key=lambda r: r.t):
+        if not r.committed:
+            continue
+        if r.step < highest - slack:
+            problems.append(
+                f"group {r.group} committed step {r.step} after step {highest} had been "
+                f"committed (t={r.t:.3f})"
+            )
+        highest = max(highest, r.step)
+    return problems
+
+
+def final_agreement(finals: dict[int, dict]) -> tuple[list[int], list[str]]:
+    """Groups that finished in the same (largest) last quorum must hold the
+    same state hash at the same step. Returns (groups outside that quorum,
+    problems). A group outside it trained its last steps without the others,
+    so its state may differ legitimately."""
+    by_quorum: dict[int, list[int]] = defaultdict(list)
+    for group, final in sorted(finals.items()):
+        by_quorum[final.get("quorum_id", -1)].append(group)
+    if not by_quorum:
+        return [], ["no group finished"]
+    main = max(by_quorum.values(), key=len)
+    outside = sorted(g for g in finals if g not in main)
+    problems = []
+    hashes = {g: finals[g]["hash"] for g in main}
+    steps = {g: finals[g]["step"] for g in main}
+    if len(set(hashes.values())) != 1 or len(set(steps.values())) != 1:
+        problems.append(f"groups of the final quorum diverged: steps {steps}, hashes {hashes}")
+    return outside, problems
+
+
+@dataclass(frozen=True)
+class Goodput:
+    participant_steps: int
+    """Sum over committed steps of the groups that committed them."""
+    participation: float
+    """participant_steps / (num_steps * num_groups): the share of group-steps kept."""
+    fault_free_step_s: float
+    """Median time between commits while every group took part."""
+    goodput: float
+    """participant_steps / what num_groups fault-free groups commit in the same time."""
+
+
+def goodput(records: list[StepRecord], num_groups: int, num_steps: int) -> Goodput:
+    participants: dict[int, int] = {}
+    for r in records:
+        if r.committed:
+            participants[r.step] = max(participants.get(r.step, 0), r.participants)
+    total = sum(participants.values())
+    by_group: dict[int, list[StepRecord]] = defaultdict(list)
+    for r in records:
+        if r.committed:
+            by_group[r.group].append(r)
+    full = [
+        b.t - a.t
+        for rs in by_group.values()
+        for a, b in zip(rs, rs[1:])
+        if b.step == a.step + 1 and a.participants == b.participants == num_groups
+    ]
+    step_s = statistics.median(full) if full else float("nan")
+    times = [r.t for r in records if r.committed]
+    span = max(times) - min(times) if len(times) > 1 else 0.0
+    # The first commit ends a step, so the span holds one step less than it seems.
+    possible = num_groups * (span / step_s + 1) if full and span else float("nan")
+    return Goodput(
+        participant_steps=total,
+        participation=total / (num_steps * num_groups) if num_steps and num_groups else 0.0,
+        fault_free_step_s=step_s,
+        goodput=total / possible if possible == possible and possible else float("nan"),
+    )
+
+
+def survivor_stall_s(
+    records: list[StepRecord], survivors: list[int], start: float, end: float
+) -> float:
+    """Longest gap between consecutive commits of any survivor around
+    [start, end]: from its last commit before `start` to its first after
+    `end`. It includes one ordinary step."""
+    worst = 0.0
+    for group in survivors:
+        times = sorted(r.t for r in records if r.group == group and r.committed)
+        before = [t for t in times if t <= start]
+        after = [t for t in times if t > end]
+        window = ([before[-1]] if before else []) + [t for t in times if start < t <= end]
+        window += after[:1]
+        gaps = [b - a for a, b in zip(window, window[1:])]
+        worst = max([worst, *gaps])
+    return worst
+
+
+def first_commit_after(records: list[StepRecord], groups: list[int], since: float) -> float | None:
+    """Time of the first commit by any of `groups` after `since`, or None."""
+    times = [r.t for r in records if r.group in groups and r.committed and r.t > since]
+    return min(times) if times else None
