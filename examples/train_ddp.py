@@ -29,6 +29,8 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
+TORCH_TIME = time.time()
+
 from lighthouse import LighthouseUnavailableError  # noqa: E402
 from torchft_like import (  # noqa: E402
     DistributedDataParallel,
@@ -50,6 +52,9 @@ parser.add_argument("--seed", type=int, default=0, help="seed of the data and th
 parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step")
 parser.add_argument("--log-json", default=None, help="append one JSON line per step here")
 parser.add_argument("--timeout-s", type=float, default=10, help="collective/transfer timeout")
+parser.add_argument(
+    "--steps-file", default=None, help="if it exists, its number overrides --steps (benchmarks)"
+)
 args = parser.parse_args()
 
 REPLICA_GROUP_ID = int(os.environ.get("REPLICA_GROUP_ID", 0))
@@ -116,6 +121,7 @@ try:
 except LighthouseUnavailableError as e:
     log.error("%s", e)
     sys.exit(2)
+manager_time = time.time()
 ddp_model = DistributedDataParallel(manager, model)
 optimizer = Optimizer(manager, inner_optimizer)
 criterion = nn.CrossEntropyLoss()
@@ -142,13 +148,32 @@ def emit(record: dict) -> None:
         json_log.flush()
 
 
-emit({"event": "start", "t": START_TIME, "ready": ready_time, "replica_id": manager.replica_id})
+emit(
+    {
+        "event": "start",
+        "t": START_TIME,
+        "torch_imported": TORCH_TIME,
+        "manager_ready": manager_time,
+        "ready": ready_time,
+        "replica_id": manager.replica_id,
+    }
+)
 
 # --- training loop ----------------------------------------------------------
 
+def total_steps() -> int:
+    """--steps, or the number in --steps-file once a driver has written one."""
+    if args.steps_file:
+        try:
+            return int(open(args.steps_file).read())
+        except (OSError, ValueError):
+            pass
+    return args.steps
+
+
 epoch = 0
 batches = iter(loader)
-while manager.current_step() < args.steps:
+while manager.current_step() < total_steps():
     try:
         x, y = next(batches)
     except StopIteration:
