@@ -148,6 +148,7 @@ emit(
     }
 )
 
+
 def total_steps() -> int:
     if args.steps_file:
         try:

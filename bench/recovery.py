@@ -74,7 +74,9 @@ def wait_port(port: int, timeout: float) -> None:
             return
         except OSError:
             if time.monotonic() > deadline:
-                raise TimeoutError(f"nothing listens on 127.0.0.1:{port} after {timeout} s")
+                raise TimeoutError(
+                    f"nothing listens on 127.0.0.1:{port} after {timeout} s"
+                ) from None
             time.sleep(0.01)
 
 
@@ -194,7 +196,9 @@ def figures(
     window = [r["t"] for r in commits if kill - 5 <= r["t"] <= first_commit["t"] + 1]
     last_before_kill = max((r["t"] for r in commits if r["t"] <= kill), default=kill)
     window = sorted({last_before_kill, *(t for t in window if t >= last_before_kill)})
-    finals = [next((r for r in reversed(g) if r["event"] == "final"), None) for g in (survivor, victim)]
+    finals = [
+        next((r for r in reversed(g) if r["event"] == "final"), None) for g in (survivor, victim)
+    ]
     identical = all(finals) and len({(f["step"], f["hash"]) for f in finals}) == 1  # type: ignore[index]
     return {
         "contender": contender,
@@ -220,7 +224,7 @@ def figures(
 
 def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
     row: dict[str, Any] = {"contender": runs[0]["contender"], "runs": len(runs)}
-    for key, value in runs[0].items():
+    for key in runs[0]:
         if key == "contender":
             continue
         values = [r[key] for r in runs if r[key] is not None]

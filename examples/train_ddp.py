@@ -161,6 +161,7 @@ emit(
 
 # --- training loop ----------------------------------------------------------
 
+
 def total_steps() -> int:
     """--steps, or the number in --steps-file once a driver has written one."""
     if args.steps_file:
