@@ -143,8 +143,13 @@ def run_once(contender: str, args: argparse.Namespace, out: Path) -> dict[str, A
         deadline = time.monotonic() + args.run_timeout
         while time.monotonic() < deadline:
             if "kill" not in events:
-                victim_steps = [r["step"] for r in read_jsonl(out / "group1.jsonl") if "step" in r]
-                if victim_steps and max(victim_steps) >= args.kill_at_step:
+                # Both groups past the step: the survivor has a pace to measure.
+                reached = [
+                    max((r["step"] for r in read_jsonl(out / f"group{g}.jsonl") if "step" in r),
+                        default=0)
+                    for g in (0, 1)
+                ]  # fmt: skip
+                if min(reached) >= args.kill_at_step:
                     events["kill"] = time.time()
                     kill_tree(groups[1].pid)
                     groups[1].wait()
@@ -174,6 +179,7 @@ def run_once(contender: str, args: argparse.Namespace, out: Path) -> dict[str, A
         for proc in procs:
             kill_tree(proc.pid)
             proc.wait()
+    (out / "events.json").write_text(json.dumps(events))
     return figures(contender, out, events, args)
 
 
@@ -193,9 +199,8 @@ def figures(
     transfer = first.get("heal_recv_s", 0.0)
     commits = [r for r in survivor if r["event"] == "step" and r["committed"]]
     before = [r["step_s"] for r in commits if r["t"] < kill]
-    window = [r["t"] for r in commits if kill - 5 <= r["t"] <= first_commit["t"] + 1]
-    last_before_kill = max((r["t"] for r in commits if r["t"] <= kill), default=kill)
-    window = sorted({last_before_kill, *(t for t in window if t >= last_before_kill)})
+    times = [r["t"] for r in commits]
+    rejoin_t = first_commit["t"]
     finals = [
         next((r for r in reversed(g) if r["event"] == "final"), None) for g in (survivor, victim)
     ]
@@ -214,12 +219,23 @@ def figures(
         "rejoin_step": first_commit["step"],
         "survivor_step_s": round(statistics.median(before), 3) if before else None,
         "survivor_down_commits": sum(kill < r["t"] < first_commit["t"] for r in commits),
-        "survivor_stall_s": round(max(b - a for a, b in zip(window, window[1:])), 3)
-        if len(window) > 1
-        else None,
+        "survivor_stall_s": longest_gap(times, kill, rejoin_t + 1),
+        "stall_at_kill_s": longest_gap(times, kill, restart),
+        "stall_at_rejoin_s": longest_gap(times, rejoin_t - 1, rejoin_t + 1),
         "after_rejoin": finals[0]["step"] - first_commit["step"] if finals[0] else None,
         "identical": bool(identical),
     }
+
+
+def longest_gap(times: list[float], start: float, end: float) -> float | None:
+    """Longest gap between consecutive commit times that ends in [start, end],
+    counting from the last commit before `start`."""
+    before = [t for t in times if t < start]
+    inside = [t for t in times if start <= t <= end]
+    points = before[-1:] + inside
+    if len(points) < 2:
+        return None
+    return round(max(b - a for a, b in zip(points, points[1:])), 3)
 
 
 def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
