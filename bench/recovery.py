@@ -9,9 +9,10 @@ restarted --restart-after seconds later. Reported per contender (medians over
 the repeats, contenders interleaved): restart -> first committed step of the
 restarted group, split into start-up (launch -> python, -> torch imported,
 -> Manager ready -> model wrapped), quorum, state transfer and the first step;
-the survivor's steps committed while its peer was down and its longest stall
-(longest gap between consecutive committed steps from the kill to a second
-after the rejoin); and whether both groups end bit-identical (state hash of
+the survivor's usual interval between commits, its steps committed while its
+peer was down, and its longest stall (longest gap between consecutive commits
+from the kill to the rejoin), also split into the stall at the kill and the
+interval of the rejoin step; and whether both groups end bit-identical (state hash of
 model and optimizer, at least --after-rejoin steps after the rejoin).
 """
 
@@ -198,7 +199,8 @@ def figures(
     quorum = first.get("quorum_s", 0.0)
     transfer = first.get("heal_recv_s", 0.0)
     commits = [r for r in survivor if r["event"] == "step" and r["committed"]]
-    before = [r["step_s"] for r in commits if r["t"] < kill]
+    before = [r["t"] for r in commits if r["t"] < kill]
+    intervals = [b - a for a, b in zip(before, before[1:])]
     times = [r["t"] for r in commits]
     rejoin_t = first_commit["t"]
     finals = [
@@ -217,25 +219,33 @@ def figures(
         "transfer_s": round(transfer, 3),
         "first_step_s": round(to_commit - startup - quorum - transfer, 3),
         "rejoin_step": first_commit["step"],
-        "survivor_step_s": round(statistics.median(before), 3) if before else None,
+        "survivor_interval_s": round(statistics.median(intervals), 3) if intervals else None,
         "survivor_down_commits": sum(kill < r["t"] < first_commit["t"] for r in commits),
-        "survivor_stall_s": longest_gap(times, kill, rejoin_t + 1),
+        "survivor_stall_s": longest_gap(times, kill, rejoin_t),
         "stall_at_kill_s": longest_gap(times, kill, restart),
-        "stall_at_rejoin_s": longest_gap(times, rejoin_t - 1, rejoin_t + 1),
+        "stall_at_rejoin_s": step_gap(commits, first_commit["step"]),
         "after_rejoin": finals[0]["step"] - first_commit["step"] if finals[0] else None,
         "identical": bool(identical),
     }
 
 
 def longest_gap(times: list[float], start: float, end: float) -> float | None:
-    """Longest gap between consecutive commit times that ends in [start, end],
-    counting from the last commit before `start`."""
-    before = [t for t in times if t < start]
-    inside = [t for t in times if start <= t <= end]
-    points = before[-1:] + inside
+    """Longest gap between consecutive commit times around [start, end]: from
+    the last commit before `start` to the first one after `end`."""
+    points = [t for t in times if t < start][-1:]
+    points += [t for t in times if start <= t <= end]
+    points += [t for t in times if t > end][:1]
     if len(points) < 2:
         return None
     return round(max(b - a for a, b in zip(points, points[1:])), 3)
+
+
+def step_gap(commits: list[dict[str, Any]], step: int) -> float | None:
+    """Time between the commits of `step - 1` and `step`."""
+    at = {r["step"]: r["t"] for r in commits}
+    if step in at and step - 1 in at:
+        return round(at[step] - at[step - 1], 3)
+    return None
 
 
 def median_row(runs: list[dict[str, Any]]) -> dict[str, Any]:
