@@ -55,7 +55,9 @@ parser.add_argument("--join-timeout-ms", type=int, default=1000, help="lighthous
 parser.add_argument(
     "--torchrun-args",
     default="--standalone",
-    help="torchrun options for every group of both contenders",
+    help="torchrun options for every group of both contenders ({port}: a free port), e.g. "
+    "'--rdzv-backend static --master-addr 127.0.0.1 --master-port {port} --nnodes 1 "
+    "--node-rank 0'",
 )
 parser.add_argument("--run-timeout", type=float, default=240, help="seconds per run")
 parser.add_argument("--keep", action="store_true", help="keep the logs (path printed)")
@@ -127,7 +129,7 @@ def run_once(contender: str, args: argparse.Namespace, out: Path) -> dict[str, A
 
         def launch(group: int) -> subprocess.Popen:
             cmd = [sys.executable, "-m", "torch.distributed.run"]
-            cmd += shlex.split(args.torchrun_args)
+            cmd += shlex.split(args.torchrun_args.replace("{port}", str(free_port())))
             cmd += ["--nproc_per_node", str(args.nproc_per_group), CONTENDERS[contender]]
             cmd += ["--steps", "1000000", "--steps-file", str(steps_file)]
             cmd += ["--hidden", str(args.hidden), "--step-sleep", str(args.step_sleep)]
