@@ -19,6 +19,7 @@ model and optimizer, at least --after-rejoin steps after the rejoin).
 from __future__ import annotations
 
 import argparse
+import compileall
 import json
 import shlex
 import socket
@@ -274,6 +275,12 @@ def main() -> int:
     for c in contenders:
         if c not in CONTENDERS:
             raise ValueError(f"contender {c!r} is unknown; pick from {sorted(CONTENDERS)}")
+    # torchft's modules were byte-compiled when pip installed it; a source
+    # checkout run with PYTHONDONTWRITEBYTECODE=1 (as on our CI box) compiles
+    # ours on every start instead: 0.3-0.6 s per process on a loaded machine.
+    # Compile them once, as an install would, so both start from bytecode.
+    for package in ("lighthouse", "torchft_like"):
+        compileall.compile_dir(REPO / package, quiet=1)
     root = Path(tempfile.mkdtemp(prefix="bench_recovery_"))
     runs: dict[str, list[dict[str, Any]]] = {c: [] for c in contenders}
     for i in range(args.repeats):
