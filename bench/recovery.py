@@ -116,9 +116,11 @@ def run_once(contender: str, args: argparse.Namespace, out: Path) -> dict[str, A
     """One kill-and-recover run; returns its figures."""
     out.mkdir(parents=True)
     procs: list[subprocess.Popen] = []
+    logs: list[Any] = []
 
     def start(cmd: list[str], log: str, env: dict[str, str] | None = None) -> subprocess.Popen:
-        proc = spawn(cmd, open(out / log, "ab"), env, REPO)
+        logs.append(open(out / log, "ab"))
+        proc = spawn(cmd, logs[-1], env, REPO)
         procs.append(proc)
         return proc
 
@@ -183,13 +185,13 @@ def run_once(contender: str, args: argparse.Namespace, out: Path) -> dict[str, A
         for proc in procs:
             kill_tree(proc.pid)
             proc.wait()
+        for log in logs:
+            log.close()
     (out / "events.json").write_text(json.dumps(events))
-    return figures(contender, out, events, args)
+    return figures(contender, out, events)
 
 
-def figures(
-    contender: str, out: Path, events: dict[str, float], args: argparse.Namespace
-) -> dict[str, Any]:
+def figures(contender: str, out: Path, events: dict[str, float]) -> dict[str, Any]:
     """The figures of one run, from both groups' JSON lines and the events."""
     survivor, victim = (read_jsonl(out / f"group{g}.jsonl") for g in (0, 1))
     restart, kill = events["restart"], events["kill"]
