@@ -27,7 +27,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-TORCH_TIME = time.time()
+TORCH_TIME, TORCH_CPU = time.time(), time.process_time()
 
 from torchft import (  # noqa: E402
     DistributedDataParallel,
@@ -109,7 +109,7 @@ ddp_model = DistributedDataParallel(manager, model)
 optimizer = Optimizer(manager, inner_optimizer)
 criterion = nn.CrossEntropyLoss()
 json_log = open(args.log_json, "a") if args.log_json and RANK == 0 else None
-ready_time = time.time()
+ready_time, ready_cpu = time.time(), time.process_time()
 
 # Time the state transfer: torchft receives it inside its quorum thread.
 timings: dict[str, float] = {}
@@ -151,6 +151,8 @@ emit(
         "torch_imported": TORCH_TIME,
         "manager_ready": manager_time,
         "ready": ready_time,
+        "cpu_torch_imported": TORCH_CPU,
+        "cpu_ready": ready_cpu,
     }
 )
 

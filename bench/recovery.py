@@ -8,7 +8,9 @@ ranks each); group 1's whole process tree is SIGKILLed at --kill-at-step and
 restarted --restart-after seconds later. Reported per contender (medians over
 the repeats, contenders interleaved): restart -> first committed step of the
 restarted group, split into start-up (launch -> python, -> torch imported,
--> Manager ready -> model wrapped), quorum, state transfer and the first step;
+-> Manager ready -> model wrapped; also the worker's CPU seconds to torch
+imported and to ready, steadier than wall time on a loaded machine), quorum,
+state transfer and the first step;
 the survivor's usual interval between commits, its steps committed while its
 peer was down, and its longest stall (longest gap between consecutive commits
 from the kill to the rejoin), also split into the stall at the kill and the
@@ -220,6 +222,8 @@ def figures(contender: str, out: Path, events: dict[str, float]) -> dict[str, An
         "import_torch_s": round(start["torch_imported"] - start["t"], 3),
         "to_manager_s": round(start["manager_ready"] - start["torch_imported"], 3),
         "to_ready_s": round(start["ready"] - start["manager_ready"], 3),
+        "startup_cpu_s": round(start["cpu_ready"], 3),
+        "import_torch_cpu_s": round(start["cpu_torch_imported"], 3),
         "quorum_s": round(quorum, 3),
         "transfer_s": round(transfer, 3),
         "first_step_s": round(to_commit - startup - quorum - transfer, 3),

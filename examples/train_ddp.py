@@ -35,7 +35,7 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
-TORCH_TIME = time.time()
+TORCH_TIME, TORCH_CPU = time.time(), time.process_time()
 
 from lighthouse import LighthouseUnavailableError  # noqa: E402
 from torchft_like import (  # noqa: E402
@@ -132,7 +132,7 @@ ddp_model = DistributedDataParallel(manager, model)
 optimizer = Optimizer(manager, inner_optimizer)
 criterion = nn.CrossEntropyLoss()
 json_log = open(args.log_json, "a") if args.log_json and RANK == 0 else None
-ready_time = time.time()
+ready_time, ready_cpu = time.time(), time.process_time()
 log.info("ready in %.2f s (replica %s)", ready_time - START_TIME, manager.replica_id)
 
 
@@ -161,6 +161,8 @@ emit(
         "torch_imported": TORCH_TIME,
         "manager_ready": manager_time,
         "ready": ready_time,
+        "cpu_torch_imported": TORCH_CPU,
+        "cpu_ready": ready_cpu,
         "replica_id": manager.replica_id,
     }
 )
