@@ -33,8 +33,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+import psutil
+
 from bench._report import REPO, report
-from torchft_like._procs import kill_tree, spawn
+from torchft_like._procs import kill_tree, spawn, tree
 
 VENV_BIN = Path(sys.executable).parent
 CONTENDERS = {
@@ -129,7 +131,7 @@ def run_once(contender: str, args: argparse.Namespace, out: Path) -> dict[str, A
     port = free_port()
     steps_file = out / "steps"
     try:
-        start(lighthouse_cmd(contender, port, args), "lighthouse.log")
+        lighthouse = start(lighthouse_cmd(contender, port, args), "lighthouse.log")
         wait_port(port, 10)
 
         def launch(group: int) -> subprocess.Popen:
@@ -158,6 +160,7 @@ def run_once(contender: str, args: argparse.Namespace, out: Path) -> dict[str, A
                     for g in (0, 1)
                 ]  # fmt: skip
                 if min(reached) >= args.kill_at_step:
+                    cpu_at_kill = (cpu_seconds(groups[0].pid), cpu_seconds(lighthouse.pid))
                     events["kill"] = time.time()
                     kill_tree(groups[1].pid)
                     groups[1].wait()
@@ -173,6 +176,13 @@ def run_once(contender: str, args: argparse.Namespace, out: Path) -> dict[str, A
                 if rejoin:
                     # Both groups stop at the same step, --after-rejoin steps on.
                     events["rejoin"] = time.time()
+                    down_s = events["rejoin"] - events["kill"]
+                    events["survivor_cpu_per_s"] = (
+                        cpu_seconds(groups[0].pid) - cpu_at_kill[0]
+                    ) / down_s
+                    events["lighthouse_cpu_per_s"] = (
+                        cpu_seconds(lighthouse.pid) - cpu_at_kill[1]
+                    ) / down_s
                     (out / "steps.tmp").write_text(str(rejoin[0] + args.after_rejoin))
                     (out / "steps.tmp").rename(steps_file)
             if "restart" in events and all(p.poll() is not None for p in groups.values()):
@@ -191,6 +201,18 @@ def run_once(contender: str, args: argparse.Namespace, out: Path) -> dict[str, A
             log.close()
     (out / "events.json").write_text(json.dumps(events))
     return figures(contender, out, events)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of `pid` and its descendants so far."""
+    total = 0.0
+    for proc in tree(pid):
+        try:
+            times = proc.cpu_times()
+            total += times.user + times.system
+        except psutil.NoSuchProcess:
+            pass
+    return total
 
 
 def figures(contender: str, out: Path, events: dict[str, float]) -> dict[str, Any]:
@@ -233,6 +255,8 @@ def figures(contender: str, out: Path, events: dict[str, float]) -> dict[str, An
         "survivor_stall_s": longest_gap(times, kill, rejoin_t),
         "stall_at_kill_s": longest_gap(times, kill, restart),
         "stall_at_rejoin_s": step_gap(commits, first_commit["step"]),
+        "survivor_cpu_per_s": round(events.get("survivor_cpu_per_s", float("nan")), 2),
+        "lighthouse_cpu_per_s": round(events.get("lighthouse_cpu_per_s", float("nan")), 2),
         "after_rejoin": finals[0]["step"] - first_commit["step"] if finals[0] else None,
         "identical": bool(identical),
     }
