@@ -3,10 +3,11 @@
 It never imports torch, so it starts fast and runs on a small machine.
 """
 
+from typing import Any
+
 from lighthouse.client import LighthouseClient
 from lighthouse.errors import LighthouseUnavailableError, QuorumError, QuorumTimeoutError
 from lighthouse.quorum import LighthouseConfig, Quorum, QuorumMember
-from lighthouse.server import LighthouseServer
 
 __all__ = [
     "LighthouseClient",
@@ -18,3 +19,14 @@ __all__ = [
     "QuorumMember",
     "QuorumTimeoutError",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    # The server loads on first use: every training worker imports this
+    # package for the client, and the server's Prometheus metrics and status
+    # page cost each worker start 50-200 ms it never needs.
+    if name == "LighthouseServer":
+        from lighthouse.server import LighthouseServer
+
+        return LighthouseServer
+    raise AttributeError(f"module 'lighthouse' has no attribute {name!r}")
