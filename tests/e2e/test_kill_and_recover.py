@@ -46,15 +46,27 @@ def start_lighthouse(children, heartbeat_timeout_ms: int) -> str:
     return wait_for_line(proc, r"listening on (http://\S+)", timeout=15).group(1)
 
 
-def start_group(children, tmp_path: Path, lighthouse: str, group: int, steps: int):
+def start_group(children, tmp_path: Path, lighthouse: str, group: int):
+    """Trains until the test writes a final step into the group's stop file, so
+    no group can finish before a slow (re)start on a loaded machine catches up."""
     return children.spawn(
         [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
-         "examples/train_ddp.py", "--steps", str(steps), "--hidden", "64",
+         "examples/train_ddp.py", "--steps", "100000", "--hidden", "64",
+         "--stop-file", str(tmp_path / f"group{group}.stop"),
          "--step-sleep", "0.05", "--log-json", str(tmp_path / f"group{group}.jsonl")],
         log=tmp_path / f"group{group}.log",
         env={"TORCHFT_LIGHTHOUSE": lighthouse, "REPLICA_GROUP_ID": str(group),
              "NUM_REPLICA_GROUPS": "2", "TORCHFT_TIMEOUT_SEC": "5"},
     )  # fmt: skip
+
+
+def stop_at(tmp_path: Path, group: int, step: int) -> None:
+    (tmp_path / "stop.tmp").write_text(str(step))
+    (tmp_path / "stop.tmp").rename(tmp_path / f"group{group}.stop")
+
+
+def steps(path: Path) -> list[dict]:
+    return [r for r in read_jsonl(path) if r["event"] == "step"]
 
 
 def finals(tmp_path: Path) -> list[dict]:
@@ -66,20 +78,27 @@ def finals(tmp_path: Path) -> list[dict]:
 
 def test_a_killed_group_restarts_heals_and_ends_bit_identical(children, tmp_path):
     lighthouse = start_lighthouse(children, heartbeat_timeout_ms=1000)
-    steps = 250
-    survivor = start_group(children, tmp_path, lighthouse, 0, steps)
-    victim = start_group(children, tmp_path, lighthouse, 1, steps)
+    survivor = start_group(children, tmp_path, lighthouse, 0)
+    victim = start_group(children, tmp_path, lighthouse, 1)
     log0, log1 = tmp_path / "group0.jsonl", tmp_path / "group1.jsonl"
 
     wait_until(lambda: last_step(log1) >= 30, 60, "the victim to reach step 30")
     assert not kill_tree(victim.pid), "the victim's processes survived SIGKILL"
     killed_at = time.time()
     time.sleep(1.0)
-    victim = start_group(children, tmp_path, lighthouse, 1, steps)
-    assert survivor.wait(timeout=90) == 0
+    victim = start_group(children, tmp_path, lighthouse, 1)
+    wait_until(
+        lambda: any(r["t"] > killed_at and r["committed"] for r in steps(log1)),
+        90,
+        "the restarted group to commit a step",
+    )
+    final = last_step(log0) + 20
+    for group in (0, 1):
+        stop_at(tmp_path, group, final)
+    assert survivor.wait(timeout=60) == 0
     assert victim.wait(timeout=30) == 0
 
-    after_restart = [r for r in read_jsonl(log1) if r["event"] == "step" and r["t"] > killed_at]
+    after_restart = [r for r in steps(log1) if r["t"] > killed_at]
     assert after_restart[0]["healed"], "the restarted group did not heal first"
     assert any(r["committed"] for r in after_restart[1:]), "the restarted group never committed"
     rejoined_at = after_restart[0]["t"]
@@ -89,16 +108,25 @@ def test_a_killed_group_restarts_heals_and_ends_bit_identical(children, tmp_path
     ]  # fmt: skip
     assert len(during_outage) >= 5, "the survivor stopped committing while its peer was down"
     a, b = finals(tmp_path)
-    assert a["step"] == b["step"] == steps
+    assert a["step"] == b["step"] == final
     assert a["hash"] == b["hash"], "replicas are not bit-identical at the same step"
 
 
 def test_a_group_that_leaves_on_purpose_does_not_stall_the_other(children, tmp_path):
-    # A 20 s heartbeat timeout: only the Leave call can explain a short stall.
+    # A 20 s heartbeat timeout: only the Leave call (or the closed heartbeat
+    # stream) can explain a short stall.
     lighthouse = start_lighthouse(children, heartbeat_timeout_ms=20_000)
-    stayer = start_group(children, tmp_path, lighthouse, 0, 80)
-    leaver = start_group(children, tmp_path, lighthouse, 1, 30)
-    assert leaver.wait(timeout=90) == 0
+    stayer = start_group(children, tmp_path, lighthouse, 0)
+    leaver = start_group(children, tmp_path, lighthouse, 1)
+    log0 = tmp_path / "group0.jsonl"
+    wait_until(
+        lambda: sum(r["participants"] == 2 and r["committed"] for r in steps(log0)) >= 10,
+        90,
+        "both groups to train together",
+    )
+    stop_at(tmp_path, 1, last_step(tmp_path / "group1.jsonl") + 5)
+    assert leaver.wait(timeout=60) == 0
+    stop_at(tmp_path, 0, last_step(log0) + 30)
     assert stayer.wait(timeout=60) == 0
     left_at = next(r["t"] for r in read_jsonl(tmp_path / "group1.jsonl") if r["event"] == "final")
     after = [
