@@ -36,7 +36,7 @@ from typing import Any
 import psutil
 
 from bench._report import REPO, report
-from torchft_like._procs import kill_tree, spawn, tree
+from torchft_like._procs import kill_tree, read_jsonl, spawn, tree
 
 VENV_BIN = Path(sys.executable).parent
 CONTENDERS = {
@@ -86,18 +86,6 @@ def wait_port(port: int, timeout: float) -> None:
                     f"nothing listens on 127.0.0.1:{port} after {timeout} s"
                 ) from None
             time.sleep(0.01)
-
-
-def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line cut by the SIGKILL
-    return records
 
 
 def lighthouse_cmd(contender: str, port: int, args: argparse.Namespace) -> list[str]:

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from torchft_like._procs import kill_tree, spawn
+from torchft_like._procs import kill_tree, read_jsonl, spawn
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -69,18 +69,6 @@ class Job:
     def kill_all(self) -> None:
         for proc in self.procs:
             self.kill(proc)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    if not path.exists():
-        return []
-    records = []
-    for line in path.read_text().splitlines():
-        try:
-            records.append(json.loads(line))
-        except json.JSONDecodeError:
-            pass  # a line cut by the SIGKILL
-    return records
 
 
 def progress(done: int, total: int, note: str) -> None:

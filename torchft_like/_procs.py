@@ -3,6 +3,7 @@ so a signal to torchrun's process group would leave the workers running."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -60,3 +61,16 @@ def _running(proc: psutil.Process) -> bool:
         return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a child's JSON-lines log; a line cut by SIGKILL is skipped."""
+    if not path.exists():
+        return []
+    records = []
+    for line in path.read_text().splitlines():
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            pass
+    return records

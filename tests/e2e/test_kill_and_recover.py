@@ -3,27 +3,15 @@ running examples/train_ddp.py; real SIGKILL of a whole group, real restart."""
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.procs import PYTHON, wait_for_line
-from torchft_like._procs import kill_tree
+from torchft_like._procs import kill_tree, read_jsonl
 
 pytestmark = pytest.mark.timeout(150)
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    records = []
-    if path.exists():
-        for line in path.read_text().splitlines():
-            try:
-                records.append(json.loads(line))
-            except json.JSONDecodeError:
-                pass  # a line cut by SIGKILL
-    return records
 
 
 def last_step(path: Path) -> int:
