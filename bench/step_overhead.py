@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 from bench._report import REPO, add_common_args, report, results_file
+from torchft_like._procs import kill_tree
 
 WORKER = str(REPO / "bench" / "_step_worker.py")
 TORCHFT_LIGHTHOUSE_RPCS = 1
@@ -57,28 +58,41 @@ def wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 30) -> None:
     raise RuntimeError(f"lighthouse not listening on port {port} after {timeout_s} s")
 
 
-def torchrun(nproc: int, worker_args: list[str], env: dict[str, str]) -> subprocess.Popen:
+def torchrun(
+    nproc: int, worker_args: list[str], env: dict[str, str], log: Path
+) -> subprocess.Popen:
+    """Starts one torchrun of `nproc` workers, its output in `log`."""
     pythonpath = os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH")] if p)
-    return subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
-         str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(free_port()), WORKER,
-         *worker_args],
-        env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath, **env},
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
-    )  # fmt: skip
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
+             str(nproc), "--master_addr", "127.0.0.1", "--master_port", str(free_port()), WORKER,
+             *worker_args],
+            env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": pythonpath, **env},
+            stdout=out, stderr=subprocess.STDOUT, cwd=REPO,
+        )  # fmt: skip
+    proc.log = log  # type: ignore[attr-defined]
+    return proc
 
 
 def wait_all(procs: list[subprocess.Popen], what: str, timeout_s: float) -> None:
+    """Waits for every torchrun; on a failure or the deadline, kills every
+    tree (torchrun's workers too) and raises with the failing log's tail."""
     deadline = time.monotonic() + timeout_s
     try:
         for p in procs:
-            if p.wait(max(deadline - time.monotonic(), 0.1)) != 0:
-                raise RuntimeError(f"{what} failed: a torchrun exited with {p.returncode}")
+            try:
+                rc = p.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                rc = None
+            if rc != 0:
+                tail = p.log.read_text(errors="replace")[-3000:]  # type: ignore[attr-defined]
+                why = f"exited with {rc}" if rc is not None else f"ran past {timeout_s:.0f} s"
+                raise RuntimeError(f"{what} failed: a torchrun {why}; its log ends:\n{tail}")
     finally:
         for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+            kill_tree(p.pid)
+            p.wait()
 
 
 def start_lighthouse(mode: str) -> tuple[subprocess.Popen, str]:
@@ -108,14 +122,16 @@ def run_once(mode: str, worker_args: list[str], tmp: Path, timeout_s: float) -> 
     out = tmp / f"{mode}.json"
     out.unlink(missing_ok=True)
     if mode == "plain":
-        wait_all([torchrun(2, ["--mode", "plain", "--out", str(out), *worker_args], {})],
-                 "plain DDP", timeout_s)  # fmt: skip
+        proc = torchrun(2, ["--mode", "plain", "--out", str(out), *worker_args], {},
+                        tmp / "plain.log")  # fmt: skip
+        wait_all([proc], "plain DDP", timeout_s)
         return json.loads(out.read_text())
     lighthouse, address = start_lighthouse(mode)
     try:
         groups = [
             torchrun(1, ["--mode", mode, "--out", str(tmp / f"{mode}{g}.json"), *worker_args],
-                     {"TORCHFT_LIGHTHOUSE": address, "REPLICA_GROUP_ID": str(g)})
+                     {"TORCHFT_LIGHTHOUSE": address, "REPLICA_GROUP_ID": str(g)},
+                     tmp / f"{mode}{g}.log")
             for g in range(2)
         ]  # fmt: skip
         wait_all(groups, mode, timeout_s)
