@@ -1,7 +1,8 @@
-"""Shared by the benchmarks: print rows as a table and append them as JSON lines."""
+"""Shared by the benchmarks: common flags, print rows as a table, append them as JSON lines."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import time
 from pathlib import Path
@@ -10,9 +11,27 @@ from typing import Any
 REPO = Path(__file__).resolve().parent.parent
 
 
+def add_common_args(parser: argparse.ArgumentParser) -> None:
+    """--out (results directory) and --smoke (a tiny run for CI, no targets)."""
+    parser.add_argument(
+        "--out",
+        default="bench_results",
+        help="directory for the JSON lines results, relative to the repo or absolute "
+        "(default bench_results)",
+    )
+    parser.add_argument(
+        "--smoke", action="store_true", help="a tiny configuration that runs in seconds (CI)"
+    )
+
+
+def results_file(out: str, name: str) -> str:
+    """The JSON lines file of benchmark `name` under results directory `out`."""
+    return str(Path(out) / f"{name}.jsonl")
+
+
 def report(rows: list[dict[str, Any]], results: str) -> None:
     """Prints `rows` (same keys each) as a table; appends them to `results`,
-    a path relative to the repository, one JSON object a line."""
+    a path relative to the repository (or absolute), one JSON object a line."""
     keys = list(rows[0])
     widths = [max(len(k), *(len(str(r[k])) for r in rows)) for k in keys]
     print("  ".join(k.rjust(w) for k, w in zip(keys, widths)))
@@ -23,3 +42,4 @@ def report(rows: list[dict[str, Any]], results: str) -> None:
     with open(out, "a") as f:
         for r in rows:
             f.write(json.dumps({"time": time.time(), **r}) + "\n")
+    print(f"appended to {out}")

@@ -1,6 +1,6 @@
 """Lighthouse start-up time and quorum latency of N clients joining at once.
 
-    python -m bench.lighthouse_latency [--clients 2 50] [--rounds 20]
+    python -m bench.lighthouse_latency [--clients 2 50] [--rounds 20] [--out DIR] [--smoke]
 
 Start-up: from spawning `python -m lighthouse` to its "listening" log line.
 Quorum latency: N threads, each with its own client, call Quorum at the same
@@ -19,7 +19,7 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-from bench._report import report
+from bench._report import add_common_args, report, results_file
 from lighthouse import LighthouseClient
 
 REPO = Path(__file__).resolve().parent.parent
@@ -65,8 +65,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--clients", type=int, nargs="+", default=[2, 50])
     parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--results", default="bench_results/lighthouse_latency.jsonl")
+    add_common_args(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.clients, args.rounds = [2], 3
     rows = []
     for n in args.clients:
         proc, address, startup_s = start_lighthouse(min_replicas=n)
@@ -88,7 +90,7 @@ def main() -> None:
                 "quorum_max_ms": round(1000 * max(samples), 2),
             }
         )
-    report(rows, args.results)
+    report(rows, results_file(args.out, "lighthouse_latency"))
 
 
 if __name__ == "__main__":

@@ -107,6 +107,12 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
             )
         # Buffers are synced by the Manager, not by DDP before each forward.
         kwargs.setdefault(_BUFFER_FLAG, False)
+        # Gradients as views of the buckets: DDP then skips copying every
+        # bucket back into .grad after the allreduce. With a comm hook DDP
+        # cannot fuse the 1/N scaling into its copy into the bucket as plain
+        # DDP does, so the Manager's divide is one more pass over the
+        # gradients; skipping the copy back pays for it (bench/NOTES.md).
+        kwargs.setdefault("gradient_as_bucket_view", True)
         if _HAS_BUCKET_CAP_LIST:
             # Layout = [1 MB first bucket, then bucket_cap_mb] in parameter order,
             # from the start (torch puts all in one bucket until its rebuild).
