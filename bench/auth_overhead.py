@@ -18,7 +18,7 @@ import statistics
 import time
 from datetime import timedelta
 
-from bench._report import report
+from bench._report import add_common_args, report, results_file
 from lighthouse import LighthouseServer
 from lighthouse.client import AsyncLighthouseClient, LighthouseClient
 
@@ -44,7 +44,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=500)
     p.add_argument("--rounds", type=int, default=7)
+    add_common_args(p)
     args = p.parse_args()
+    if args.smoke:
+        args.calls, args.rounds = 20, 1
     servers = {
         "open": LighthouseServer(bind="127.0.0.1:0", min_replicas=1),
         "secret": LighthouseServer(bind="127.0.0.1:0", min_replicas=1, secret=SECRET),
@@ -96,7 +99,7 @@ def main() -> None:
                     "ratio_to_open": round(statistics.median(samples) / open_median / 1e6, 3),
                 }
             )
-    report(rows, "bench_results/auth_overhead.jsonl")
+    report(rows, results_file(args.out, "auth_overhead"))
 
 
 if __name__ == "__main__":

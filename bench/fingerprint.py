@@ -20,7 +20,7 @@ import time
 import torch
 from torch import nn
 
-from bench._report import report
+from bench._report import add_common_args, report, results_file
 from torchft_like.fingerprint import fingerprint
 
 
@@ -31,7 +31,10 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=9, help="interleaved rounds A B C")
     parser.add_argument("--interval", type=int, default=10, help="K: fingerprint every K steps")
     parser.add_argument("--device", default="cpu")
+    add_common_args(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.hidden, args.layers, args.repeats = 64, 2, 1
     torch.set_num_threads(1)
     device = torch.device(args.device)
 
@@ -87,7 +90,7 @@ def main() -> None:
                 ),
             }
         )
-    report(rows, "bench_results/fingerprint.jsonl")
+    report(rows, results_file(args.out, "fingerprint"))
 
 
 if __name__ == "__main__":

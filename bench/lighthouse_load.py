@@ -41,7 +41,7 @@ from pathlib import Path
 
 import psutil
 
-from bench._report import REPO, report
+from bench._report import REPO, add_common_args, report, results_file
 
 CONTENDERS = ("ref", "ours", "ours_stream")
 
@@ -289,9 +289,8 @@ def main() -> None:
     parser.add_argument("--heartbeat-ms", type=int, default=100)
     parser.add_argument("--step-s", type=float, default=1.0)
     parser.add_argument("--warmup-steps", type=int, default=1)
-    parser.add_argument("--smoke", action="store_true", help="10 groups, 3 s, one load process")
+    add_common_args(parser)  # --smoke: 10 groups, 3 s, one load process
     parser.add_argument("--server-log", help="write each server's log to SERVER_LOG.NAME.N")
-    parser.add_argument("--results", default="bench_results/lighthouse_load.jsonl")
     parser.add_argument("--load-process", metavar="CONFIG_JSON", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.load_process:
@@ -306,7 +305,7 @@ def main() -> None:
                 row = run_one(contender, n, args)
                 print(json.dumps(row), file=sys.stderr)
                 rows.append(row)
-    report(rows, args.results)
+    report(rows, results_file(args.out, "lighthouse_load"))
     if args.rounds > 1:
         for n in args.groups:
             for c in args.servers:

@@ -35,7 +35,7 @@ from typing import Any
 
 import psutil
 
-from bench._report import REPO, report
+from bench._report import REPO, add_common_args, report, results_file
 from torchft_like._procs import kill_tree, read_jsonl, spawn, tree
 
 VENV_BIN = Path(sys.executable).parent
@@ -45,7 +45,7 @@ CONTENDERS = {
 }
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-parser.add_argument("--smoke", action="store_true", help="tiny model, 1 repeat, short run")
+add_common_args(parser)  # --smoke: tiny model, 1 repeat, short run
 parser.add_argument("--repeats", type=int, default=3, help="runs per contender, interleaved")
 parser.add_argument("--contenders", default="torchft_like,torchft", help="comma-separated")
 parser.add_argument("--hidden", type=int, default=2000, help="MLP width (2000: ~8.1M params)")
@@ -313,7 +313,7 @@ def main() -> int:
         f"{args.heartbeat_timeout_ms} ms, join timeout {args.join_timeout_ms} ms, "
         f"torchrun {args.torchrun_args!r}; medians"
     )
-    report(rows, "bench_results/recovery.jsonl")
+    report(rows, results_file(args.out, "recovery"))
     for c, rs in runs.items():
         values = [r["restart_to_commit_s"] for r in rs]
         print(f"{c}: restart -> first commit min {min(values):.3f} max {max(values):.3f} s")

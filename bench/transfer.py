@@ -38,7 +38,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
-from bench._report import REPO, report
+from bench._report import REPO, add_common_args, report, results_file
 
 TIMEOUT = timedelta(seconds=120)
 
@@ -251,8 +251,7 @@ def main() -> None:
     parser.add_argument("--no-torchft", action="store_true", help="skip pytorch/torchft")
     parser.add_argument("--touch", action="store_true",
                         help="also run ours touching pages, not madvise")  # fmt: skip
-    parser.add_argument("--smoke", action="store_true", help="4 MB, 1 repeat: a few seconds")
-    parser.add_argument("--results", default="bench_results/transfer.jsonl")
+    add_common_args(parser)  # --smoke: 4 MB, 1 repeat, a few seconds
     parser.add_argument("--serve", choices=["raw", "ours", "torchft"], help=argparse.SUPPRESS)
     parser.add_argument("--recv", choices=["raw", "ours", "torchft"], help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
@@ -275,7 +274,7 @@ def main() -> None:
     rows = []
     for mb in args.mb:
         rows += run_size(mb, args.repeats, contenders)
-    report(rows, args.results)
+    report(rows, results_file(args.out, "transfer"))
 
 
 if __name__ == "__main__":
