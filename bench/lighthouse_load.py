@@ -44,6 +44,7 @@ import psutil
 from bench._report import REPO, add_common_args, report, results_file
 
 CONTENDERS = ("ref", "ours", "ours_stream")
+VENV_BIN = Path(sys.executable).parent
 
 
 # ---- load process ------------------------------------------------------------
@@ -178,7 +179,7 @@ def free_port() -> int:
 
 def start_server(contender: str, n: int, port: int, log: str | None) -> subprocess.Popen:
     if contender == "ref":
-        exe = shutil.which("torchft_lighthouse", path=str(Path(sys.executable).parent))
+        exe = shutil.which("torchft_lighthouse", path=str(VENV_BIN))
         args = [exe, "--min_replicas", str(n), "--bind", f"127.0.0.1:{port}"]
     else:
         args = [sys.executable, "-m", "lighthouse", "--min-replicas", str(n),
@@ -298,6 +299,9 @@ def main() -> None:
         return
     if args.smoke:
         args.groups, args.seconds, args.procs, args.warmup_steps = [10], 3, 1, 1
+    if "ref" in args.servers and not shutil.which("torchft_lighthouse", path=str(VENV_BIN)):
+        print("pytorch/torchft is not installed (pip install -e '.[bench]'): no `ref` contender")
+        args.servers.remove("ref")
     rows = []
     for n in args.groups:
         for _ in range(args.rounds):

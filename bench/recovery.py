@@ -293,6 +293,9 @@ def main() -> int:
     for c in contenders:
         if c not in CONTENDERS:
             raise ValueError(f"contender {c!r} is unknown; pick from {sorted(CONTENDERS)}")
+    if "torchft" in contenders and not (VENV_BIN / "torchft_lighthouse").exists():
+        print("pytorch/torchft is not installed (pip install -e '.[bench]'): measuring without it")
+        contenders.remove("torchft")
     # torchft's modules were byte-compiled when pip installed it; a source
     # checkout run with PYTHONDONTWRITEBYTECODE=1 (as on our CI box) compiles
     # ours on every start instead: 0.3-0.6 s per process on a loaded machine.

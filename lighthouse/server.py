@@ -448,4 +448,11 @@ class LighthouseServer:
     async def _stop(self) -> None:
         if hasattr(self, "_ticker"):
             self._ticker.cancel()
+        # Answer waiting Quorum calls before the server cancels their handlers
+        # (a cancelled handler is logged by grpc as an unhandled error).
+        waiting = [w.future for w in self._coord.waiters.values() if not w.future.done()]
+        for future in waiting:
+            future.set_exception(RuntimeError("the lighthouse is shutting down"))
+        if waiting:
+            await asyncio.sleep(0.05)  # lets their handlers send the answer
         await self._server.stop(grace=None)

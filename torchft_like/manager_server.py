@@ -353,7 +353,7 @@ class ManagerServer:
         use_stream = True
         interval = self._heartbeat_interval.total_seconds()
         timeout = timedelta(seconds=max(1.0, 10 * interval))
-        while True:
+        while not self._stopped:
             try:
                 if use_stream and not await self._lighthouse.stream_heartbeat(
                     self.replica_id, timeout
@@ -388,8 +388,13 @@ class ManagerServer:
     async def _stop(self, leave: bool) -> None:
         # Heartbeats end first: one that reached the lighthouse after our Leave
         # would make us healthy again, and the others wait out its timeout.
+        # Closing the stream first also fails a write in flight, which a
+        # cancelled task alone may keep waiting on.
+        self._lighthouse.close_heartbeat_stream()
         self._heartbeater.cancel()
-        await asyncio.gather(self._heartbeater, return_exceptions=True)
+        # On Python < 3.12 asyncio.wait_for can swallow a cancel that races its
+        # result; the loop then ends at its next check of _stopped.
+        await asyncio.wait([self._heartbeater], timeout=1.0)
         if leave:
             try:
                 await self._lighthouse.leave(self.replica_id, self._connect_timeout)
