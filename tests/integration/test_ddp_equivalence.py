@@ -14,7 +14,8 @@ from torch import nn
 from torch.distributed import TCPStore
 
 from lighthouse import LighthouseServer
-from torchft_like import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+from tests.integration._replica import small_replica
+from torchft_like import DistributedDataParallel, Optimizer
 
 pytestmark = pytest.mark.timeout(90)
 STEPS = 20
@@ -65,21 +66,10 @@ def plain_ddp(rank: int, store_port: int) -> list[torch.Tensor]:
 def torchft_ddp(rank: int, lighthouse: str) -> list[torch.Tensor]:
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     model, inner = model_and_optimizer()
-    manager = Manager(
-        pg=ProcessGroupGloo(timeout=T),
-        load_state_dict=lambda sd: (model.load_state_dict(sd["m"]), inner.load_state_dict(sd["o"])),
-        state_dict=lambda: {"m": model.state_dict(), "o": inner.state_dict()},
-        min_replica_size=2,
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        lighthouse_addr=lighthouse,
-        replica_id=f"group{rank}",
-        hostname="127.0.0.1",
-        timeout=T,
-        connect_timeout=T,
-    )
+    manager = small_replica(
+        rank, 0, 1, store, lighthouse, model, inner,
+        min_replica_size=2, timeout=T, connect_timeout=T,
+    )  # fmt: skip
     ddp = DistributedDataParallel(manager, model)
     optimizer = Optimizer(manager, inner)
     try:

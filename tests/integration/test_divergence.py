@@ -14,7 +14,8 @@ from torch import nn
 from torch.distributed import TCPStore
 
 from lighthouse import LighthouseServer
-from torchft_like import Manager, Optimizer, ProcessGroupGloo
+from tests.integration._replica import small_replica
+from torchft_like import Optimizer
 
 pytestmark = pytest.mark.timeout(90)
 TIMEOUT = timedelta(seconds=10)
@@ -40,27 +41,12 @@ def train(
         torch.manual_seed(100 + group)  # different init per group: init_sync fixes it
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
         inner = torch.optim.AdamW(model.parameters(), lr=0.01)
-        manager = Manager(
-            pg=ProcessGroupGloo(timeout=TIMEOUT),
-            load_state_dict=lambda sd: (
-                model.load_state_dict(sd["m"]),
-                inner.load_state_dict(sd["o"]),
-            ),
-            state_dict=lambda: {"m": model.state_dict(), "o": inner.state_dict()},
+        manager = small_replica(
+            group, rank, group_world_size, store, lighthouse_addr, model, inner,
             min_replica_size=num_groups,
-            rank=rank,
-            world_size=group_world_size,
-            store_addr="127.0.0.1",
-            store_port=store.port,
-            lighthouse_addr=lighthouse_addr,
-            replica_id=f"group{group}",
-            hostname="127.0.0.1",
-            timeout=TIMEOUT,
-            quorum_timeout=timedelta(seconds=30),
-            connect_timeout=TIMEOUT,
             fingerprint_interval=interval,
             fingerprint_fn=model.parameters if params_only else None,
-        )
+        )  # fmt: skip
         optimizer = Optimizer(manager, inner)
         healed_at = []
         data = torch.Generator().manual_seed(7)

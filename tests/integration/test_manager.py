@@ -15,7 +15,8 @@ from torch import nn
 from torch.distributed import TCPStore
 
 from lighthouse import LighthouseServer
-from torchft_like import Manager, Optimizer, ProcessGroupGloo
+from tests.integration._replica import small_replica
+from torchft_like import Optimizer, ProcessGroupGloo
 from torchft_like.process_group import FakeProcessGroupWrapper
 
 pytestmark = pytest.mark.timeout(90)
@@ -60,25 +61,10 @@ def train(
         model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
         inner = torch.optim.AdamW(model.parameters(), lr=0.01)
         pg = FakeProcessGroupWrapper(ProcessGroupGloo(timeout=TIMEOUT))
-        manager = Manager(
-            pg=pg,
-            load_state_dict=lambda sd: (
-                model.load_state_dict(sd["m"]),
-                inner.load_state_dict(sd["o"]),
-            ),
-            state_dict=lambda: {"m": model.state_dict(), "o": inner.state_dict()},
-            min_replica_size=min_replica_size,
-            rank=rank,
-            world_size=group_world_size,
-            store_addr="127.0.0.1",
-            store_port=store.port,
-            lighthouse_addr=lighthouse_addr,
-            replica_id=f"group{group}",
-            hostname="127.0.0.1",
-            timeout=TIMEOUT,
-            quorum_timeout=timedelta(seconds=30),
-            connect_timeout=TIMEOUT,
-        )
+        manager = small_replica(
+            group, rank, group_world_size, store, lighthouse_addr, model, inner,
+            pg=pg, min_replica_size=min_replica_size,
+        )  # fmt: skip
         optimizer = Optimizer(manager, inner)
         commits = []
         data = torch.Generator().manual_seed(7)
