@@ -133,13 +133,9 @@ def healthy_replicas(
 
 def compute_quorum(now: float, state: LighthouseState, config: LighthouseConfig) -> QuorumDecision:
     """Decides whether a quorum can be issued now, following DESIGN.md's rule."""
-    timeout_s = config.heartbeat_timeout_ms / 1000
-    gone = {
-        rid
-        for rid in stream_closed_since_heartbeat(state.heartbeats, state.streams_closed)
-        if now - state.heartbeats[rid] < timeout_s
-    }
-    healthy = healthy_replicas(now, state.heartbeats, config.heartbeat_timeout_ms) - gone
+    heard = healthy_replicas(now, state.heartbeats, config.heartbeat_timeout_ms)
+    gone = heard & stream_closed_since_heartbeat(state.heartbeats, state.streams_closed)
+    healthy = heard - gone
     joined = {rid: p for rid, p in state.participants.items() if rid in healthy}
     shrink_only = any(p.member.shrink_only for p in joined.values())
     prev_ids = set(state.prev_quorum.replica_ids()) if state.prev_quorum else set()
