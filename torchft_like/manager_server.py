@@ -402,7 +402,6 @@ class ManagerServer:
                 logger.warning(
                     "[%s] could not tell the lighthouse we leave: %s", self.replica_id, e
                 )
-        self._lighthouse.close_heartbeat_stream()
         await self._server.stop(grace=None)
         await self._lighthouse.close()
 
