@@ -1,9 +1,14 @@
 """Without faults, torchft_like DDP over 2 replica groups trains exactly like
-plain torch DDP over 2 gloo ranks on the same data."""
+plain torch DDP over 2 gloo ranks on the same data.
+
+Plain DDP runs in two processes (this module, run as a script): two DDP ranks
+as threads of one process sometimes deadlocked in backward, and a hung thread
+would hang the whole suite past any test timeout."""
 
 from __future__ import annotations
 
 import copy
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -16,6 +21,7 @@ from torch.distributed import TCPStore
 from lighthouse import LighthouseServer
 from tests.integration._replica import small_replica
 from torchft_like import DistributedDataParallel, Optimizer
+from torchft_like._procs import free_port
 
 pytestmark = pytest.mark.timeout(90)
 STEPS = 20
@@ -39,28 +45,21 @@ def batch(rank: int, step: int):
     return torch.randn(8, 16, generator=g), torch.randint(0, 4, (8,), generator=g)
 
 
-def gloo_group(store_port: int, rank: int) -> dist.ProcessGroup:
-    """What init_process_group("gloo") builds, without the process-wide default
-    group, so two ranks can live in one test process."""
-    store = dist.PrefixStore("plain", TCPStore("127.0.0.1", store_port, is_master=False))
-    pg = dist.ProcessGroup(store, rank, 2)
-    backend = dist.ProcessGroupGloo(store, rank, 2, T)
-    pg._register_backend(torch.device("cpu"), dist.ProcessGroup.BackendType.GLOO, backend)
-    pg._set_default_backend(dist.ProcessGroup.BackendType.GLOO)
-    return pg
-
-
-def plain_ddp(rank: int, store_port: int) -> list[torch.Tensor]:
-    pg = gloo_group(store_port, rank)
+def plain_ddp(rank: int, port: int, out: str) -> None:
+    """One rank of plain torch DDP; saves its final parameters to `out`."""
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2, timeout=T
+    )
     model, optimizer = model_and_optimizer()
-    ddp = nn.parallel.DistributedDataParallel(model, process_group=pg)
+    ddp = nn.parallel.DistributedDataParallel(model)
     for step in range(STEPS):
         x, y = batch(rank, step)
         optimizer.zero_grad()
         nn.functional.cross_entropy(ddp(x), y).backward()
         optimizer.step()
-    pg.shutdown()
-    return [p.detach().clone() for p in model.parameters()]
+    torch.save([p.detach() for p in model.parameters()], out)
+    del ddp
+    dist.destroy_process_group()
 
 
 def torchft_ddp(rank: int, lighthouse: str) -> list[torch.Tensor]:
@@ -84,10 +83,25 @@ def torchft_ddp(rank: int, lighthouse: str) -> list[torch.Tensor]:
         manager.shutdown()
 
 
-def test_two_replica_groups_match_plain_torch_ddp_after_20_steps():
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    with ThreadPoolExecutor(2) as pool:
-        plain = list(pool.map(plain_ddp, range(2), [store.port] * 2))
+def test_two_replica_groups_match_plain_torch_ddp_after_20_steps(children, tmp_path):
+    port = free_port()
+    ranks = [
+        children.spawn(
+            [
+                sys.executable,
+                "-m",
+                "tests.integration.test_ddp_equivalence",
+                str(rank),
+                str(port),
+                str(tmp_path / f"plain{rank}.pt"),
+            ],
+            log=tmp_path / f"plain{rank}.log",
+        )  # fmt: skip
+        for rank in range(2)
+    ]
+    for rank, proc in enumerate(ranks):
+        assert proc.wait(timeout=60) == 0, (tmp_path / f"plain{rank}.log").read_text()[-3000:]
+    plain = [torch.load(tmp_path / "plain0.pt")]
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2)
     try:
         with ThreadPoolExecutor(2) as pool:
@@ -98,3 +112,7 @@ def test_two_replica_groups_match_plain_torch_ddp_after_20_steps():
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
     for a, b in zip(ours[0], ours[1]):
         assert torch.equal(a, b)
+
+
+if __name__ == "__main__":
+    plain_ddp(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
