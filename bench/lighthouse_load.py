@@ -42,6 +42,7 @@ from pathlib import Path
 import psutil
 
 from bench._report import REPO, add_common_args, report, results_file
+from torchft_like._procs import free_port
 
 CONTENDERS = ("ref", "ours", "ours_stream")
 VENV_BIN = Path(sys.executable).parent
@@ -169,12 +170,6 @@ def load_main(cfg_json: str) -> None:
 
 
 # ---- driver ------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start_server(contender: str, n: int, port: int, log: str | None) -> subprocess.Popen:

@@ -5,17 +5,19 @@
 
 Per run: a lighthouse and two replica groups (torchrun, --nproc-per-group
 ranks each); group 1's whole process tree is SIGKILLed at --kill-at-step and
-restarted --restart-after seconds later. Reported per contender (medians over
-the repeats, contenders interleaved): restart -> first committed step of the
-restarted group, split into start-up (launch -> python, -> torch imported,
--> Manager ready -> model wrapped; also the worker's CPU seconds to torch
-imported and to ready, steadier than wall time on a loaded machine), quorum,
-state transfer and the first step;
-the survivor's usual interval between commits, its steps committed while its
-peer was down, and its longest stall (longest gap between consecutive commits
-from the kill to the rejoin), also split into the stall at the kill and the
-interval of the rejoin step; and whether both groups end bit-identical (state hash of
-model and optimizer, at least --after-rejoin steps after the rejoin).
+restarted --restart-after seconds later: cold (torchft_like, torchft: a new
+torchrun) or by handing its id to a warm standby started with the others
+(standby: examples/train_ddp.py --standby-file; its start-up is not counted).
+Reported per contender (medians over the repeats, contenders interleaved):
+restart -> first committed step of the restarted group, split into start-up
+(launch -> python, -> torch imported, -> Manager ready -> model wrapped; also
+the worker's CPU seconds to torch imported and to ready, steadier than wall
+time on a loaded machine), quorum, state transfer and the first step; the
+survivor's usual interval between commits, its steps committed while its peer
+was down, and its longest stall (longest gap between consecutive commits from
+the kill to the rejoin), also split into the stall at the kill and the
+interval of the rejoin step; and whether both groups end bit-identical (state
+hash of model and optimizer, at least --after-rejoin steps after the rejoin).
 """
 
 from __future__ import annotations
@@ -36,18 +38,21 @@ from typing import Any
 import psutil
 
 from bench._report import REPO, add_common_args, report, results_file
-from torchft_like._procs import kill_tree, read_jsonl, spawn, tree
+from torchft_like._procs import free_port, kill_tree, read_jsonl, spawn, tree
 
 VENV_BIN = Path(sys.executable).parent
 CONTENDERS = {
     "torchft_like": "examples/train_ddp.py",
+    # The same script kept as a warm standby (started with the others, before
+    # the kill): the "restart" writes the dead group's id into its file.
+    "standby": "examples/train_ddp.py",
     "torchft": "bench/_recovery_torchft.py",
 }
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 add_common_args(parser)  # --smoke: tiny model, 1 repeat, short run
 parser.add_argument("--repeats", type=int, default=3, help="runs per contender, interleaved")
-parser.add_argument("--contenders", default="torchft_like,torchft", help="comma-separated")
+parser.add_argument("--contenders", default="torchft_like,standby,torchft", help="comma-separated")
 parser.add_argument("--hidden", type=int, default=2000, help="MLP width (2000: ~8.1M params)")
 parser.add_argument("--layers", type=int, default=3, help="hidden layers of the MLP")
 parser.add_argument("--nproc-per-group", type=int, default=1, help="ranks per replica group")
@@ -66,12 +71,6 @@ parser.add_argument(
 )
 parser.add_argument("--run-timeout", type=float, default=240, help="seconds per run")
 parser.add_argument("--keep", action="store_true", help="keep the logs (path printed)")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_port(port: int, timeout: float) -> None:
@@ -122,21 +121,22 @@ def run_once(contender: str, args: argparse.Namespace, out: Path) -> dict[str, A
         lighthouse = start(lighthouse_cmd(contender, port, args), "lighthouse.log")
         wait_port(port, 10)
 
-        def launch(group: int) -> subprocess.Popen:
+        def launch(group: int | str) -> subprocess.Popen:
             cmd = [sys.executable, "-m", "torch.distributed.run"]
             cmd += shlex.split(args.torchrun_args.replace("{port}", str(free_port())))
             cmd += ["--nproc_per_node", str(args.nproc_per_group), CONTENDERS[contender]]
             cmd += ["--steps", "1000000", "--stop-file", str(steps_file)]
             cmd += ["--hidden", str(args.hidden), "--step-sleep", str(args.step_sleep)]
             cmd += ["--layers", str(args.layers), "--log-json", str(out / f"group{group}.jsonl")]
-            env = {
-                "TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}",
-                "REPLICA_GROUP_ID": str(group),
-                "NUM_REPLICA_GROUPS": "2",
-            }
+            env = {"TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{port}", "NUM_REPLICA_GROUPS": "2"}
+            if group == "standby":
+                cmd += ["--standby-file", str(out / "standby")]
+            else:
+                env["REPLICA_GROUP_ID"] = str(group)
             return start(cmd, f"group{group}.log", env)
 
         groups = {0: launch(0), 1: launch(1)}
+        standby = launch("standby") if contender == "standby" else None
         events: dict[str, float] = {}
         deadline = time.monotonic() + args.run_timeout
         while time.monotonic() < deadline:
@@ -147,18 +147,27 @@ def run_once(contender: str, args: argparse.Namespace, out: Path) -> dict[str, A
                         default=0)
                     for g in (0, 1)
                 ]  # fmt: skip
-                if min(reached) >= args.kill_at_step:
+                waiting = (
+                    standby is None or b"standby: ready" in (out / "groupstandby.log").read_bytes()
+                )
+                if min(reached) >= args.kill_at_step and waiting:
                     cpu_at_kill = (cpu_seconds(groups[0].pid), cpu_seconds(lighthouse.pid))
                     events["kill"] = time.time()
                     kill_tree(groups[1].pid)
                     groups[1].wait()
             elif "restart" not in events and time.time() - events["kill"] >= args.restart_after:
-                events["restart"] = time.time()
-                groups[1] = launch(1)
+                if standby is None:
+                    events["restart"] = time.time()
+                    groups[1] = launch(1)
+                else:
+                    (out / "standby.tmp").write_text("1")
+                    events["restart"] = time.time()
+                    (out / "standby.tmp").rename(out / "standby")
+                    groups[1] = standby
             elif "restart" in events and "rejoin" not in events:
                 rejoin = [
                     r["step"]
-                    for r in read_jsonl(out / "group1.jsonl")
+                    for r in read_jsonl(out / ("groupstandby.jsonl" if standby else "group1.jsonl"))
                     if r["event"] == "step" and r["t"] >= events["restart"] and r["committed"]
                 ]
                 if rejoin:
@@ -207,7 +216,14 @@ def figures(contender: str, out: Path, events: dict[str, float]) -> dict[str, An
     """The figures of one run, from both groups' JSON lines and the events."""
     survivor, victim = (read_jsonl(out / f"group{g}.jsonl") for g in (0, 1))
     restart, kill = events["restart"], events["kill"]
-    start = next(r for r in victim if r["event"] == "start" and r["t"] >= restart)
+    if contender == "standby":
+        victim = read_jsonl(out / "groupstandby.jsonl")
+        start = next(r for r in victim if r["event"] == "start")
+        # Its start-up ran before the kill; what counts is from the takeover.
+        start = {**start, "t": restart, "torch_imported": restart, "cpu_ready": None,
+                 "cpu_torch_imported": None}  # fmt: skip
+    else:
+        start = next(r for r in victim if r["event"] == "start" and r["t"] >= restart)
     after = [r for r in victim if r["event"] == "step" and r["t"] >= restart]
     first_commit = next(r for r in after if r["committed"])
     first = after[0]
@@ -232,8 +248,8 @@ def figures(contender: str, out: Path, events: dict[str, float]) -> dict[str, An
         "import_torch_s": round(start["torch_imported"] - start["t"], 3),
         "to_manager_s": round(start["manager_ready"] - start["torch_imported"], 3),
         "to_ready_s": round(start["ready"] - start["manager_ready"], 3),
-        "startup_cpu_s": round(start["cpu_ready"], 3),
-        "import_torch_cpu_s": round(start["cpu_torch_imported"], 3),
+        "startup_cpu_s": _round(start["cpu_ready"]),
+        "import_torch_cpu_s": _round(start["cpu_torch_imported"]),
         "quorum_s": round(quorum, 3),
         "transfer_s": round(transfer, 3),
         "first_step_s": round(to_commit - startup - quorum - transfer, 3),
@@ -248,6 +264,10 @@ def figures(contender: str, out: Path, events: dict[str, float]) -> dict[str, An
         "after_rejoin": finals[0]["step"] - first_commit["step"] if finals[0] else None,
         "identical": bool(identical),
     }
+
+
+def _round(value: float | None) -> float | None:
+    return None if value is None else round(value, 3)
 
 
 def longest_gap(times: list[float], start: float, end: float) -> float | None:
@@ -320,9 +340,11 @@ def main() -> int:
     for c, rs in runs.items():
         values = [r["restart_to_commit_s"] for r in rs]
         print(f"{c}: restart -> first commit min {min(values):.3f} max {max(values):.3f} s")
-    if len(rows) == 2 and rows[1]["restart_to_commit_s"]:
-        ratio = rows[0]["restart_to_commit_s"] / rows[1]["restart_to_commit_s"]
-        print(f"{rows[0]['contender']} / {rows[1]['contender']}: {ratio:.2f}")
+    reference = next((r for r in rows if r["contender"] == "torchft"), None)
+    for row in rows:
+        if reference and row is not reference and reference["restart_to_commit_s"]:
+            ratio = row["restart_to_commit_s"] / reference["restart_to_commit_s"]
+            print(f"{row['contender']} / torchft, restart -> first commit: {ratio:.2f}")
     if args.keep:
         print(f"logs: {root}")
     else:

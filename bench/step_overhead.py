@@ -31,18 +31,12 @@ import time
 from pathlib import Path
 
 from bench._report import REPO, add_common_args, report, results_file
-from torchft_like._procs import kill_tree
+from torchft_like._procs import free_port, kill_tree
 
 WORKER = str(REPO / "bench" / "_step_worker.py")
 TORCHFT_LIGHTHOUSE_RPCS = 1
 """torchft's Rust ManagerServer asks its lighthouse once per step for the
 group; that call is out of Python's reach, so it is added, not counted."""
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 30) -> None:

@@ -20,7 +20,7 @@ import sys
 import time
 from pathlib import Path
 
-from torchft_like._procs import kill_tree, read_jsonl, spawn
+from torchft_like._procs import free_port, kill_tree, read_jsonl, spawn
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -37,14 +37,6 @@ parser.add_argument("--restart-after", type=float, default=1.0, help="seconds be
 parser.add_argument("--step-sleep", type=float, default=0.05, help="seconds each step sleeps")
 parser.add_argument("--out", default="demo_out", help="folder for logs, JSON and the PNG")
 parser.add_argument("--timeout", type=float, default=600, help="give up after this many seconds")
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Job:

@@ -10,6 +10,11 @@ Start a lighthouse, then one torchrun per replica group:
 
 Kill either group (Ctrl-C or kill -9) and start it again: it copies the live
 weights from the other group and rejoins; the other never stops.
+
+A restart spends seconds starting up before it heals. To skip that, keep a
+warm standby: one more torchrun of this script with --standby-file FILE (and
+no REPLICA_GROUP_ID); when a group dies, write its id there instead of
+restarting it (echo 1 > FILE.tmp && mv FILE.tmp FILE), then start a new standby.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ from torchft_like import (  # noqa: E402
     Optimizer,
     ProcessGroupGloo,
 )
+from torchft_like.standby import wait_for_replica_group  # noqa: E402
 
 # --- arguments --------------------------------------------------------------
 
@@ -71,9 +77,15 @@ parser.add_argument(
     help="also stop once the committed step reaches the number written in this file "
     "(a driver ends every group of one quorum at the same step)",
 )
+parser.add_argument(
+    "--standby-file",
+    default=None,
+    help="start as a warm standby: do all of start-up, then wait until a supervisor writes "
+    "the id of the replica group to replace into this file, and train as that group "
+    "(REPLICA_GROUP_ID is then ignored)",
+)
 args = parser.parse_args()
 
-REPLICA_GROUP_ID = int(os.environ.get("REPLICA_GROUP_ID", 0))
 NUM_REPLICA_GROUPS = int(os.environ.get("NUM_REPLICA_GROUPS", 2))
 RANK = int(os.environ.get("RANK", 0))
 torch.set_num_threads(1)
@@ -82,10 +94,19 @@ device = (
     if torch.cuda.is_available()
     else torch.device("cpu")
 )
-logging.basicConfig(
-    level=logging.INFO,
-    format=f"%(asctime)s group{REPLICA_GROUP_ID}/rank{RANK} %(levelname)s %(name)s: %(message)s",
-)
+
+
+def log_as(group: str) -> None:
+    """Prefixes every log line with the group and rank (a standby's group is
+    known only once it takes over)."""
+    logging.basicConfig(
+        level=logging.INFO,
+        format=f"%(asctime)s group{group}/rank{RANK} %(levelname)s %(name)s: %(message)s",
+        force=True,
+    )
+
+
+log_as("standby" if args.standby_file else os.environ.get("REPLICA_GROUP_ID", "0"))
 log = logging.getLogger("train_ddp")
 
 # --- data: a fixed random teacher network labels random inputs --------------
@@ -96,10 +117,6 @@ inputs = torch.randn(NUM_SAMPLES, NUM_FEATURES, generator=gen)
 teacher = torch.randn(NUM_FEATURES, NUM_CLASSES, generator=gen)
 labels = (inputs @ teacher).argmax(dim=1)
 dataset = TensorDataset(inputs, labels)
-sampler = DistributedSampler(
-    dataset, replica_rank=REPLICA_GROUP_ID, num_replica_groups=NUM_REPLICA_GROUPS, seed=args.seed
-)
-loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 
 # --- model, manager, optimizer ----------------------------------------------
 
@@ -121,6 +138,23 @@ def state_dict() -> dict:
     return {"model": model.state_dict(), "optim": inner_optimizer.state_dict()}
 
 
+assigned_time = None
+if args.standby_file:
+    log.info("standby: ready in %.2f s, waiting on %s", time.time() - START_TIME, args.standby_file)
+    try:
+        REPLICA_GROUP_ID = wait_for_replica_group(args.standby_file)
+    except ValueError as e:
+        log.error("%s", e)
+        sys.exit(2)
+    assigned_time = time.time()
+    log_as(str(REPLICA_GROUP_ID))
+    log.info("standby: replacing replica group %d", REPLICA_GROUP_ID)
+else:
+    REPLICA_GROUP_ID = int(os.environ.get("REPLICA_GROUP_ID", 0))
+sampler = DistributedSampler(
+    dataset, replica_rank=REPLICA_GROUP_ID, num_replica_groups=NUM_REPLICA_GROUPS, seed=args.seed
+)
+loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 timeout = timedelta(seconds=args.timeout_s)
 try:
     manager = Manager(
@@ -170,6 +204,7 @@ emit(
         "event": "start",
         "t": START_TIME,
         "torch_imported": TORCH_TIME,
+        "assigned": assigned_time,  # a standby's takeover; None for a cold start
         "manager_ready": manager_time,
         "ready": ready_time,
         "cpu_torch_imported": TORCH_CPU,

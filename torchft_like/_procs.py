@@ -6,12 +6,20 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
 import psutil
+
+
+def free_port() -> int:
+    """A loopback port free now (a child binds it soon after)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def spawn(args: list[str], stdout: Any, env: dict[str, str] | None, cwd: Path) -> subprocess.Popen:

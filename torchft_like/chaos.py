@@ -39,7 +39,7 @@ from torchft_like._chaos_schedule import (
     make_schedule,
     parse_kinds,
 )
-from torchft_like._procs import kill_tree, signal_tree, spawn, tree
+from torchft_like._procs import free_port, kill_tree, signal_tree, spawn, tree
 
 logger = logging.getLogger(__name__)
 REPO = Path(__file__).resolve().parent.parent
@@ -73,12 +73,6 @@ def _parser() -> argparse.ArgumentParser:
                    help="a group not ready within this after launch counts as hung")  # fmt: skip
     p.add_argument("--timeout", type=float, default=1800, help="give up after this many seconds")
     return p
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -21,7 +21,7 @@ import pytest
 from lighthouse import LighthouseClient, LighthouseServer, QuorumError, QuorumTimeoutError
 from lighthouse.client import AsyncLighthouseClient
 from tests.procs import PYTHON, Children, wait_for_line
-from torchft_like._procs import kill_tree
+from torchft_like._procs import free_port, kill_tree
 from torchft_like.manager_server import ManagerServer
 
 pytestmark = pytest.mark.timeout(90)
@@ -129,12 +129,6 @@ async def wait_until(predicate, what: str, timeout: float = 10) -> None:
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out waiting for {what}")
         await asyncio.sleep(0.02)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture
