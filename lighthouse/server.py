@@ -90,9 +90,11 @@ class _Coordinator:
         self.open_streams.pop(replica_id, None)
         if replica_id not in self.heartbeats:
             return
+        # A replica that stops on purpose closes its stream just before its
+        # Leave (no heartbeat may follow a Leave), so this is not yet a death.
         logger.info(
-            "replica %s: heartbeat stream closed without a Leave; unhealthy until it "
-            "heartbeats again",
+            "replica %s: heartbeat stream closed; unhealthy until it heartbeats again "
+            "(a 'left' line follows if it stopped on purpose)",
             replica_id,
         )
         self.streams_closed[replica_id] = time.monotonic()
