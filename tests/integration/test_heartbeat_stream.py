@@ -29,7 +29,7 @@ pytestmark = pytest.mark.timeout(90)
 # A replica group's rank 0 in a process of its own: its ManagerServer
 # heartbeats on a stream; it joins one quorum, then idles until killed.
 DOOMED = """
-import sys, time
+import os, sys, time
 from datetime import timedelta
 from lighthouse import LighthouseClient
 from torchft_like.manager_server import ManagerServer
@@ -37,6 +37,8 @@ addr = sys.argv[1]
 server = ManagerServer(replica_id="doomed", lighthouse_addr=addr, hostname="127.0.0.1",
                        bind="127.0.0.1:0", store_addr="doomed-store:1", world_size=1)
 print("ready", flush=True)
+while not os.path.exists(sys.argv[2]):  # the survivor is waiting: join it
+    time.sleep(0.01)
 q = LighthouseClient(addr).quorum("doomed", timedelta(seconds=30))
 print("joined", q.quorum_id, flush=True)
 time.sleep(600)
@@ -64,13 +66,24 @@ def quorum_in_thread(client: LighthouseClient, rid: str, timeout: timedelta) -> 
     return out
 
 
-def test_a_sigkilled_group_leaves_the_next_quorum_at_once(children):
+def test_a_sigkilled_group_leaves_the_next_quorum_at_once(children, tmp_path):
     server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, heartbeat_timeout_ms=5000)
     survivor = LighthouseClient(server.address())
     try:
-        doomed = children.spawn([PYTHON, "-c", DOOMED, server.address()])
+        go = tmp_path / "go"
+        doomed = children.spawn([PYTHON, "-c", DOOMED, server.address(), str(go)])
         wait_for_line(doomed, r"^ready", timeout=30)
         first = quorum_in_thread(survivor, "survivor", timedelta(seconds=30))
+        # Doomed asks only once the survivor waits (its stream keeps the
+        # survivor waiting for it): had it asked first, it would have been a
+        # quorum of its own (min_replicas=1), and the survivor would wait out
+        # the join timeout for a doomed that no longer asks.
+        deadline = time.monotonic() + 10
+        while not any(r["waiting"] and r["replica_id"] == "survivor"
+                      for r in server.status()["replicas"]):  # fmt: skip
+            assert time.monotonic() < deadline, "the survivor's Quorum call never arrived"
+            time.sleep(0.01)
+        go.touch()
         wait_for_line(doomed, r"^joined", timeout=30)
         first["thread"].join(10)
         assert first["quorum"].replica_ids() == ("doomed", "survivor")
