@@ -17,8 +17,8 @@ def test_waits_until_the_file_appears(tmp_path):
         (tmp_path / "standby.tmp").rename(path)
 
     writer = threading.Thread(target=write_later)
+    started = time.monotonic()  # before the writer's sleep can begin
     writer.start()
-    started = time.monotonic()
     assert wait_for_replica_group(path, poll_s=0.005) == 3
     assert time.monotonic() - started >= 0.1
     writer.join()
