@@ -73,8 +73,8 @@ async def _group(gid: int, cfg: dict, stats: dict, clock: _Clock, ready: asyncio
     import grpc
     from grpc import aio
 
-    from lighthouse._proto import torchft_pb2 as pb
-    from lighthouse._proto import torchft_pb2_grpc as pb_grpc
+    from lighthouse.rpc.proto import torchft_pb2 as pb
+    from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 
     # A channel (and TCP connection) of its own, as a real group has: without
     # a local subchannel pool, channels to one target share one connection.

@@ -6,8 +6,8 @@ It never imports torch, so it starts fast and runs on a small machine.
 from typing import Any
 
 from lighthouse.client import LighthouseClient
-from lighthouse.errors import LighthouseUnavailableError, QuorumError, QuorumTimeoutError
 from lighthouse.quorum import LighthouseConfig, Quorum, QuorumMember
+from lighthouse.rpc.errors import LighthouseUnavailableError, QuorumError, QuorumTimeoutError
 
 __all__ = [
     "LighthouseClient",

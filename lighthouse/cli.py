@@ -8,7 +8,7 @@ import signal
 import sys
 import threading
 
-from lighthouse import auth
+from lighthouse.rpc import auth
 from lighthouse.server import LighthouseServer
 
 logger = logging.getLogger(__name__)

@@ -9,74 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
+import time
 from datetime import timedelta
 from typing import Any
 
 import grpc
 from grpc import aio
 
-from lighthouse import auth, wire
-from lighthouse._proto import torchft_pb2 as pb
-from lighthouse._proto import torchft_pb2_grpc as pb_grpc
-from lighthouse.address import parse_bind, url_to_target
-from lighthouse.errors import LighthouseUnavailableError, QuorumError, QuorumTimeoutError
+from lighthouse import wire
 from lighthouse.quorum import Quorum, QuorumMember
-
-CHANNEL_OPTIONS = [
-    ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-    # Keep idle connections alive, so the per-step call never pays a reconnect.
-    ("grpc.keepalive_time_ms", 10_000),
-    ("grpc.keepalive_permit_without_calls", 1),
-    # gRPC's default reconnect backoff grows to 120 s: a lighthouse restarted
-    # after a short outage would stay unreachable for minutes. Cap it at 1 s.
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
-
-
-def map_rpc_error(e: grpc.RpcError, addr: str, what: str) -> Exception:
-    """One table from gRPC status to our errors, with the address in the text."""
-    code = e.code() if hasattr(e, "code") else None
-    details = e.details() if hasattr(e, "details") else str(e)
-    text = f"{what} at {addr} failed: {details}"
-    if code == grpc.StatusCode.DEADLINE_EXCEEDED:
-        return QuorumTimeoutError(text)
-    if code == grpc.StatusCode.UNAVAILABLE:
-        return LighthouseUnavailableError(text)
-    if code == grpc.StatusCode.INVALID_ARGUMENT:
-        return ValueError(text)
-    return QuorumError(f"{text} ({code.name if code else 'unknown status'})")
-
-
-def unreachable(
-    addr: str, connect_timeout: timedelta, cause: Exception | None = None
-) -> LighthouseUnavailableError:
-    why = f" ({cause})" if cause else ""
-    return LighthouseUnavailableError(
-        f"could not connect to {addr} within {connect_timeout.total_seconds():.1f} s{why}; "
-        "is it running, and is the address right?"
-    )
-
-
-def check_reachable(target: str, what: str, connect_timeout: timedelta) -> None:
-    """Opens and closes a TCP connection to `target`, bounded by the timeout.
-
-    A plain socket, not grpc.channel_ready_future: the latter starts a
-    connectivity-polling thread that can deadlock a later channel.close().
-    """
-    host, port = parse_bind(target)
-    try:
-        socket.create_connection((host, port), timeout=connect_timeout.total_seconds()).close()
-    except OSError as e:
-        raise unreachable(what, connect_timeout, e) from None
+from lighthouse.rpc.address import url_to_target
+from lighthouse.rpc.channel import aio_channel, blocking_channel, check_reachable, unreachable
+from lighthouse.rpc.errors import from_rpc_error
+from lighthouse.rpc.loop import wait_within
+from lighthouse.rpc.proto import torchft_pb2 as pb
+from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 
 
 class LighthouseClient:
     """Blocking client. Quorum blocks until a quorum containing us is issued.
 
-    `secret`: the job's shared secret, sent with every call (lighthouse.auth).
+    `secret`: the job's shared secret, sent with every call (lighthouse.rpc.auth).
     """
 
     def __init__(
@@ -88,9 +41,7 @@ class LighthouseClient:
         self.addr = addr
         self._connect_timeout = connect_timeout
         self._target = url_to_target(addr)
-        self._channel = auth.intercept_channel(
-            grpc.insecure_channel(self._target, options=CHANNEL_OPTIONS), secret
-        )
+        self._channel = blocking_channel(self._target, secret)
         self._stub = pb_grpc.LighthouseServiceStub(self._channel)
         self._connected = False
 
@@ -137,7 +88,7 @@ class LighthouseClient:
             )
         except grpc.RpcError as e:
             self._connected = e.code() != grpc.StatusCode.UNAVAILABLE
-            raise map_rpc_error(e, f"lighthouse {self.addr}", "Quorum") from None
+            raise from_rpc_error(e, f"lighthouse {self.addr}", "Quorum") from None
         return wire.quorum_from_proto(response.quorum)
 
     def heartbeat(self, replica_id: str, timeout: timedelta = timedelta(seconds=5)) -> None:
@@ -149,7 +100,7 @@ class LighthouseClient:
             )
         except grpc.RpcError as e:
             self._connected = e.code() != grpc.StatusCode.UNAVAILABLE
-            raise map_rpc_error(e, f"lighthouse {self.addr}", "Heartbeat") from None
+            raise from_rpc_error(e, f"lighthouse {self.addr}", "Heartbeat") from None
 
     def leave(self, replica_id: str, timeout: timedelta = timedelta(seconds=5)) -> None:
         """Tells the lighthouse we stop on purpose. A lighthouse that does not
@@ -161,7 +112,7 @@ class LighthouseClient:
             )
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise map_rpc_error(e, f"lighthouse {self.addr}", "Leave") from None
+                raise from_rpc_error(e, f"lighthouse {self.addr}", "Leave") from None
 
     def close(self) -> None:
         self._channel.close()
@@ -178,32 +129,32 @@ class AsyncLighthouseClient:
     ) -> None:
         self.addr = addr
         self._connect_timeout = connect_timeout
-        self._channel = aio.insecure_channel(
-            url_to_target(addr),
-            options=CHANNEL_OPTIONS,
-            interceptors=auth.aio_client_interceptors(secret),
-        )
+        self._channel = aio_channel(url_to_target(addr), secret)
         self._stub = pb_grpc.LighthouseServiceStub(self._channel)
         self._heartbeat_call: Any = None
 
-    async def _ensure_connected(self) -> None:
+    async def _ensure_connected(self, limit: timedelta | None = None) -> None:
+        """Waits for the connection, at most the connect timeout (or `limit` if shorter)."""
         state = self._channel.get_state(try_to_connect=True)
         if state == grpc.ChannelConnectivity.READY:
             return
-        try:
-            await asyncio.wait_for(
-                self._channel.channel_ready(), self._connect_timeout.total_seconds()
-            )
-        except asyncio.TimeoutError:
-            raise unreachable(f"lighthouse {self.addr}", self._connect_timeout) from None
+        bound = min(self._connect_timeout, limit) if limit is not None else self._connect_timeout
+        await wait_within(
+            self._channel.channel_ready(),
+            bound.total_seconds(),
+            lambda: unreachable(f"lighthouse {self.addr}", bound),
+        )
 
     async def quorum(self, member: QuorumMember, timeout: timedelta) -> Quorum:
-        await self._ensure_connected()
+        """Joins the next quorum; the whole call, connecting included, takes at most `timeout`."""
+        start = time.monotonic()
+        await self._ensure_connected(timeout)
         request = pb.LighthouseQuorumRequest(requester=wire.member_to_proto(member))
+        left_s = max(timeout.total_seconds() - (time.monotonic() - start), 0.001)
         try:
-            response = await self._stub.Quorum(request, timeout=timeout.total_seconds())
+            response = await self._stub.Quorum(request, timeout=left_s)
         except grpc.RpcError as e:
-            raise map_rpc_error(e, f"lighthouse {self.addr}", "Quorum") from None
+            raise from_rpc_error(e, f"lighthouse {self.addr}", "Quorum") from None
         return wire.quorum_from_proto(response.quorum)
 
     async def heartbeat(self, replica_id: str, timeout: timedelta) -> None:
@@ -214,7 +165,7 @@ class AsyncLighthouseClient:
                 timeout=timeout.total_seconds(),
             )
         except grpc.RpcError as e:
-            raise map_rpc_error(e, f"lighthouse {self.addr}", "Heartbeat") from None
+            raise from_rpc_error(e, f"lighthouse {self.addr}", "Heartbeat") from None
 
     async def stream_heartbeat(self, replica_id: str, timeout: timedelta) -> bool:
         """Sends one heartbeat on our HeartbeatStream call, opening it first if needed.
@@ -232,7 +183,7 @@ class AsyncLighthouseClient:
 
         Raises:
             LighthouseUnavailableError, QuorumTimeoutError, QuorumError: the
-            stream failed; see map_rpc_error.
+            stream failed; see lighthouse.rpc.errors.
         """
         await self._ensure_connected()
         if self._heartbeat_call is None:
@@ -263,7 +214,7 @@ class AsyncLighthouseClient:
             error = aio.AioRpcError(code, aio.Metadata(), aio.Metadata(), details)
         if error.code() == grpc.StatusCode.UNIMPLEMENTED:
             return False
-        raise map_rpc_error(error, f"lighthouse {self.addr}", "HeartbeatStream") from None
+        raise from_rpc_error(error, f"lighthouse {self.addr}", "HeartbeatStream") from None
 
     def close_heartbeat_stream(self) -> None:
         """Ends our heartbeat stream; the lighthouse takes it as us being gone
@@ -281,7 +232,7 @@ class AsyncLighthouseClient:
             )
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise map_rpc_error(e, f"lighthouse {self.addr}", "Leave") from None
+                raise from_rpc_error(e, f"lighthouse {self.addr}", "Leave") from None
 
     async def close(self) -> None:
         self.close_heartbeat_stream()

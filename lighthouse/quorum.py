@@ -146,9 +146,14 @@ def compute_quorum(now: float, state: LighthouseState, config: LighthouseConfig)
     tally = f"[{len(joined)}/{len(healthy)} participants healthy]"
     if shrink_only:
         tally += "[shrink_only]"
+    # Who is missing, by name: the first thing a user asks of a stalled quorum.
+    if healthy - joined.keys():
+        tally += f"[healthy, not joined: {_some(healthy - joined.keys())}]"
     if gone:
-        tally += f"[{len(gone)} gone: heartbeat stream closed: {', '.join(sorted(gone)[:3])}"
-        tally += ", ...]" if len(gone) > 3 else "]"
+        tally += f"[{len(gone)} gone: heartbeat stream closed: {_some(gone)}]"
+    silent = state.heartbeats.keys() - heard - state.participants.keys()
+    if silent:
+        tally += f"[{len(silent)} silent past the heartbeat timeout: {_some(silent)}]"
 
     if state.prev_quorum is not None and prev_ids <= joined.keys() and members:
         return QuorumDecision(members, f"fast quorum: every previous member joined {tally}", "fast")
@@ -201,6 +206,12 @@ def compute_quorum(now: float, state: LighthouseState, config: LighthouseConfig)
                 "restart_grace",
             )
     return QuorumDecision(members, f"every healthy replica joined {tally}", "valid")
+
+
+def _some(ids: set[str] | frozenset[str]) -> str:
+    """The first three ids, sorted, for a log line that stays one line."""
+    first = sorted(ids)[:3]
+    return ", ".join(first) + (", ..." if len(ids) > 3 else "")
 
 
 def quorum_changed(prev: Quorum | None, members: tuple[QuorumMember, ...]) -> bool:

@@ -13,15 +13,9 @@ import time
 from dataclasses import dataclass, replace
 from typing import Any
 
-import grpc
 from grpc import aio
 
-from lighthouse import auth, wire
-from lighthouse._aio import BackgroundLoop
-from lighthouse._proto import torchft_pb2 as pb
-from lighthouse._proto import torchft_pb2_grpc as pb_grpc
-from lighthouse.address import advertised_host, join_host_port, parse_bind
-from lighthouse.decode_guard import add_servicer
+from lighthouse import wire
 from lighthouse.metrics import LighthouseMetrics
 from lighthouse.quorum import (
     LighthouseConfig,
@@ -35,6 +29,13 @@ from lighthouse.quorum import (
     next_quorum_id,
     quorum_changed,
 )
+from lighthouse.rpc import errors, serve
+from lighthouse.rpc.address import advertised_host, join_host_port, parse_bind
+from lighthouse.rpc.errors import QuorumError, QuorumTimeoutError
+from lighthouse.rpc.loop import BackgroundLoop, reply_budget_s, wait_within
+from lighthouse.rpc.proto import torchft_pb2 as pb
+from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
+from lighthouse.status import StatusServer
 
 logger = logging.getLogger(__name__)
 
@@ -112,7 +113,7 @@ class _Coordinator:
         self._forget(replica_id)
         waiter = self.waiters.pop(replica_id, None)
         if waiter is not None and not waiter.future.done():
-            waiter.future.set_exception(RuntimeError(f"replica {replica_id} left"))
+            waiter.future.set_exception(QuorumError(f"replica {replica_id} left"))
         if self.waiters:
             self.decide()
 
@@ -124,7 +125,7 @@ class _Coordinator:
         old = self.waiters.pop(member.replica_id, None)
         if old is not None and not old.future.done():
             old.future.set_exception(
-                RuntimeError(
+                QuorumError(
                     f"replica {member.replica_id} called Quorum again; this call is superseded"
                 )
             )
@@ -275,22 +276,20 @@ class _LighthouseServicer(pb_grpc.LighthouseServiceServicer):
     async def Quorum(
         self, request: pb.LighthouseQuorumRequest, context: aio.ServicerContext
     ) -> pb.LighthouseQuorumResponse:
+        start = time.monotonic()
+        budget_s = reply_budget_s(context.time_remaining())
         try:
             member = wire.quorum_request_from_proto(request)
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        start = time.monotonic()
-        remaining = context.time_remaining()
-        try:
-            quorum = await asyncio.wait_for(self._coord.quorum(member), remaining)
-        except asyncio.TimeoutError:
-            await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED,
-                f"no quorum containing {member.replica_id} before the deadline; "
-                f"status: {self._coord.reason}",
+            quorum = await wait_within(
+                self._coord.quorum(member),
+                budget_s,
+                lambda: QuorumTimeoutError(
+                    f"no quorum containing {member.replica_id} within {budget_s:.1f} s: "
+                    f"{self._coord.reason}"
+                ),
             )
-        except RuntimeError as e:
-            await context.abort(grpc.StatusCode.ABORTED, str(e))
+        except Exception as e:
+            await errors.abort(context, e)
         self._coord.metrics.quorum_latency.observe(time.monotonic() - start)
         return self._quorum_response(quorum)
 
@@ -298,9 +297,7 @@ class _LighthouseServicer(pb_grpc.LighthouseServiceServicer):
         self, request: pb.LighthouseHeartbeatRequest, context: aio.ServicerContext
     ) -> pb.LighthouseHeartbeatResponse:
         if not request.replica_id:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "replica_id must be a non-empty string"
-            )
+            await errors.abort(context, ValueError("replica_id must be a non-empty string"))
         self._coord.heartbeat(request.replica_id)
         return pb.LighthouseHeartbeatResponse()
 
@@ -312,15 +309,16 @@ class _LighthouseServicer(pb_grpc.LighthouseServiceServicer):
             async for request in request_iterator:
                 if request.replica_id != replica_id:
                     if not request.replica_id:
-                        await context.abort(
-                            grpc.StatusCode.INVALID_ARGUMENT,
-                            "replica_id must be a non-empty string",
+                        await errors.abort(
+                            context, ValueError("replica_id must be a non-empty string")
                         )
                     if replica_id:
-                        await context.abort(
-                            grpc.StatusCode.INVALID_ARGUMENT,
-                            f"one heartbeat stream carries one replica_id: got "
-                            f"{request.replica_id!r} after {replica_id!r}; open a stream each",
+                        await errors.abort(
+                            context,
+                            ValueError(
+                                f"one heartbeat stream carries one replica_id: got "
+                                f"{request.replica_id!r} after {replica_id!r}; open a stream each"
+                            ),
                         )
                     replica_id = request.replica_id
                     self._coord.stream_opened(replica_id)
@@ -335,9 +333,7 @@ class _LighthouseServicer(pb_grpc.LighthouseServiceServicer):
         self, request: pb.LighthouseLeaveRequest, context: aio.ServicerContext
     ) -> pb.LighthouseLeaveResponse:
         if not request.replica_id:
-            await context.abort(
-                grpc.StatusCode.INVALID_ARGUMENT, "replica_id must be a non-empty string"
-            )
+            await errors.abort(context, ValueError("replica_id must be a non-empty string"))
         self._coord.leave(request.replica_id)
         return pb.LighthouseLeaveResponse()
 
@@ -349,7 +345,7 @@ class LighthouseServer:
     `shutdown()` is idempotent. Quorum ids start at the wall clock in
     milliseconds and never go below it (see `next_quorum_id`), so a restarted
     lighthouse never repeats an id without persisting any state. With a
-    `secret`, every call must carry it (lighthouse.auth); None: open to all.
+    `secret`, every call must carry it (lighthouse.rpc.auth); None: open to all.
 
     Raises:
         ValueError: a bad option or an unparsable bind address.
@@ -383,9 +379,7 @@ class LighthouseServer:
             self._port = self._loop.run(self._start(host, port))
             self._host = advertised_host(host)
             if http_bind is not None:
-                from lighthouse.status import StatusServer
-
-                self._http = StatusServer(http_bind, self)
+                self._http = StatusServer(http_bind, self.status, self.metrics.render)
         except BaseException:
             self.shutdown()
             raise
@@ -393,24 +387,15 @@ class LighthouseServer:
         logger.info("access control: %s", "on (shared secret)" if secret else "off (no secret)")
 
     async def _start(self, host: str, port: int) -> int:
-        self._server = aio.server(
-            options=[("grpc.so_reuseport", 0)],
-            interceptors=auth.server_interceptors(self._secret, "lighthouse"),
-        )
-        add_servicer(
+        self._server = serve.new_server(
             pb_grpc.add_LighthouseServiceServicer_to_server,
             _LighthouseServicer(self._coord),
-            self._server,
+            self._secret,
+            "lighthouse",
         )
-        try:
-            bound = self._server.add_insecure_port(join_host_port(host, port))
-        except RuntimeError:
-            bound = 0
-        if bound == 0:
-            raise OSError(
-                f"cannot listen on {join_host_port(host, port)}: the port is in use or the "
-                "address is not available; choose another --bind port (0 picks a free one)"
-            )
+        bound = serve.bind(
+            self._server, host, port, "choose another --bind port (0 picks a free one)"
+        )
         await self._server.start()
         self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
         return bound
@@ -454,7 +439,7 @@ class LighthouseServer:
         # (a cancelled handler is logged by grpc as an unhandled error).
         waiting = [w.future for w in self._coord.waiters.values() if not w.future.done()]
         for future in waiting:
-            future.set_exception(RuntimeError("the lighthouse is shutting down"))
+            future.set_exception(QuorumError("the lighthouse is shutting down"))
         if waiting:
             await asyncio.sleep(0.05)  # lets their handlers send the answer
         await self._server.stop(grace=None)

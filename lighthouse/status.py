@@ -1,7 +1,7 @@
 """The lighthouse's HTTP status page, JSON status and Prometheus metrics.
 
 Access: the page is read-only and stays open when the job has a secret
-(lighthouse.auth). It shows replica ids, steps, heartbeat ages and the
+(lighthouse.rpc.auth). It shows replica ids, steps, heartbeat ages and the
 ManagerServer addresses; no secret, no weights, nothing that lets a reader
 act (every address it lists refuses calls without the secret). Keeping it
 open lets a browser and a Prometheus scraper read it without a token. Bind
@@ -19,13 +19,11 @@ import json
 import logging
 import socket
 import threading
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from lighthouse.address import advertised_host, join_host_port, parse_bind
-
-if TYPE_CHECKING:
-    from lighthouse.server import LighthouseServer
+from lighthouse.rpc.address import advertised_host, join_host_port, parse_bind
 
 logger = logging.getLogger(__name__)
 
@@ -71,22 +69,28 @@ def render_page(status: dict[str, Any]) -> str:
 
 
 class StatusServer:
-    """Serves `/`, `/status.json` and `/metrics` from a daemon thread."""
+    """Serves `/`, `/status.json` and `/metrics` from a daemon thread.
 
-    def __init__(self, bind: str, lighthouse: LighthouseServer) -> None:
+    Args:
+        bind: `host:port` to listen on (port 0 picks one).
+        status: returns the status as a JSON-able dict (see render_page).
+        metrics: returns the Prometheus text exposition.
+    """
+
+    def __init__(
+        self, bind: str, status: Callable[[], dict[str, Any]], metrics: Callable[[], bytes]
+    ) -> None:
         host, port = parse_bind(bind)
 
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 path = self.path.split("?", 1)[0]
                 if path == "/":
-                    self._send(
-                        200, "text/html; charset=utf-8", render_page(lighthouse.status()).encode()
-                    )
+                    self._send(200, "text/html; charset=utf-8", render_page(status()).encode())
                 elif path == "/status.json":
-                    self._send(200, "application/json", json.dumps(lighthouse.status()).encode())
+                    self._send(200, "application/json", json.dumps(status()).encode())
                 elif path == "/metrics":
-                    self._send(200, "text/plain; version=0.0.4", lighthouse.metrics.render())
+                    self._send(200, "text/plain; version=0.0.4", metrics())
                 else:
                     self._send(404, "text/plain", b"not found; try /, /status.json or /metrics\n")
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from google.protobuf.timestamp_pb2 import Timestamp
 
-from lighthouse._proto import torchft_pb2 as pb
 from lighthouse.quorum import Quorum, QuorumMember
+from lighthouse.rpc.proto import torchft_pb2 as pb
 
 
 def member_from_proto(msg: pb.QuorumMember) -> QuorumMember:

@@ -1,11 +1,11 @@
-"""Regenerates the committed gRPC stubs in lighthouse/_proto from proto/.
+"""Regenerates the committed gRPC stubs in lighthouse/rpc/proto from proto/.
 
 Usage: python scripts/gen_proto.py [OUT_ROOT]
 
 OUT_ROOT defaults to the repository root; the stale-stub test passes a
 temporary folder and compares. The proto is mapped to the package path
-lighthouse/_proto, so the generated imports are package-absolute
-(`from lighthouse._proto import torchft_pb2`).
+lighthouse/rpc/proto, so the generated imports are package-absolute
+(`from lighthouse.rpc.proto import torchft_pb2`).
 """
 
 import sys
@@ -18,16 +18,16 @@ REPO = Path(__file__).resolve().parent.parent
 
 def generate(out_root: Path) -> None:
     out_root.mkdir(parents=True, exist_ok=True)
-    (out_root / "lighthouse" / "_proto").mkdir(parents=True, exist_ok=True)
+    (out_root / "lighthouse" / "rpc" / "proto").mkdir(parents=True, exist_ok=True)
     builtin_protos = Path(protoc.__file__).parent / "_proto"
     args = [
         "grpc_tools.protoc",
-        f"-Ilighthouse/_proto={REPO / 'proto'}",
+        f"-Ilighthouse/rpc/proto={REPO / 'proto'}",
         f"-I{builtin_protos}",
         f"--python_out={out_root}",
         f"--pyi_out={out_root}",
         f"--grpc_python_out={out_root}",
-        "lighthouse/_proto/torchft.proto",
+        "lighthouse/rpc/proto/torchft.proto",
     ]
     if protoc.main(args) != 0:
         raise SystemExit("protoc failed; see the message above")

@@ -26,12 +26,14 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp, TCPStore
 
-from lighthouse import auth
-from lighthouse.errors import QuorumError
+from lighthouse.rpc import auth
+from lighthouse.rpc.errors import QuorumError
 from torchft_like._work import FutureWork, completed_work
 from torchft_like.checkpointing import CheckpointTransport, HTTPTransport
 from torchft_like.fingerprint import fingerprint
-from torchft_like.manager_server import LocalManagerClient, ManagerClient, ManagerServer
+from torchft_like.group_quorum import QuorumRequest
+from torchft_like.manager_client import ManagerClient, ManagerClientProtocol
+from torchft_like.manager_server import LocalManagerClient, ManagerServer
 from torchft_like.recovery import QuorumResult
 
 logger = logging.getLogger(__name__)
@@ -111,7 +113,7 @@ class Manager:
             dicts/lists), e.g. `model.parameters` or a state dict without
             buffers that replicas keep apart on purpose. None: the state
             that healing copies (every registered state dict).
-        secret: the job's shared secret (lighthouse.auth), sent with every
+        secret: the job's shared secret (lighthouse.rpc.auth), sent with every
             call and required by our servers; None reads TORCHFT_SECRET_FILE
             or TORCHFT_SECRET, and without either access control is off.
     """
@@ -239,7 +241,7 @@ class Manager:
             self._store.set(prefix + REPLICA_ID_KEY, full_id)
         manager_addr = self._store.get(prefix + MANAGER_ADDR_KEY).decode()
         self.replica_id = self._store.get(prefix + REPLICA_ID_KEY).decode()
-        self._client: ManagerClient | LocalManagerClient = (
+        self._client: ManagerClientProtocol = (
             LocalManagerClient(self._manager_server)
             if self._manager_server is not None
             else ManagerClient(manager_addr, self._connect_timeout, self._secret)
@@ -334,16 +336,16 @@ class Manager:
         start = time.monotonic()
         self._timings = {}
         try:
-            result = self._client._quorum(
+            request = QuorumRequest(
                 group_rank=self._group_rank,
                 step=self._step,
                 checkpoint_metadata=self._checkpoint_transport.metadata(),
                 shrink_only=shrink_only,
-                timeout=timeout,
                 init_sync=self._init_sync,
                 commit_failures=self._commit_failures,
                 fingerprint=state_fingerprint,
             )
+            result = self._client.quorum(request, timeout)
             self._timings["quorum_s"] = time.monotonic() - start
             self._apply_quorum(result, allow_heal)
         except QuorumError as e:  # expected when peers or the lighthouse fail: no traceback
@@ -391,7 +393,7 @@ class Manager:
                 result.recover_src_manager_address, self._connect_timeout, self._secret
             )
             try:
-                metadata = src._checkpoint_metadata(self._group_rank, self._timeout)
+                metadata = src.checkpoint_metadata(self._group_rank, self._timeout)
             finally:
                 src.close()
             assert result.recover_src_replica_rank is not None

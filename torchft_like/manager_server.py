@@ -1,42 +1,49 @@
-"""The per-group ManagerServer (hosted by group rank 0) and its client.
+"""The per-group ManagerServer (hosted by group rank 0) and its in-process client.
 
 The server gathers one Quorum call from every rank of the group, asks the
-lighthouse once for the whole group, and answers each rank with its own view
-(torchft_like.recovery). It also collects the group's commit votes. It runs
-on a private asyncio loop, so waiting never holds the GIL.
+lighthouse once for the whole group (torchft_like.group_quorum), and answers
+each rank with its own view (torchft_like.recovery). It also collects the
+group's commit votes. It runs on a private asyncio loop, so waiting never
+holds the GIL.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
-import json
 import logging
 import os
 import time
 from dataclasses import dataclass, field
 from datetime import timedelta
+from typing import Any, Generic, TypeVar
 
-import grpc
 from grpc import aio
 
-from lighthouse import auth
-from lighthouse._aio import BackgroundLoop
-from lighthouse._proto import torchft_pb2 as pb
-from lighthouse._proto import torchft_pb2_grpc as pb_grpc
-from lighthouse.address import advertised_host, join_host_port, parse_bind, url_to_target
-from lighthouse.client import (
-    CHANNEL_OPTIONS,
-    AsyncLighthouseClient,
-    check_reachable,
-    map_rpc_error,
-)
-from lighthouse.decode_guard import add_servicer
-from lighthouse.errors import LighthouseUnavailableError, QuorumError, QuorumTimeoutError
+from lighthouse.client import AsyncLighthouseClient
 from lighthouse.quorum import Quorum, QuorumMember
-from torchft_like.recovery import QuorumResult, compute_quorum_result, fingerprint_data
+from lighthouse.rpc import errors, serve
+from lighthouse.rpc.address import advertised_host, join_host_port, parse_bind
+from lighthouse.rpc.errors import (
+    LighthouseUnavailableError,
+    NotServedError,
+    QuorumError,
+    QuorumTimeoutError,
+)
+from lighthouse.rpc.loop import BackgroundLoop, LoopStalledError, reply_budget_s, wait_within
+from lighthouse.rpc.proto import torchft_pb2 as pb
+from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
+from torchft_like import wire
+from torchft_like.group_quorum import QuorumRequest, merge_requests
+from torchft_like.manager_client import ManagerClient
+from torchft_like.recovery import QuorumResult, compute_quorum_result
+
+__all__ = ["LocalManagerClient", "ManagerClient", "ManagerServer"]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+MAX_WAIT_S = 24 * 3600.0
+"""Bound of a call that came without a deadline."""
 
 
 def retry_delay_s(num_failures: int) -> float:
@@ -44,51 +51,35 @@ def retry_delay_s(num_failures: int) -> float:
     return min(1.0, 0.1 * 2**num_failures)
 
 
-def result_to_proto(r: QuorumResult) -> pb.ManagerQuorumResponse:
-    return pb.ManagerQuorumResponse(
-        quorum_id=r.quorum_id,
-        recover_src_manager_address=r.recover_src_manager_address,
-        recover_src_replica_rank=r.recover_src_replica_rank,
-        recover_dst_replica_ranks=r.recover_dst_replica_ranks,
-        store_address=r.store_address,
-        max_step=r.max_step,
-        max_replica_rank=r.max_replica_rank,
-        max_world_size=r.max_world_size,
-        replica_rank=r.replica_rank,
-        replica_world_size=r.replica_world_size,
-        heal=r.heal,
-        commit_failures=r.commit_failures,
-    )
-
-
-def result_from_proto(m: pb.ManagerQuorumResponse) -> QuorumResult:
-    return QuorumResult(
-        quorum_id=m.quorum_id,
-        replica_rank=m.replica_rank,
-        replica_world_size=m.replica_world_size,
-        store_address=m.store_address,
-        max_step=m.max_step,
-        max_replica_rank=m.max_replica_rank if m.HasField("max_replica_rank") else None,
-        max_world_size=m.max_world_size,
-        heal=m.heal,
-        recover_src_manager_address=m.recover_src_manager_address,
-        recover_src_replica_rank=(
-            m.recover_src_replica_rank if m.HasField("recover_src_replica_rank") else None
-        ),
-        recover_dst_replica_ranks=tuple(m.recover_dst_replica_ranks),
-        commit_failures=m.commit_failures,
-    )
-
-
 @dataclass
-class _Round:
+class _Round(Generic[T]):
     """Calls of one collective gathering (a quorum or a commit vote) by group rank."""
 
-    calls: dict[int, object] = field(default_factory=dict)
-    futures: dict[int, asyncio.Future] = field(default_factory=dict)
+    calls: dict[int, T] = field(default_factory=dict)
+    futures: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
     deadlines: dict[int, float] = field(default_factory=dict)
     """Deadline (monotonic) of each waiting call; the earliest bounds the whole
     wait. Per call, so that a call that gave up takes its deadline with it."""
+
+    def join(self, group_rank: int, call: T, deadline: float) -> asyncio.Future[Any]:
+        """Registers a rank's call; a second call of the same rank supersedes the first."""
+        old = self.futures.get(group_rank)
+        if old is not None and not old.done():
+            old.set_exception(QuorumError(f"group rank {group_rank} asked again; superseded"))
+        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self.calls[group_rank] = call
+        self.futures[group_rank] = future
+        self.deadlines[group_rank] = deadline
+        return future
+
+    def leave(self, group_rank: int, future: asyncio.Future[Any]) -> None:
+        """Drops a call that gave up unanswered, so it is not counted nor answered."""
+        if self.futures.get(group_rank) is future and not future.done():
+            del self.calls[group_rank], self.futures[group_rank]
+            self.deadlines.pop(group_rank, None)
+
+    def missing(self, world_size: int) -> list[int]:
+        return [rank for rank in range(world_size) if rank not in self.calls]
 
 
 class ManagerServer:
@@ -105,7 +96,12 @@ class ManagerServer:
         connect_timeout: bound on reaching the lighthouse.
         quorum_retries: lighthouse quorum failures retried before the ranks see one.
         secret: the job's shared secret: required of our callers and sent to
-            the lighthouse (lighthouse.auth); None: access control off.
+            the lighthouse (lighthouse.rpc.auth); None: access control off.
+
+    Raises:
+        ValueError: a bad option or bind address.
+        OSError: the port is in use.
+        LighthouseUnavailableError: the lighthouse cannot be reached.
     """
 
     def __init__(
@@ -132,8 +128,8 @@ class ManagerServer:
         self._quorum_retries = quorum_retries
         self._secret = secret
         self._checkpoint_metadata: dict[int, str] = {}
-        self._quorum_round = _Round()
-        self._votes: dict[int, _Round] = {}
+        self._quorum_round: _Round[QuorumRequest] = _Round()
+        self._votes: dict[int, _Round[bool]] = {}
         self._stopped = False
         host, port = parse_bind(bind)
         self._loop = BackgroundLoop(f"manager-server-{replica_id}")
@@ -149,23 +145,13 @@ class ManagerServer:
         self._lighthouse = AsyncLighthouseClient(
             self._lighthouse_addr, self._connect_timeout, self._secret
         )
-        self._server = aio.server(
-            options=[("grpc.so_reuseport", 0)],
-            interceptors=auth.server_interceptors(self._secret, "manager server"),
+        self._server = serve.new_server(
+            pb_grpc.add_ManagerServiceServicer_to_server,
+            _ManagerServicer(self),
+            self._secret,
+            "manager server",
         )
-        add_servicer(
-            pb_grpc.add_ManagerServiceServicer_to_server, _ManagerServicer(self), self._server
-        )
-        bound = 0
-        try:
-            bound = self._server.add_insecure_port(join_host_port(host, port))
-        except RuntimeError:
-            pass
-        if bound == 0:
-            raise OSError(
-                f"manager server cannot listen on {join_host_port(host, port)}: the port is in "
-                "use; set TORCHFT_MANAGER_PORT to a free port or 0"
-            )
+        bound = serve.bind(self._server, host, port, "set TORCHFT_MANAGER_PORT to a free port or 0")
         # Fail fast with the address when the lighthouse is not there at all.
         await self._lighthouse.heartbeat(self.replica_id, self._connect_timeout)
         await self._server.start()
@@ -177,56 +163,49 @@ class ManagerServer:
 
     # ---- quorum --------------------------------------------------------------
 
-    async def quorum(
-        self, group_rank: int, req: pb.ManagerQuorumRequest, timeout_s: float | None
-    ) -> QuorumResult:
-        """Waits until every rank asked, then asks the lighthouse for the group."""
-        self._check_rank(group_rank)
-        for name in ("step", "commit_failures"):
-            if getattr(req, name) < 0:
-                raise ValueError(f"{name} ({getattr(req, name)}) must not be negative")
-        self._checkpoint_metadata[group_rank] = req.checkpoint_metadata
+    async def quorum(self, request: QuorumRequest, timeout_s: float | None) -> QuorumResult:
+        """Waits until every rank asked, then asks the lighthouse for the group.
+
+        Raises:
+            QuorumTimeoutError: no answer within `timeout_s`; the text names the
+                ranks that did not ask, or carries the lighthouse's reason.
+            ValueError: a field out of range (QuorumRequest.check).
+        """
+        request.check(self._world_size)
+        self._checkpoint_metadata[request.group_rank] = request.checkpoint_metadata
+        wait_s = MAX_WAIT_S if timeout_s is None else timeout_s
         rnd = self._quorum_round
-        if timeout_s is not None:
-            rnd.deadlines[group_rank] = time.monotonic() + timeout_s
-        future = asyncio.get_running_loop().create_future()
-        old = rnd.futures.get(group_rank)
-        if old is not None and not old.done():
-            old.set_exception(QuorumError(f"group rank {group_rank} asked again; superseded"))
-        rnd.calls[group_rank] = req
-        rnd.futures[group_rank] = future
-        if len(rnd.calls) == self._world_size:
+        future = rnd.join(request.group_rank, request, time.monotonic() + wait_s)
+        if not rnd.missing(self._world_size):
             self._quorum_round = _Round()
             asyncio.get_running_loop().create_task(self._lighthouse_quorum(rnd))
-        try:
-            return await asyncio.shield(future)
-        finally:
-            if rnd.futures.get(group_rank) is future and not future.done():
-                del rnd.calls[group_rank], rnd.futures[group_rank]
-                rnd.deadlines.pop(group_rank, None)
 
-    async def _lighthouse_quorum(self, rnd: _Round) -> None:
-        calls: dict[int, pb.ManagerQuorumRequest] = rnd.calls  # type: ignore[assignment]
-        reqs = list(calls.values())
-        step = max(r.step for r in reqs)
-        data = fingerprint_data(
-            step, {g: r.fingerprint for g, r in calls.items() if r.step == step}, self._world_size
-        )
-        member = QuorumMember(
-            replica_id=self.replica_id,
-            address=self._address,
-            store_address=self._store_addr,
-            step=step,
-            world_size=self._world_size,
-            shrink_only=any(r.shrink_only for r in reqs),
-            data=json.dumps(data) if data else "",
-            commit_failures=max(r.commit_failures for r in reqs),
-        )
-        init_sync = any(r.init_sync for r in reqs)
-        deadline = min(rnd.deadlines.values(), default=float("inf"))
-        deadline = min(deadline, time.monotonic() + 24 * 3600.0)
+        def stalled() -> QuorumTimeoutError:
+            missing = rnd.missing(self._world_size)
+            if missing and rnd is self._quorum_round:
+                return QuorumTimeoutError(
+                    f"replica group {self.replica_id}: group ranks {missing} did not ask for "
+                    f"a quorum within {wait_s:.1f} s (ranks {sorted(rnd.calls)} did); "
+                    "is a rank of this group stuck or dead?"
+                )
+            return QuorumTimeoutError(
+                f"replica group {self.replica_id}: lighthouse {self._lighthouse_addr} gave no "
+                f"answer within {wait_s:.1f} s"
+            )
+
         try:
-            quorum = await self._quorum_with_retries(member, deadline)
+            result: QuorumResult = await wait_within(asyncio.shield(future), wait_s, stalled)
+            return result
+        finally:
+            rnd.leave(request.group_rank, future)
+
+    async def _lighthouse_quorum(self, rnd: _Round[QuorumRequest]) -> None:
+        group = merge_requests(
+            rnd.calls, self.replica_id, self._address, self._store_addr, self._world_size
+        )
+        deadline = min(rnd.deadlines.values(), default=time.monotonic() + MAX_WAIT_S)
+        try:
+            quorum = await self._quorum_with_retries(group.member, deadline)
         except Exception as e:
             for f in rnd.futures.values():
                 if not f.done():
@@ -236,7 +215,7 @@ class ManagerServer:
             if f.done():
                 continue
             try:
-                result = compute_quorum_result(quorum, self.replica_id, rank, init_sync)
+                result = compute_quorum_result(quorum, self.replica_id, rank, group.init_sync)
             except ValueError as e:
                 f.set_exception(QuorumError(str(e)))
                 continue
@@ -250,24 +229,17 @@ class ManagerServer:
         An unreachable lighthouse (restarting, a network blip) is retried with
         backoff until the deadline, so the group waits out the outage and goes
         on when it is back instead of failing one step per attempt. Other
-        failures are retried `quorum_retries` times.
+        failures are retried `quorum_retries` times; a timeout is not retried
+        and keeps the lighthouse's reason.
         """
         attempt = 0
         outage_start: float | None = None
         num_unreachable = 0
         while True:
-            # A little before the ranks' own deadline, so they get our error
-            # (naming the lighthouse) rather than a bare deadline.
-            remaining = max(deadline - time.monotonic() - 0.1, 0.001)
+            # Before the ranks' own deadline, so they get the lighthouse's reason.
+            remaining = reply_budget_s(deadline - time.monotonic()) or 0.001
             try:
-                quorum = await asyncio.wait_for(
-                    self._lighthouse.quorum(member, timedelta(seconds=remaining)), remaining
-                )
-            except asyncio.TimeoutError:
-                text = f"lighthouse {self._lighthouse_addr} %s until the quorum deadline"
-                if outage_start is not None:
-                    raise LighthouseUnavailableError(text % "unreachable") from None
-                raise QuorumTimeoutError(text % "gave no quorum") from None
+                quorum = await self._lighthouse.quorum(member, timedelta(seconds=remaining))
             except LighthouseUnavailableError as e:
                 if outage_start is None:
                     outage_start = time.monotonic()
@@ -280,9 +252,14 @@ class ManagerServer:
                 delay = retry_delay_s(num_unreachable)
                 num_unreachable += 1
                 if time.monotonic() + delay >= deadline:
-                    raise
+                    raise LighthouseUnavailableError(
+                        f"lighthouse {self._lighthouse_addr} unreachable until the quorum "
+                        f"deadline: {e}"
+                    ) from None
                 await asyncio.sleep(delay)
                 continue
+            except QuorumTimeoutError:
+                raise
             except QuorumError as e:
                 if attempt >= self._quorum_retries:
                     raise
@@ -306,14 +283,20 @@ class ManagerServer:
 
     # ---- commit vote -------------------------------------------------------
 
-    async def should_commit(self, group_rank: int, step: int, vote: bool) -> bool:
-        """True for every rank only if every rank of the group voted True."""
+    async def should_commit(
+        self, group_rank: int, step: int, vote: bool, timeout_s: float | None = None
+    ) -> bool:
+        """True for every rank only if every rank of the group voted True.
+
+        Raises:
+            QuorumTimeoutError: not every rank voted within `timeout_s`; names them.
+            ValueError: a group rank outside the group.
+        """
         self._check_rank(group_rank)
+        wait_s = MAX_WAIT_S if timeout_s is None else timeout_s
         rnd = self._votes.setdefault(step, _Round())
-        future = asyncio.get_running_loop().create_future()
-        rnd.calls[group_rank] = vote
-        rnd.futures[group_rank] = future
-        if len(rnd.calls) == self._world_size:
+        future = rnd.join(group_rank, vote, time.monotonic() + wait_s)
+        if not rnd.missing(self._world_size):
             del self._votes[step]
             decision = all(rnd.calls.values())
             if not decision:
@@ -327,18 +310,36 @@ class ManagerServer:
             for f in rnd.futures.values():
                 if not f.done():
                     f.set_result(decision)
-        try:
-            return await asyncio.shield(future)
-        finally:
-            if not future.done() and rnd.futures.get(group_rank) is future:
-                del rnd.calls[group_rank], rnd.futures[group_rank]
-                # An abandoned vote must not leave its step behind: fuzzed or
-                # stale steps would otherwise pile up for good.
-                if not rnd.calls and self._votes.get(step) is rnd:
-                    del self._votes[step]
 
-    def checkpoint_metadata(self, rank: int) -> str | None:
-        return self._checkpoint_metadata.get(rank)
+        def stalled() -> QuorumTimeoutError:
+            return QuorumTimeoutError(
+                f"replica group {self.replica_id}: group ranks {rnd.missing(self._world_size)} "
+                f"did not vote on step {step} within {wait_s:.1f} s"
+            )
+
+        try:
+            decided: bool = await wait_within(asyncio.shield(future), wait_s, stalled)
+            return decided
+        finally:
+            rnd.leave(group_rank, future)
+            # An abandoned vote must not leave its step behind: fuzzed or
+            # stale steps would otherwise pile up for good.
+            if not rnd.calls and self._votes.get(step) is rnd:
+                del self._votes[step]
+
+    def checkpoint_metadata(self, rank: int) -> str:
+        """Raises NotServedError if group rank `rank` has not asked for a quorum yet."""
+        metadata = self._checkpoint_metadata.get(rank)
+        if metadata is None:
+            raise NotServedError(
+                f"group rank {rank} of {self.replica_id} has not asked for a quorum yet"
+            )
+        return metadata
+
+    def kill(self, msg: str) -> None:
+        """Ends this process (the whole group) shortly, once the caller is answered."""
+        logger.error("[%s] killed by request: %s", self.replica_id, msg)
+        asyncio.get_running_loop().call_later(0.1, os._exit, 1)
 
     def _check_rank(self, group_rank: int) -> None:
         if not 0 <= group_rank < self._world_size:
@@ -407,171 +408,82 @@ class ManagerServer:
 
 
 class _ManagerServicer(pb_grpc.ManagerServiceServicer):
-    """Thin: converts, calls the server, converts back, maps errors."""
+    """Thin: converts, calls the server, converts back, maps errors (lighthouse.rpc.errors)."""
 
     def __init__(self, server: ManagerServer) -> None:
         self._s = server
 
-    async def _bounded(self, coro, context: aio.ServicerContext):  # type: ignore[no-untyped-def]
-        try:
-            return await asyncio.wait_for(coro, context.time_remaining())
-        except asyncio.TimeoutError:
-            await context.abort(
-                grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed while waiting for the group"
-            )
-        except ValueError as e:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except QuorumError as e:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
-
     async def Quorum(
         self, request: pb.ManagerQuorumRequest, context: aio.ServicerContext
     ) -> pb.ManagerQuorumResponse:
-        result = await self._bounded(
-            self._s.quorum(request.group_rank, request, context.time_remaining()), context
-        )
-        return result_to_proto(result)
+        try:
+            req = wire.quorum_request_from_proto(request)
+            result = await self._s.quorum(req, reply_budget_s(context.time_remaining()))
+        except Exception as e:
+            await errors.abort(context, e)
+        return wire.result_to_proto(result)
 
     async def ShouldCommit(
         self, request: pb.ShouldCommitRequest, context: aio.ServicerContext
     ) -> pb.ShouldCommitResponse:
-        decision = await self._bounded(
-            self._s.should_commit(request.group_rank, request.step, request.should_commit), context
-        )
+        try:
+            group_rank, step, vote = wire.should_commit_request_from_proto(request)
+            budget_s = reply_budget_s(context.time_remaining())
+            decision = await self._s.should_commit(group_rank, step, vote, budget_s)
+        except Exception as e:
+            await errors.abort(context, e)
         return pb.ShouldCommitResponse(should_commit=decision)
 
     async def CheckpointMetadata(
         self, request: pb.CheckpointMetadataRequest, context: aio.ServicerContext
     ) -> pb.CheckpointMetadataResponse:
-        metadata = self._s.checkpoint_metadata(request.rank)
-        if metadata is None:
-            await context.abort(
-                grpc.StatusCode.NOT_FOUND,
-                f"group rank {request.rank} of {self._s.replica_id} has not asked for a quorum yet",
-            )
+        try:
+            metadata = self._s.checkpoint_metadata(request.rank)
+        except Exception as e:
+            await errors.abort(context, e)
         return pb.CheckpointMetadataResponse(checkpoint_metadata=metadata)
 
     async def Kill(self, request: pb.KillRequest, context: aio.ServicerContext) -> pb.KillResponse:
-        logger.error("[%s] killed by request: %s", self._s.replica_id, request.msg)
-        asyncio.get_running_loop().call_later(0.1, os._exit, 1)
+        self._s.kill(request.msg)
         return pb.KillResponse()
 
 
-class ManagerClient:
-    """Blocking client of a ManagerServer, used by every rank of the group.
+class LocalManagerClient:
+    """ManagerClientProtocol for group rank 0, calling its ManagerServer in process.
 
-    `secret`: the job's shared secret, sent with every call (lighthouse.auth).
-    """
-
-    def __init__(
-        self,
-        addr: str,
-        connect_timeout: timedelta = timedelta(seconds=10),
-        secret: str | None = None,
-    ) -> None:
-        self.addr = addr
-        self._connect_timeout = connect_timeout
-        self._target = url_to_target(addr)
-        self._channel = auth.intercept_channel(
-            grpc.insecure_channel(self._target, options=CHANNEL_OPTIONS), secret
-        )
-        self._stub = pb_grpc.ManagerServiceStub(self._channel)
-        self._connected = False
-
-    def _call(self, method, request, timeout: timedelta, what: str):  # type: ignore[no-untyped-def]
-        if not self._connected:
-            check_reachable(self._target, f"manager server {self.addr}", self._connect_timeout)
-            self._connected = True
-        try:
-            return method(request, timeout=timeout.total_seconds())
-        except grpc.RpcError as e:
-            self._connected = e.code() != grpc.StatusCode.UNAVAILABLE
-            raise map_rpc_error(e, f"manager server {self.addr}", what) from None
-
-    def _quorum(
-        self,
-        group_rank: int,
-        step: int,
-        checkpoint_metadata: str,
-        shrink_only: bool,
-        timeout: timedelta,
-        init_sync: bool = True,
-        commit_failures: int = 0,
-        fingerprint: str = "",
-    ) -> QuorumResult:
-        request = pb.ManagerQuorumRequest(
-            group_rank=group_rank,
-            step=step,
-            checkpoint_metadata=checkpoint_metadata,
-            shrink_only=shrink_only,
-            init_sync=init_sync,
-            commit_failures=commit_failures,
-            fingerprint=fingerprint,
-        )
-        return self._send_quorum(request, timeout)
-
-    def _send_quorum(self, request: pb.ManagerQuorumRequest, timeout: timedelta) -> QuorumResult:
-        return result_from_proto(self._call(self._stub.Quorum, request, timeout, "Quorum"))
-
-    def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
-        request = pb.CheckpointMetadataRequest(rank=rank)
-        return self._call(
-            self._stub.CheckpointMetadata, request, timeout, "CheckpointMetadata"
-        ).checkpoint_metadata
-
-    def should_commit(
-        self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
-    ) -> bool:
-        request = pb.ShouldCommitRequest(
-            should_commit=should_commit, group_rank=group_rank, step=step
-        )
-        return self._call(self._stub.ShouldCommit, request, timeout, "ShouldCommit").should_commit
-
-    def _kill(self, msg: str, timeout: timedelta = timedelta(seconds=5)) -> None:
-        self._call(self._stub.Kill, pb.KillRequest(msg=msg), timeout, "Kill")
-
-    def close(self) -> None:
-        self._channel.close()
-
-
-class LocalManagerClient(ManagerClient):
-    """ManagerClient whose calls go straight to a ManagerServer in this process.
-
-    Group rank 0 hosts the server; running on its loop instead of a gRPC
-    round trip over loopback takes two local RPCs off every step.
+    Running on the server's loop instead of a gRPC round trip over loopback
+    takes two local RPCs off every step; errors are the same as over gRPC.
     """
 
     def __init__(self, server: ManagerServer) -> None:
         self.addr = server.address()
         self._server = server
 
-    def _run(self, coro, timeout: timedelta, what: str):  # type: ignore[no-untyped-def]
-        async def bounded():  # type: ignore[no-untyped-def]
-            return await asyncio.wait_for(coro, timeout.total_seconds())
-
+    def _run(self, coro: Any, timeout: timedelta) -> Any:
+        # The coroutine bounds itself; this bound only guards against a
+        # stopped or stuck loop, which nothing else would wake us from.
         try:
-            # Bounded here too: if the server's loop stops, nothing else would wake us.
-            return self._server._loop.run(bounded(), timeout=timeout.total_seconds() + 5)
-        except (asyncio.TimeoutError, concurrent.futures.TimeoutError):  # distinct on 3.10
-            raise QuorumTimeoutError(
-                f"{what} at manager server {self.addr}: deadline passed"
-            ) from None
+            return self._server._loop.run(coro, timeout=timeout.total_seconds() + 5)
+        except LoopStalledError as e:
+            raise QuorumTimeoutError(f"manager server {self.addr}: {e}") from None
 
-    def _send_quorum(self, request: pb.ManagerQuorumRequest, timeout: timedelta) -> QuorumResult:
-        coro = self._server.quorum(request.group_rank, request, timeout.total_seconds())
-        return self._run(coro, timeout, "Quorum")
+    def quorum(self, request: QuorumRequest, timeout: timedelta) -> QuorumResult:
+        return self._run(self._server.quorum(request, timeout.total_seconds()), timeout)  # type: ignore[no-any-return]
 
     def should_commit(
         self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
     ) -> bool:
-        coro = self._server.should_commit(group_rank, step, should_commit)
-        return self._run(coro, timeout, "ShouldCommit")
+        coro = self._server.should_commit(group_rank, step, should_commit, timeout.total_seconds())
+        return self._run(coro, timeout)  # type: ignore[no-any-return]
 
-    def _checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
-        metadata = self._server.checkpoint_metadata(rank)
-        if metadata is None:
-            raise QuorumError(f"group rank {rank} has not asked for a quorum yet")
-        return metadata
+    def checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
+        return self._server.checkpoint_metadata(rank)
+
+    def kill(self, msg: str, timeout: timedelta = timedelta(seconds=5)) -> None:
+        async def kill() -> None:
+            self._server.kill(msg)
+
+        self._run(kill(), timeout)
 
     def close(self) -> None:
         pass

@@ -9,11 +9,12 @@ from pathlib import Path
 
 import pytest
 
-from lighthouse import LighthouseClient, QuorumError, auth
+from lighthouse import LighthouseClient, QuorumError
+from lighthouse.rpc import auth
 from tests.e2e.test_kill_and_recover import finals
 from tests.e2e.test_lighthouse_cli import lighthouse_command
 from tests.procs import PYTHON, wait_for_line
-from torchft_like.manager_server import ManagerClient
+from torchft_like.manager_client import ManagerClient
 
 pytestmark = pytest.mark.timeout(120)
 S = "e2e-secret-0123456789abcdef"
@@ -154,13 +155,13 @@ def test_the_kill_rpc_is_refused_without_the_secret_and_obeyed_with_it(children,
         client = ManagerClient(addr, secret=secret)
         try:
             with pytest.raises(QuorumError, match=carried):
-                client._kill("not allowed")
+                client.kill("not allowed")
         finally:
             client.close()
         assert proc.poll() is None, "the refused Kill ended the process"
     client = ManagerClient(addr, secret=S)
     try:
-        client._kill("allowed")
+        client.kill("allowed")
     finally:
         client.close()
     assert proc.wait(timeout=10) == 1

@@ -14,15 +14,18 @@ import torch
 from grpc import aio
 from torch.distributed import TCPStore
 
-from lighthouse import LighthouseClient, LighthouseServer, QuorumError, auth
-from lighthouse._aio import BackgroundLoop
-from lighthouse._proto import torchft_pb2 as pb
-from lighthouse._proto import torchft_pb2_grpc as pb_grpc
-from lighthouse.address import url_to_target
+from lighthouse import LighthouseClient, LighthouseServer, QuorumError
+from lighthouse.rpc import auth
+from lighthouse.rpc.address import url_to_target
+from lighthouse.rpc.loop import BackgroundLoop
+from lighthouse.rpc.proto import torchft_pb2 as pb
+from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from tests.integration.test_manager import assert_identical, run_groups
 from torchft_like import Manager, ProcessGroupGloo
 from torchft_like.checkpointing import HTTPTransport
-from torchft_like.manager_server import ManagerClient, ManagerServer
+from torchft_like.group_quorum import QuorumRequest
+from torchft_like.manager_client import ManagerClient
+from torchft_like.manager_server import ManagerServer
 
 pytestmark = pytest.mark.timeout(90)
 S = "s3cret-0123456789abcdef"
@@ -80,7 +83,7 @@ def test_the_lighthouse_refuses_every_rpc_without_the_right_secret(lighthouse, s
 
 
 def test_the_lighthouse_logs_a_refused_caller_once_at_warning_then_at_debug(lighthouse, caplog):
-    caplog.set_level(logging.DEBUG, logger="lighthouse.auth")
+    caplog.set_level(logging.DEBUG, logger="lighthouse.rpc.auth")
     client = LighthouseClient(lighthouse.address())
     try:
         for _ in range(3):
@@ -88,7 +91,7 @@ def test_the_lighthouse_logs_a_refused_caller_once_at_warning_then_at_debug(ligh
                 client.heartbeat("intruder")
     finally:
         client.close()
-    records = [r for r in caplog.records if r.name == "lighthouse.auth"]
+    records = [r for r in caplog.records if r.name == "lighthouse.rpc.auth"]
     assert [r.levelno for r in records] == [logging.WARNING, logging.DEBUG, logging.DEBUG]
     assert (
         records[0]
@@ -192,11 +195,9 @@ def test_the_manager_server_serves_a_client_with_the_right_secret(lighthouse):
     server = make_manager_server(lighthouse, S)
     client = ManagerClient(server.address(), T, secret=S)
     try:
-        result = client._quorum(
-            group_rank=0, step=3, checkpoint_metadata="meta", shrink_only=False, timeout=T
-        )
+        result = client.quorum(QuorumRequest(group_rank=0, step=3, checkpoint_metadata="meta"), T)
         assert result.replica_world_size == 1 and result.max_step == 3
-        assert client._checkpoint_metadata(0, T) == "meta"
+        assert client.checkpoint_metadata(0, T) == "meta"
         assert client.should_commit(0, 3, True, T) is True
     finally:
         client.close()

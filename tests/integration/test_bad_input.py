@@ -27,9 +27,11 @@ from lighthouse import (
     LighthouseUnavailableError,
     QuorumTimeoutError,
 )
-from lighthouse._proto import torchft_pb2 as pb
+from lighthouse.rpc.proto import torchft_pb2 as pb
 from torchft_like.checkpointing import HTTPTransport
-from torchft_like.manager_server import ManagerClient, ManagerServer
+from torchft_like.group_quorum import QuorumRequest
+from torchft_like.manager_client import ManagerClient
+from torchft_like.manager_server import ManagerServer
 
 pytestmark = [
     pytest.mark.timeout(60),
@@ -375,9 +377,8 @@ def test_the_manager_server_serves_its_group_after_the_fuzzing(group):
         with ThreadPoolExecutor(2) as pool:
             results = list(
                 pool.map(
-                    lambda r: clients[r]._quorum(
-                        group_rank=r, step=3, checkpoint_metadata=f"m{r}", shrink_only=False,
-                        timeout=T,
+                    lambda r: clients[r].quorum(
+                        QuorumRequest(group_rank=r, step=3, checkpoint_metadata=f"m{r}"), T
                     ),
                     range(2),
                 )
@@ -385,7 +386,7 @@ def test_the_manager_server_serves_its_group_after_the_fuzzing(group):
             votes = list(pool.map(lambda r: clients[r].should_commit(r, 3, True, T), range(2)))
         assert results[0].quorum_id == results[1].quorum_id
         assert results[0].max_step == 3 and votes == [True, True]
-        assert clients[0]._checkpoint_metadata(1, T) == "m1"
+        assert clients[0].checkpoint_metadata(1, T) == "m1"
     finally:
         for c in clients:
             c.close()
@@ -402,7 +403,7 @@ def test_a_rank_that_gave_up_does_not_shorten_the_next_quorum_of_its_group(group
 
     def group_quorum() -> list:
         with ThreadPoolExecutor(2) as pool:
-            return list(pool.map(lambda r: clients[r]._quorum(r, 4, "", False, T), range(2)))
+            return list(pool.map(lambda r: clients[r].quorum(QuorumRequest(r, 4), T), range(2)))
 
     def peer_waiting() -> bool:
         replicas = group_lighthouse.status()["replicas"]
@@ -420,7 +421,7 @@ def test_a_rank_that_gave_up_does_not_shorten_the_next_quorum_of_its_group(group
             assert first.result(timeout=15).replica_ids() == ("fuzzed-group", "peer")
 
             with pytest.raises(QuorumTimeoutError):
-                clients[0]._quorum(0, 5, "", False, timedelta(seconds=0.2))
+                clients[0].quorum(QuorumRequest(0, 5), timedelta(seconds=0.2))
             time.sleep(0.3)  # well past the abandoned call's deadline
 
             late = pool.submit(lambda: (time.sleep(0.5), peer.quorum("peer", T, step=5))[1])

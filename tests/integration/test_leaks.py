@@ -24,7 +24,9 @@ from torch.distributed import TCPStore
 
 from lighthouse import LighthouseServer
 from torchft_like import Manager, ProcessGroupGloo
-from torchft_like.manager_server import ManagerClient, ManagerServer
+from torchft_like.group_quorum import QuorumRequest
+from torchft_like.manager_client import ManagerClient
+from torchft_like.manager_server import ManagerServer
 
 pytestmark = pytest.mark.timeout(120)
 T = timedelta(seconds=10)
@@ -113,12 +115,12 @@ def test_hundreds_of_quorum_changes_leave_lighthouse_and_manager_server_usage_fl
         churn = server(name)
         churn_client = ManagerClient(churn.address())
         try:
-            joined = pool.submit(churn_client._quorum, 0, i, "", False, T)
+            joined = pool.submit(churn_client.quorum, QuorumRequest(0, i), T)
             # The stable replica asks second, or its fast quorum would leave the newcomer out.
             deadline = time.monotonic() + 10
             while not waiting(name) and time.monotonic() < deadline:
                 time.sleep(0.002)
-            both = stable_client._quorum(0, i, "", False, T)
+            both = stable_client.quorum(QuorumRequest(0, i), T)
             assert (
                 both.replica_world_size == 2 and joined.result(timeout=10).replica_world_size == 2
             )
@@ -126,7 +128,7 @@ def test_hundreds_of_quorum_changes_leave_lighthouse_and_manager_server_usage_fl
         finally:
             churn_client.close()
             churn.shutdown()
-        alone = stable_client._quorum(0, i, "", False, T)
+        alone = stable_client.quorum(QuorumRequest(0, i), T)
         assert alone.replica_world_size == 1
         quorum_ids.add(alone.quorum_id)
 

@@ -10,7 +10,9 @@ from datetime import timedelta
 import pytest
 
 from lighthouse import LighthouseServer
-from torchft_like.manager_server import ManagerClient, ManagerServer
+from torchft_like.group_quorum import QuorumRequest
+from torchft_like.manager_client import ManagerClient
+from torchft_like.manager_server import ManagerServer
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=20)
@@ -25,9 +27,7 @@ def servers():
 
 
 def ask(server: ManagerServer, step: int):
-    return ManagerClient(server.address())._quorum(
-        group_rank=0, step=step, checkpoint_metadata="", shrink_only=False, timeout=T
-    )
+    return ManagerClient(server.address()).quorum(QuorumRequest(group_rank=0, step=step), T)
 
 
 def test_groups_waiting_through_a_lighthouse_restart_get_the_next_quorum(servers):

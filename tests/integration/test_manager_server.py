@@ -14,7 +14,9 @@ from lighthouse import (
     QuorumError,
     QuorumTimeoutError,
 )
-from torchft_like.manager_server import ManagerClient, ManagerServer
+from torchft_like.group_quorum import QuorumRequest
+from torchft_like.manager_client import ManagerClient
+from torchft_like.manager_server import ManagerServer
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=20)
@@ -50,9 +52,8 @@ def make_group(lighthouse):
 
 
 def ask(server: ManagerServer, group_rank: int, step: int, metadata: str = ""):
-    return ManagerClient(server.address())._quorum(
-        group_rank=group_rank, step=step, checkpoint_metadata=metadata, shrink_only=False, timeout=T
-    )
+    request = QuorumRequest(group_rank=group_rank, step=step, checkpoint_metadata=metadata)
+    return ManagerClient(server.address()).quorum(request, T)
 
 
 def test_two_groups_of_two_ranks_get_one_quorum_with_per_rank_views(make_group):
@@ -71,7 +72,7 @@ def test_two_groups_of_two_ranks_get_one_quorum_with_per_rank_views(make_group):
     assert results[("a", 0)].store_address == "a-store:1234"
     # The source's metadata for each rank is what that rank registered.
     client = ManagerClient(a.address())
-    assert client._checkpoint_metadata(1, T) == "ckpt-a-1"
+    assert client.checkpoint_metadata(1, T) == "ckpt-a-1"
 
 
 def test_the_group_asks_the_lighthouse_only_once_every_rank_asked(make_group):
@@ -101,14 +102,14 @@ def test_unknown_rank_and_missing_metadata_are_clear_errors(make_group):
     with pytest.raises(ValueError, match=r"group_rank \(7\) must be in \[0, 2\)"):
         client.should_commit(7, 0, True, T)
     with pytest.raises(QuorumError, match="group rank 1 of a has not asked for a quorum"):
-        client._checkpoint_metadata(1, T)
+        client.checkpoint_metadata(1, T)
 
 
 def test_the_incoming_deadline_bounds_the_wait(make_group):
     a = make_group("a", 2)
     start = time.monotonic()
     with pytest.raises(QuorumTimeoutError):
-        ManagerClient(a.address())._quorum(0, 0, "", False, timeout=timedelta(seconds=0.5))
+        ManagerClient(a.address()).quorum(QuorumRequest(0, 0), timedelta(seconds=0.5))
     assert time.monotonic() - start < 3
 
 
@@ -131,4 +132,4 @@ def test_a_lost_lighthouse_reaches_the_ranks_at_the_quorum_deadline(lighthouse, 
     a = make_group("a", 1, connect_timeout=timedelta(seconds=0.5), quorum_retries=2)
     lighthouse.shutdown()
     with pytest.raises(QuorumError, match=lighthouse.address().split("//")[1]):
-        ManagerClient(a.address())._quorum(0, 0, "", False, timeout=timedelta(seconds=2))
+        ManagerClient(a.address()).quorum(QuorumRequest(0, 0), timedelta(seconds=2))

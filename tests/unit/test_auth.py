@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from lighthouse import auth
+from lighthouse.rpc import auth
 
 S = "0123456789abcdef"
 

@@ -17,8 +17,8 @@ def test_committed_stubs_match_a_fresh_generation(tmp_path):
         [sys.executable, str(REPO / "scripts" / "gen_proto.py"), str(tmp_path)], check=True
     )
     for name in STUBS:
-        fresh = (tmp_path / "lighthouse" / "_proto" / name).read_bytes()
-        committed = (REPO / "lighthouse" / "_proto" / name).read_bytes()
+        fresh = (tmp_path / "lighthouse" / "rpc" / "proto" / name).read_bytes()
+        committed = (REPO / "lighthouse" / "rpc" / "proto" / name).read_bytes()
         assert fresh == committed, (
-            f"lighthouse/_proto/{name} is stale: run python scripts/gen_proto.py"
+            f"lighthouse/rpc/proto/{name} is stale: run python scripts/gen_proto.py"
         )

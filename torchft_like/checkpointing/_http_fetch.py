@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from lighthouse import auth
+from lighthouse.rpc import auth
 from torchft_like.checkpointing import _checksum, _format
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ its live state dict for one step; a receiver asks for exactly that step:
 
 A 200 body is a stream in the format of `_format` (prefix, JSON header, raw
 tensor bytes). Refusals are text/plain: 401 without the job's secret (when
-the transport has one, see lighthouse.auth), 503 "not serving" when nothing is
+the transport has one, see lighthouse.rpc.auth), 503 "not serving" when nothing is
 staged, 409 when another step is staged (never stale weights), 404 and 400
 for requests that are not of the above shape.
 
@@ -34,7 +34,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from lighthouse import auth
+from lighthouse.rpc import auth
 from torchft_like.checkpointing import _checksum, _format
 from torchft_like.checkpointing._http_fetch import (
     NOT_SERVING,

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from lighthouse._proto import torchft_pb2 as lighthouse_dot___proto_dot_torchft__pb2
+from lighthouse.rpc.proto import torchft_pb2 as lighthouse_dot_rpc_dot_proto_dot_torchft__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -18,7 +18,7 @@ except ImportError:
 if _version_not_supported:
     raise RuntimeError(
         f'The grpc package installed is at version {GRPC_VERSION},'
-        + ' but the generated code in lighthouse/_proto/torchft_pb2_grpc.py depends on'
+        + ' but the generated code in lighthouse/rpc/proto/torchft_pb2_grpc.py depends on'
         + f' grpcio>={GRPC_GENERATED_VERSION}.'
         + f' Please upgrade your grpc module to grpcio>={GRPC_GENERATED_VERSION}'
         + f' or downgrade your generated code using grpcio-tools<={GRPC_VERSION}.'
@@ -44,23 +44,23 @@ class LighthouseServiceStub:
         """
         self.Quorum = channel.unary_unary(
                 '/torchft.LighthouseService/Quorum',
-                request_serializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseQuorumRequest.SerializeToString,
-                response_deserializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseQuorumResponse.FromString,
+                request_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseQuorumRequest.SerializeToString,
+                response_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseQuorumResponse.FromString,
                 _registered_method=True)
         self.Heartbeat = channel.unary_unary(
                 '/torchft.LighthouseService/Heartbeat',
-                request_serializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatRequest.SerializeToString,
-                response_deserializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatResponse.FromString,
+                request_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatRequest.SerializeToString,
+                response_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatResponse.FromString,
                 _registered_method=True)
         self.Leave = channel.unary_unary(
                 '/torchft.LighthouseService/Leave',
-                request_serializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseLeaveRequest.SerializeToString,
-                response_deserializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseLeaveResponse.FromString,
+                request_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseLeaveRequest.SerializeToString,
+                response_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseLeaveResponse.FromString,
                 _registered_method=True)
         self.HeartbeatStream = channel.stream_unary(
                 '/torchft.LighthouseService/HeartbeatStream',
-                request_serializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatRequest.SerializeToString,
-                response_deserializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatResponse.FromString,
+                request_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatRequest.SerializeToString,
+                response_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatResponse.FromString,
                 _registered_method=True)
 
 
@@ -104,23 +104,23 @@ def add_LighthouseServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Quorum': grpc.unary_unary_rpc_method_handler(
                     servicer.Quorum,
-                    request_deserializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseQuorumRequest.FromString,
-                    response_serializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseQuorumResponse.SerializeToString,
+                    request_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseQuorumRequest.FromString,
+                    response_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseQuorumResponse.SerializeToString,
             ),
             'Heartbeat': grpc.unary_unary_rpc_method_handler(
                     servicer.Heartbeat,
-                    request_deserializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatRequest.FromString,
-                    response_serializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatResponse.SerializeToString,
+                    request_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatRequest.FromString,
+                    response_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatResponse.SerializeToString,
             ),
             'Leave': grpc.unary_unary_rpc_method_handler(
                     servicer.Leave,
-                    request_deserializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseLeaveRequest.FromString,
-                    response_serializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseLeaveResponse.SerializeToString,
+                    request_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseLeaveRequest.FromString,
+                    response_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseLeaveResponse.SerializeToString,
             ),
             'HeartbeatStream': grpc.stream_unary_rpc_method_handler(
                     servicer.HeartbeatStream,
-                    request_deserializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatRequest.FromString,
-                    response_serializer=lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatResponse.SerializeToString,
+                    request_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatRequest.FromString,
+                    response_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -156,8 +156,8 @@ class LighthouseService:
             request,
             target,
             '/torchft.LighthouseService/Quorum',
-            lighthouse_dot___proto_dot_torchft__pb2.LighthouseQuorumRequest.SerializeToString,
-            lighthouse_dot___proto_dot_torchft__pb2.LighthouseQuorumResponse.FromString,
+            lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseQuorumRequest.SerializeToString,
+            lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseQuorumResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -183,8 +183,8 @@ class LighthouseService:
             request,
             target,
             '/torchft.LighthouseService/Heartbeat',
-            lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatRequest.SerializeToString,
-            lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatResponse.FromString,
+            lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatRequest.SerializeToString,
+            lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -210,8 +210,8 @@ class LighthouseService:
             request,
             target,
             '/torchft.LighthouseService/Leave',
-            lighthouse_dot___proto_dot_torchft__pb2.LighthouseLeaveRequest.SerializeToString,
-            lighthouse_dot___proto_dot_torchft__pb2.LighthouseLeaveResponse.FromString,
+            lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseLeaveRequest.SerializeToString,
+            lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseLeaveResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -237,8 +237,8 @@ class LighthouseService:
             request_iterator,
             target,
             '/torchft.LighthouseService/HeartbeatStream',
-            lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatRequest.SerializeToString,
-            lighthouse_dot___proto_dot_torchft__pb2.LighthouseHeartbeatResponse.FromString,
+            lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatRequest.SerializeToString,
+            lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -261,23 +261,23 @@ class ManagerServiceStub:
         """
         self.Quorum = channel.unary_unary(
                 '/torchft.ManagerService/Quorum',
-                request_serializer=lighthouse_dot___proto_dot_torchft__pb2.ManagerQuorumRequest.SerializeToString,
-                response_deserializer=lighthouse_dot___proto_dot_torchft__pb2.ManagerQuorumResponse.FromString,
+                request_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.ManagerQuorumRequest.SerializeToString,
+                response_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.ManagerQuorumResponse.FromString,
                 _registered_method=True)
         self.CheckpointMetadata = channel.unary_unary(
                 '/torchft.ManagerService/CheckpointMetadata',
-                request_serializer=lighthouse_dot___proto_dot_torchft__pb2.CheckpointMetadataRequest.SerializeToString,
-                response_deserializer=lighthouse_dot___proto_dot_torchft__pb2.CheckpointMetadataResponse.FromString,
+                request_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.CheckpointMetadataRequest.SerializeToString,
+                response_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.CheckpointMetadataResponse.FromString,
                 _registered_method=True)
         self.ShouldCommit = channel.unary_unary(
                 '/torchft.ManagerService/ShouldCommit',
-                request_serializer=lighthouse_dot___proto_dot_torchft__pb2.ShouldCommitRequest.SerializeToString,
-                response_deserializer=lighthouse_dot___proto_dot_torchft__pb2.ShouldCommitResponse.FromString,
+                request_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.ShouldCommitRequest.SerializeToString,
+                response_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.ShouldCommitResponse.FromString,
                 _registered_method=True)
         self.Kill = channel.unary_unary(
                 '/torchft.ManagerService/Kill',
-                request_serializer=lighthouse_dot___proto_dot_torchft__pb2.KillRequest.SerializeToString,
-                response_deserializer=lighthouse_dot___proto_dot_torchft__pb2.KillResponse.FromString,
+                request_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.KillRequest.SerializeToString,
+                response_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.KillResponse.FromString,
                 _registered_method=True)
 
 
@@ -313,23 +313,23 @@ def add_ManagerServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Quorum': grpc.unary_unary_rpc_method_handler(
                     servicer.Quorum,
-                    request_deserializer=lighthouse_dot___proto_dot_torchft__pb2.ManagerQuorumRequest.FromString,
-                    response_serializer=lighthouse_dot___proto_dot_torchft__pb2.ManagerQuorumResponse.SerializeToString,
+                    request_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.ManagerQuorumRequest.FromString,
+                    response_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.ManagerQuorumResponse.SerializeToString,
             ),
             'CheckpointMetadata': grpc.unary_unary_rpc_method_handler(
                     servicer.CheckpointMetadata,
-                    request_deserializer=lighthouse_dot___proto_dot_torchft__pb2.CheckpointMetadataRequest.FromString,
-                    response_serializer=lighthouse_dot___proto_dot_torchft__pb2.CheckpointMetadataResponse.SerializeToString,
+                    request_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.CheckpointMetadataRequest.FromString,
+                    response_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.CheckpointMetadataResponse.SerializeToString,
             ),
             'ShouldCommit': grpc.unary_unary_rpc_method_handler(
                     servicer.ShouldCommit,
-                    request_deserializer=lighthouse_dot___proto_dot_torchft__pb2.ShouldCommitRequest.FromString,
-                    response_serializer=lighthouse_dot___proto_dot_torchft__pb2.ShouldCommitResponse.SerializeToString,
+                    request_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.ShouldCommitRequest.FromString,
+                    response_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.ShouldCommitResponse.SerializeToString,
             ),
             'Kill': grpc.unary_unary_rpc_method_handler(
                     servicer.Kill,
-                    request_deserializer=lighthouse_dot___proto_dot_torchft__pb2.KillRequest.FromString,
-                    response_serializer=lighthouse_dot___proto_dot_torchft__pb2.KillResponse.SerializeToString,
+                    request_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.KillRequest.FromString,
+                    response_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.KillResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -357,8 +357,8 @@ class ManagerService:
             request,
             target,
             '/torchft.ManagerService/Quorum',
-            lighthouse_dot___proto_dot_torchft__pb2.ManagerQuorumRequest.SerializeToString,
-            lighthouse_dot___proto_dot_torchft__pb2.ManagerQuorumResponse.FromString,
+            lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.ManagerQuorumRequest.SerializeToString,
+            lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.ManagerQuorumResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -384,8 +384,8 @@ class ManagerService:
             request,
             target,
             '/torchft.ManagerService/CheckpointMetadata',
-            lighthouse_dot___proto_dot_torchft__pb2.CheckpointMetadataRequest.SerializeToString,
-            lighthouse_dot___proto_dot_torchft__pb2.CheckpointMetadataResponse.FromString,
+            lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.CheckpointMetadataRequest.SerializeToString,
+            lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.CheckpointMetadataResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -411,8 +411,8 @@ class ManagerService:
             request,
             target,
             '/torchft.ManagerService/ShouldCommit',
-            lighthouse_dot___proto_dot_torchft__pb2.ShouldCommitRequest.SerializeToString,
-            lighthouse_dot___proto_dot_torchft__pb2.ShouldCommitResponse.FromString,
+            lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.ShouldCommitRequest.SerializeToString,
+            lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.ShouldCommitResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -438,8 +438,8 @@ class ManagerService:
             request,
             target,
             '/torchft.ManagerService/Kill',
-            lighthouse_dot___proto_dot_torchft__pb2.KillRequest.SerializeToString,
-            lighthouse_dot___proto_dot_torchft__pb2.KillResponse.FromString,
+            lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.KillRequest.SerializeToString,
+            lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.KillResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,11 +1,13 @@
-"""An asyncio loop in a daemon thread, for servers living inside another process."""
+"""Event-loop helpers for servers: a loop in a daemon thread for servers living
+inside another process, and deadlines that leave room for the reason."""
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import threading
-from collections.abc import Coroutine
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -45,11 +47,21 @@ class BackgroundLoop:
 
         Raises:
             RuntimeError: after `stop()` (the loop may serve another owner now).
+            LoopStalledError: `coro` did not finish within `timeout`; it is
+                cancelled. Whatever `coro` raises itself (a TimeoutError
+                included) is raised as it is.
         """
         if self._stopped:
             coro.close()
             raise RuntimeError("this server has shut down; its event loop is stopped")
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+        future = asyncio.run_coroutine_threadsafe(coro, self.loop)
+        # Not future.result(timeout): its TimeoutError is the class coro's own
+        # timeouts have on Python >= 3.11, and the reason they carry would be lost.
+        done, _ = concurrent.futures.wait([future], timeout)
+        if not done:
+            future.cancel()
+            raise LoopStalledError(f"the server's event loop gave no answer within {timeout} s")
+        return future.result()
 
     def stop(self) -> None:
         """Idempotent. Must not be called from the loop's own thread."""
@@ -78,3 +90,39 @@ async def _cancel_leftovers() -> None:
     for task in leftovers:
         task.cancel()
     await asyncio.gather(*leftovers, return_exceptions=True)
+
+
+class LoopStalledError(RuntimeError):
+    """A call into a BackgroundLoop did not finish within its bound."""
+
+
+REPLY_MARGIN_S = 0.1
+"""How long before a caller's deadline a server answers (10% of the time
+left when that is less): the caller then hears why nothing was decided
+instead of its own bare "Deadline Exceeded"."""
+
+
+def reply_budget_s(time_remaining_s: float | None) -> float | None:
+    """The time a server may wait on behalf of a caller with `time_remaining_s` left."""
+    if time_remaining_s is None:
+        return None
+    return max(time_remaining_s - min(REPLY_MARGIN_S, 0.1 * time_remaining_s), 0.0)
+
+
+async def wait_within(
+    awaitable: Awaitable[T], timeout_s: float | None, on_timeout: Callable[[], Exception]
+) -> T:
+    """Awaits `awaitable` for at most `timeout_s` (None: no bound), then cancels
+    it and raises `on_timeout()`, built at that moment so it can say what was
+    still missing. Unlike asyncio.wait_for, an error the awaitable raises
+    itself, a TimeoutError included, comes through unchanged."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        task.cancel()
+        raise
+    if not done:
+        task.cancel()
+        raise on_timeout()
+    return task.result()

@@ -1,0 +1,89 @@
+"""The project's RPC error family and its one table to and from gRPC status codes.
+
+The server that decides raises one of these with the reason in words;
+`abort` sends it with the status code of the table, and `from_rpc_error`
+turns the status back into the same class on the caller's side with the
+reason intact, through any number of hops (rank -> ManagerServer ->
+lighthouse and back).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import NoReturn
+
+import grpc
+from grpc import aio
+
+logger = logging.getLogger(__name__)
+
+
+class QuorumError(RuntimeError):
+    """A quorum (or a commit vote, or a call serving one) could not be obtained."""
+
+
+class QuorumTimeoutError(QuorumError, TimeoutError):
+    """Nothing was decided before the deadline; the text says who was missing and why."""
+
+
+class LighthouseUnavailableError(QuorumError, ConnectionError):
+    """The lighthouse (or a ManagerServer) could not be reached."""
+
+
+class NotServedError(QuorumError, LookupError):
+    """The server does not hold what was asked for (yet)."""
+
+
+MAX_DETAILS_CHARS = 4000
+"""Longest status text sent: it travels in trailing metadata, which gRPC caps
+at 16 KiB, and a reason quoting huge ids (bad input) would break the answer."""
+
+_STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
+    # The most specific first: the first class an error is an instance of wins.
+    (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    (QuorumTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
+    (LighthouseUnavailableError, grpc.StatusCode.UNAVAILABLE),
+    (NotServedError, grpc.StatusCode.NOT_FOUND),
+    (QuorumError, grpc.StatusCode.ABORTED),
+)
+"""The one exception <-> status table, read in both directions."""
+
+
+def status_of(error: Exception) -> grpc.StatusCode | None:
+    """The status code `error` travels as, or None for an error outside the family."""
+    for kind, code in _STATUS_OF:
+        if isinstance(error, kind):
+            return code
+    return None
+
+
+def error_of(code: grpc.StatusCode | None, text: str) -> Exception:
+    """The exception a caller raises for a status: the class the table names,
+    else QuorumError with the code's name (UNAUTHENTICATED, UNIMPLEMENTED...)."""
+    for kind, known in _STATUS_OF:
+        if code == known:
+            return kind(text)
+    return QuorumError(f"{text} ({code.name if code else 'unknown status'})")
+
+
+def from_rpc_error(e: grpc.RpcError, peer: str, method: str) -> Exception:
+    """The exception for a failed call of `method` on `peer`, keeping the server's text."""
+    code = e.code() if hasattr(e, "code") else None
+    details = e.details() if hasattr(e, "details") else str(e)
+    return error_of(code, f"{method} at {peer} failed: {details}")
+
+
+async def abort(context: aio.ServicerContext, error: Exception) -> NoReturn:
+    """Ends the call with `error`'s status and text. An error outside the
+    family is a bug of ours: logged with its traceback, answered INTERNAL."""
+    code = status_of(error)
+    if code is None:
+        logger.error("unexpected error serving a call", exc_info=error)
+        code = grpc.StatusCode.INTERNAL
+        text = f"internal error: {type(error).__name__}: {error}"
+    else:
+        text = str(error)
+    if len(text) > MAX_DETAILS_CHARS:
+        text = text[:MAX_DETAILS_CHARS] + " ... (cut)"
+    await context.abort(code, text)
+    raise AssertionError("context.abort returned")  # it raises; this satisfies NoReturn

@@ -1,0 +1,84 @@
+"""How the per-rank quorum requests of one replica group become its one lighthouse request.
+
+Pure: the ManagerServer gathers a request from every rank of its group, and
+this rule decides what the group as a whole tells the lighthouse.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from lighthouse.quorum import QuorumMember
+from torchft_like.recovery import fingerprint_data
+
+
+@dataclass(frozen=True)
+class QuorumRequest:
+    """One rank's request for the next quorum (ManagerQuorumRequest)."""
+
+    group_rank: int
+    step: int
+    """Committed steps of this rank."""
+    checkpoint_metadata: str = ""
+    """How a healing peer fetches this rank's state (the transport's metadata)."""
+    shrink_only: bool = False
+    init_sync: bool = True
+    commit_failures: int = 0
+    """Steps in a row this rank failed to commit."""
+    fingerprint: str = ""
+    """State fingerprint after `step` commits, or empty (see Manager fingerprint_interval)."""
+
+    def check(self, world_size: int) -> None:
+        """Raises ValueError naming the first field out of range for a group of `world_size`."""
+        if not 0 <= self.group_rank < world_size:
+            raise ValueError(f"group_rank ({self.group_rank}) must be in [0, {world_size})")
+        for name in ("step", "commit_failures"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} ({getattr(self, name)}) must not be negative")
+
+
+@dataclass(frozen=True)
+class GroupRequest:
+    """What the group asks of the lighthouse, and what it decides locally."""
+
+    member: QuorumMember
+    init_sync: bool
+
+
+def merge_requests(
+    requests: Mapping[int, QuorumRequest],
+    replica_id: str,
+    address: str,
+    store_address: str,
+    world_size: int,
+) -> GroupRequest:
+    """The group's request from every rank's (keyed by group rank).
+
+    The rule: the group reports its furthest rank's step (ranks of a group
+    commit together, so they differ only when one restarted); one rank
+    asking shrink_only or init_sync asks it for the group; the group reports
+    its worst commit_failures, so a failure on any rank moves the quorum id
+    on; fingerprints travel only from the ranks at the group's step, since
+    only those compare with other groups' states.
+
+    Raises:
+        ValueError: `requests` is empty.
+    """
+    if not requests:
+        raise ValueError("a group request needs at least one rank's request")
+    step = max(r.step for r in requests.values())
+    fingerprints = {g: r.fingerprint for g, r in requests.items() if r.step == step}
+    data = fingerprint_data(step, fingerprints, world_size)
+    member = QuorumMember(
+        replica_id=replica_id,
+        address=address,
+        store_address=store_address,
+        step=step,
+        world_size=world_size,
+        shrink_only=any(r.shrink_only for r in requests.values()),
+        data=json.dumps(data) if data else "",
+        commit_failures=max(r.commit_failures for r in requests.values()),
+    )
+    return GroupRequest(member=member, init_sync=any(r.init_sync for r in requests.values()))

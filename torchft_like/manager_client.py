@@ -1,0 +1,108 @@
+"""What a rank asks of its group's ManagerServer, and the gRPC client that asks it.
+
+Group rank 0 hosts the server and calls it in process
+(`manager_server.LocalManagerClient`); the other ranks, and a healing peer
+asking for checkpoint metadata, go over gRPC (`ManagerClient`). Both honour
+`ManagerClientProtocol` with public methods only.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from typing import Any, Protocol
+
+import grpc
+
+from lighthouse.rpc.address import url_to_target
+from lighthouse.rpc.channel import blocking_channel, check_reachable
+from lighthouse.rpc.errors import from_rpc_error
+from lighthouse.rpc.proto import torchft_pb2 as pb
+from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
+from torchft_like import wire
+from torchft_like.group_quorum import QuorumRequest
+from torchft_like.recovery import QuorumResult
+
+
+class ManagerClientProtocol(Protocol):
+    """A rank's calls to its group's ManagerServer.
+
+    Errors come from lighthouse.rpc.errors: QuorumTimeoutError names who was
+    missing and why, LighthouseUnavailableError an unreachable server,
+    NotServedError missing checkpoint metadata, ValueError bad input.
+    """
+
+    def quorum(self, request: QuorumRequest, timeout: timedelta) -> QuorumResult:
+        """Waits until every rank of the group asked and the lighthouse answered."""
+        ...
+
+    def should_commit(
+        self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
+    ) -> bool:
+        """True only if every rank of the group voted True for `step`."""
+        ...
+
+    def checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
+        """What group rank `rank` told the server about fetching its state."""
+        ...
+
+    def kill(self, msg: str, timeout: timedelta = timedelta(seconds=5)) -> None:
+        """Ends the server's process (the group), logging `msg`."""
+        ...
+
+    def close(self) -> None: ...
+
+
+class ManagerClient:
+    """Blocking gRPC client of a ManagerServer (see ManagerClientProtocol).
+
+    Args:
+        addr: the server's URL, `http://host:port`.
+        connect_timeout: bound on the first connection (and on reconnecting
+            after the server was unreachable).
+        secret: the job's shared secret, sent with every call (lighthouse.rpc.auth).
+    """
+
+    def __init__(
+        self,
+        addr: str,
+        connect_timeout: timedelta = timedelta(seconds=10),
+        secret: str | None = None,
+    ) -> None:
+        self.addr = addr
+        self._connect_timeout = connect_timeout
+        self._target = url_to_target(addr)
+        self._channel = blocking_channel(self._target, secret)
+        self._stub = pb_grpc.ManagerServiceStub(self._channel)
+        self._connected = False
+
+    def _call(self, method: Any, request: Any, timeout: timedelta, what: str) -> Any:
+        if not self._connected:
+            check_reachable(self._target, f"manager server {self.addr}", self._connect_timeout)
+            self._connected = True
+        try:
+            return method(request, timeout=timeout.total_seconds())
+        except grpc.RpcError as e:
+            self._connected = e.code() != grpc.StatusCode.UNAVAILABLE
+            raise from_rpc_error(e, f"manager server {self.addr}", what) from None
+
+    def quorum(self, request: QuorumRequest, timeout: timedelta) -> QuorumResult:
+        message = wire.quorum_request_to_proto(request)
+        return wire.result_from_proto(self._call(self._stub.Quorum, message, timeout, "Quorum"))
+
+    def should_commit(
+        self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
+    ) -> bool:
+        message = wire.should_commit_request_to_proto(group_rank, step, should_commit)
+        response = self._call(self._stub.ShouldCommit, message, timeout, "ShouldCommit")
+        return bool(response.should_commit)
+
+    def checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
+        message = pb.CheckpointMetadataRequest(rank=rank)
+        response = self._call(self._stub.CheckpointMetadata, message, timeout, "CheckpointMetadata")
+        return str(response.checkpoint_metadata)
+
+    def kill(self, msg: str, timeout: timedelta = timedelta(seconds=5)) -> None:
+        self._call(self._stub.Kill, pb.KillRequest(msg=msg), timeout, "Kill")
+
+    def close(self) -> None:
+        self._channel.close()
