@@ -60,6 +60,8 @@ class _Round(Generic[T]):
     deadlines: dict[int, float] = field(default_factory=dict)
     """Deadline (monotonic) of each waiting call; the earliest bounds the whole
     wait. Per call, so that a call that gave up takes its deadline with it."""
+    asked: set[int] = field(default_factory=set)
+    """Every rank that called in this round, also those that gave up since."""
 
     def join(self, group_rank: int, call: T, deadline: float) -> asyncio.Future[Any]:
         """Registers a rank's call; a second call of the same rank supersedes the first."""
@@ -70,6 +72,7 @@ class _Round(Generic[T]):
         self.calls[group_rank] = call
         self.futures[group_rank] = future
         self.deadlines[group_rank] = deadline
+        self.asked.add(group_rank)
         return future
 
     def leave(self, group_rank: int, future: asyncio.Future[Any]) -> None:
@@ -79,7 +82,18 @@ class _Round(Generic[T]):
             self.deadlines.pop(group_rank, None)
 
     def missing(self, world_size: int) -> list[int]:
+        """Ranks without a waiting call: the round completes when there are none."""
         return [rank for rank in range(world_size) if rank not in self.calls]
+
+    def stall_reason(self, world_size: int, what: str, wait_s: float) -> str:
+        """Who kept the round from completing: ranks that never called, and
+        ranks that called but gave up before the others came."""
+        never = [rank for rank in range(world_size) if rank not in self.asked]
+        gave_up = sorted(self.asked - self.calls.keys())
+        reason = f"group ranks {never} did not {what} within {wait_s:.1f} s"
+        if gave_up:
+            reason += f" (ranks {gave_up} did but gave up waiting)"
+        return reason
 
 
 class ManagerServer:
@@ -181,12 +195,11 @@ class ManagerServer:
             asyncio.get_running_loop().create_task(self._lighthouse_quorum(rnd))
 
         def stalled() -> QuorumTimeoutError:
-            missing = rnd.missing(self._world_size)
-            if missing and rnd is self._quorum_round:
+            if rnd is self._quorum_round:
+                reason = rnd.stall_reason(self._world_size, "ask for a quorum", wait_s)
                 return QuorumTimeoutError(
-                    f"replica group {self.replica_id}: group ranks {missing} did not ask for "
-                    f"a quorum within {wait_s:.1f} s (ranks {sorted(rnd.calls)} did); "
-                    "is a rank of this group stuck or dead?"
+                    f"replica group {self.replica_id}: {reason}; is a rank of this group "
+                    "stuck or dead?"
                 )
             return QuorumTimeoutError(
                 f"replica group {self.replica_id}: lighthouse {self._lighthouse_addr} gave no "
@@ -312,10 +325,8 @@ class ManagerServer:
                     f.set_result(decision)
 
         def stalled() -> QuorumTimeoutError:
-            return QuorumTimeoutError(
-                f"replica group {self.replica_id}: group ranks {rnd.missing(self._world_size)} "
-                f"did not vote on step {step} within {wait_s:.1f} s"
-            )
+            reason = rnd.stall_reason(self._world_size, f"vote on step {step}", wait_s)
+            return QuorumTimeoutError(f"replica group {self.replica_id}: {reason}")
 
         try:
             decided: bool = await wait_within(asyncio.shield(future), wait_s, stalled)

@@ -9,6 +9,7 @@ from datetime import timedelta
 import pytest
 
 from lighthouse import (
+    LighthouseClient,
     LighthouseServer,
     LighthouseUnavailableError,
     QuorumError,
@@ -16,7 +17,7 @@ from lighthouse import (
 )
 from torchft_like.group_quorum import QuorumRequest
 from torchft_like.manager_client import ManagerClient
-from torchft_like.manager_server import ManagerServer
+from torchft_like.manager_server import LocalManagerClient, ManagerServer
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=20)
@@ -133,3 +134,44 @@ def test_a_lost_lighthouse_reaches_the_ranks_at_the_quorum_deadline(lighthouse, 
     lighthouse.shutdown()
     with pytest.raises(QuorumError, match=lighthouse.address().split("//")[1]):
         ManagerClient(a.address()).quorum(QuorumRequest(0, 0), timedelta(seconds=2))
+
+
+def test_a_stalled_quorum_tells_every_rank_who_is_missing_and_why(lighthouse, make_group):
+    """Rank 0 calls its server in process, rank 1 over gRPC; both hear the
+    lighthouse's reason, which names the healthy replica that did not join."""
+    a = make_group("a", 2)
+    peer = make_group("peer", 1)  # heartbeats, never asks for a quorum
+    del peer
+    short = timedelta(seconds=1.5)
+    clients = [LocalManagerClient(a), ManagerClient(a.address())]
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(clients[r].quorum, QuorumRequest(r, 0), short) for r in range(2)]
+        for rank, future in enumerate(futures):
+            with pytest.raises(QuorumTimeoutError) as e:
+                future.result(timeout=10)
+            text = str(e.value)
+            assert "min_replicas is 2" in text, f"rank {rank}: {text}"
+            assert "healthy, not joined: peer" in text, f"rank {rank}: {text}"
+
+
+def test_a_rank_that_never_asks_is_named_to_the_ranks_that_did(make_group):
+    a = make_group("a", 3)
+    short = timedelta(seconds=1)
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(ask_within, a, r, short) for r in (0, 2)]
+        for future in futures:
+            with pytest.raises(QuorumTimeoutError, match=r"group ranks \[1\] did not ask"):
+                future.result(timeout=10)
+
+
+def test_a_direct_lighthouse_call_hears_the_reason_not_a_bare_deadline(lighthouse):
+    client = LighthouseClient(lighthouse.address())
+    try:
+        with pytest.raises(QuorumTimeoutError, match="waiting for replicas: 1 joined"):
+            client.quorum("alone", timedelta(seconds=1))
+    finally:
+        client.close()
+
+
+def ask_within(server: ManagerServer, group_rank: int, timeout: timedelta):
+    return ManagerClient(server.address()).quorum(QuorumRequest(group_rank, 0), timeout)

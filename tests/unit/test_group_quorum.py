@@ -1,0 +1,92 @@
+"""The group-merge rule: a replica group's per-rank requests -> its one lighthouse request."""
+
+import json
+
+import pytest
+
+from torchft_like.group_quorum import QuorumRequest, merge_requests
+from torchft_like.recovery import FINGERPRINT_KEY
+
+
+def merge(*requests: QuorumRequest, world_size: int | None = None):
+    return merge_requests(
+        {r.group_rank: r for r in requests},
+        replica_id="g:1",
+        address="http://h:1",
+        store_address="h:2",
+        world_size=world_size or len(requests),
+    )
+
+
+@pytest.mark.parametrize(
+    "requests, step, shrink_only, init_sync, commit_failures",
+    [
+        ([QuorumRequest(0, 5)], 5, False, True, 0),
+        ([QuorumRequest(0, 5), QuorumRequest(1, 7)], 7, False, True, 0),
+        ([QuorumRequest(0, 5, shrink_only=True), QuorumRequest(1, 5)], 5, True, True, 0),
+        (
+            [QuorumRequest(0, 5, init_sync=False), QuorumRequest(1, 5, init_sync=False)],
+            5, False, False, 0,
+        ),
+        ([QuorumRequest(0, 5, init_sync=False), QuorumRequest(1, 5)], 5, False, True, 0),
+        (
+            [QuorumRequest(0, 5, commit_failures=2), QuorumRequest(1, 5, commit_failures=0)],
+            5, False, True, 2,
+        ),
+    ],
+    ids=["one rank", "furthest step", "any shrink_only", "no init_sync", "any init_sync",
+         "worst commit_failures"],
+)  # fmt: skip
+def test_the_group_asks_as_its_ranks_together(
+    requests, step, shrink_only, init_sync, commit_failures
+):
+    group = merge(*requests)
+    assert group.member.step == step
+    assert group.member.shrink_only == shrink_only
+    assert group.init_sync == init_sync
+    assert group.member.commit_failures == commit_failures
+
+
+def test_the_member_describes_the_group_where_peers_reach_it():
+    member = merge(QuorumRequest(0, 1), QuorumRequest(1, 1)).member
+    assert (member.replica_id, member.address, member.store_address) == ("g:1", "http://h:1", "h:2")
+    assert member.world_size == 2
+
+
+@pytest.mark.parametrize(
+    "requests, values",
+    [
+        ([QuorumRequest(0, 4), QuorumRequest(1, 4)], None),
+        ([QuorumRequest(0, 4, fingerprint="a"), QuorumRequest(1, 4, fingerprint="b")], ["a", "b"]),
+        ([QuorumRequest(0, 4, fingerprint="a"), QuorumRequest(1, 4)], ["a", ""]),
+        # A rank behind the group's step compares with nobody: its value stays out.
+        ([QuorumRequest(0, 3, fingerprint="old"), QuorumRequest(1, 4, fingerprint="b")],
+         ["", "b"]),
+    ],
+    ids=["none sent", "every rank", "one rank", "rank behind"],
+)  # fmt: skip
+def test_fingerprints_travel_only_from_ranks_at_the_group_step(requests, values):
+    data = merge(*requests).member.data
+    if values is None:
+        assert data == ""
+    else:
+        assert json.loads(data)[FINGERPRINT_KEY] == {"step": 4, "values": values}
+
+
+def test_an_empty_group_request_is_refused():
+    with pytest.raises(ValueError, match="at least one rank"):
+        merge_requests({}, "g:1", "", "", 1)
+
+
+@pytest.mark.parametrize(
+    "request_, word",
+    [
+        (QuorumRequest(2, 0), r"group_rank \(2\) must be in \[0, 2\)"),
+        (QuorumRequest(-1, 0), r"group_rank \(-1\)"),
+        (QuorumRequest(0, -3), r"step \(-3\) must not be negative"),
+        (QuorumRequest(0, 0, commit_failures=-1), r"commit_failures \(-1\)"),
+    ],
+)
+def test_a_request_out_of_range_names_the_field(request_, word):
+    with pytest.raises(ValueError, match=word):
+        request_.check(world_size=2)
