@@ -67,7 +67,7 @@ class _Coordinator:
         self.started_at = time.monotonic()
         self.quorum_id = 0
         self.reason = "no replica has asked for a quorum yet"
-        self._logged_status: tuple[str, int, int] | None = None
+        self._logged_status: tuple[str, int] | None = None
         self._decide_soon = False
         self._decided_at = 0.0
         """perf_counter seconds when the last call-triggered decision ended."""
@@ -253,8 +253,9 @@ class _Coordinator:
         }
 
 
-class _LighthouseServicer(pb_grpc.LighthouseServiceServicer):
-    """Thin: converts, calls the coordinator, converts back, maps errors."""
+class _LighthouseServicer:
+    """LighthouseService, registered by its method names. Thin: converts,
+    calls the coordinator, converts back, maps errors (lighthouse.rpc.errors)."""
 
     def __init__(self, coordinator: _Coordinator) -> None:
         self._coord = coordinator
@@ -274,7 +275,7 @@ class _LighthouseServicer(pb_grpc.LighthouseServiceServicer):
         return self._response[1]
 
     async def Quorum(
-        self, request: pb.LighthouseQuorumRequest, context: aio.ServicerContext
+        self, request: pb.LighthouseQuorumRequest, context: aio.ServicerContext[Any, Any]
     ) -> pb.LighthouseQuorumResponse:
         start = time.monotonic()
         budget_s = reply_budget_s(context.time_remaining())
@@ -294,7 +295,7 @@ class _LighthouseServicer(pb_grpc.LighthouseServiceServicer):
         return self._quorum_response(quorum)
 
     async def Heartbeat(
-        self, request: pb.LighthouseHeartbeatRequest, context: aio.ServicerContext
+        self, request: pb.LighthouseHeartbeatRequest, context: aio.ServicerContext[Any, Any]
     ) -> pb.LighthouseHeartbeatResponse:
         if not request.replica_id:
             await errors.abort(context, ValueError("replica_id must be a non-empty string"))
@@ -302,7 +303,7 @@ class _LighthouseServicer(pb_grpc.LighthouseServiceServicer):
         return pb.LighthouseHeartbeatResponse()
 
     async def HeartbeatStream(
-        self, request_iterator: Any, context: aio.ServicerContext
+        self, request_iterator: Any, context: aio.ServicerContext[Any, Any]
     ) -> pb.LighthouseHeartbeatResponse:
         replica_id = ""
         try:
@@ -330,7 +331,7 @@ class _LighthouseServicer(pb_grpc.LighthouseServiceServicer):
         return pb.LighthouseHeartbeatResponse()
 
     async def Leave(
-        self, request: pb.LighthouseLeaveRequest, context: aio.ServicerContext
+        self, request: pb.LighthouseLeaveRequest, context: aio.ServicerContext[Any, Any]
     ) -> pb.LighthouseLeaveResponse:
         if not request.replica_id:
             await errors.abort(context, ValueError("replica_id must be a non-empty string"))

@@ -118,7 +118,7 @@ class StatusServer:
             def log_message(self, format: str, *args: Any) -> None:
                 logger.debug("status page: " + format, *args)
 
-        server_class = ThreadingHTTPServer
+        server_class: type[ThreadingHTTPServer] = ThreadingHTTPServer
         if ":" in host or host == "":
             server_class = type(
                 "_V6Server", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6}

@@ -69,7 +69,7 @@ class _NoRebuildReducer:
         return getattr(self._reducer, name)
 
 
-def _comm_hook(manager, bucket):  # type: ignore[no-untyped-def]
+def _comm_hook(manager, bucket):
     # Unannotated on purpose: DDP compares the annotation with dist.GradBucket,
     # and this module's postponed annotations would be strings.
     return manager.allreduce(bucket.buffer()).get_future()

@@ -37,7 +37,7 @@ def fingerprint(state: Any) -> str:
 def _update(digest: Any, path: str, value: Any) -> None:
     if isinstance(value, torch.Tensor):
         data = value.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
-        crc = zlib.crc32(memoryview(data))
+        crc = zlib.crc32(data.data)
         digest.update(f"{path}:{value.dtype}:{tuple(value.shape)}:{crc};".encode())
     elif isinstance(value, Mapping):
         for key in sorted(value, key=repr):

@@ -75,7 +75,7 @@ def _env_timeout(name: str, value: timedelta) -> timedelta:
 
 class _ManagerLogger(logging.LoggerAdapter):
     def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
-        m: Manager = self.extra["manager"]  # type: ignore[index]
+        m: Manager = self.extra["manager"]  # type: ignore[index,assignment]
         return f"[{m.replica_id}/{m._group_rank} step={m._step}] {msg}", kwargs
 
 
@@ -426,7 +426,9 @@ class Manager:
 
     # ---- collectives -------------------------------------------------------
 
-    def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG) -> dist.Work:
+    def allreduce(
+        self, tensor: torch.Tensor, reduce_op: ReduceOp.RedOpType = ReduceOp.AVG
+    ) -> dist.Work:
         """Sums `tensor` over the quorum in place and, for AVG, divides by the
         number of participating replicas. A replica that is healing or a spare
         contributes zeros. Never raises: an error is recorded and the step

@@ -418,14 +418,15 @@ class ManagerServer:
         await self._lighthouse.close()
 
 
-class _ManagerServicer(pb_grpc.ManagerServiceServicer):
-    """Thin: converts, calls the server, converts back, maps errors (lighthouse.rpc.errors)."""
+class _ManagerServicer:
+    """ManagerService, registered by its method names. Thin: converts, calls
+    the server, converts back, maps errors (lighthouse.rpc.errors)."""
 
     def __init__(self, server: ManagerServer) -> None:
         self._s = server
 
     async def Quorum(
-        self, request: pb.ManagerQuorumRequest, context: aio.ServicerContext
+        self, request: pb.ManagerQuorumRequest, context: aio.ServicerContext[Any, Any]
     ) -> pb.ManagerQuorumResponse:
         try:
             req = wire.quorum_request_from_proto(request)
@@ -435,7 +436,7 @@ class _ManagerServicer(pb_grpc.ManagerServiceServicer):
         return wire.result_to_proto(result)
 
     async def ShouldCommit(
-        self, request: pb.ShouldCommitRequest, context: aio.ServicerContext
+        self, request: pb.ShouldCommitRequest, context: aio.ServicerContext[Any, Any]
     ) -> pb.ShouldCommitResponse:
         try:
             group_rank, step, vote = wire.should_commit_request_from_proto(request)
@@ -446,7 +447,7 @@ class _ManagerServicer(pb_grpc.ManagerServiceServicer):
         return pb.ShouldCommitResponse(should_commit=decision)
 
     async def CheckpointMetadata(
-        self, request: pb.CheckpointMetadataRequest, context: aio.ServicerContext
+        self, request: pb.CheckpointMetadataRequest, context: aio.ServicerContext[Any, Any]
     ) -> pb.CheckpointMetadataResponse:
         try:
             metadata = self._s.checkpoint_metadata(request.rank)
@@ -454,7 +455,9 @@ class _ManagerServicer(pb_grpc.ManagerServiceServicer):
             await errors.abort(context, e)
         return pb.CheckpointMetadataResponse(checkpoint_metadata=metadata)
 
-    async def Kill(self, request: pb.KillRequest, context: aio.ServicerContext) -> pb.KillResponse:
+    async def Kill(
+        self, request: pb.KillRequest, context: aio.ServicerContext[Any, Any]
+    ) -> pb.KillResponse:
         self._s.kill(request.msg)
         return pb.KillResponse()
 
@@ -479,13 +482,13 @@ class LocalManagerClient:
             raise QuorumTimeoutError(f"manager server {self.addr}: {e}") from None
 
     def quorum(self, request: QuorumRequest, timeout: timedelta) -> QuorumResult:
-        return self._run(self._server.quorum(request, timeout.total_seconds()), timeout)  # type: ignore[no-any-return]
+        return self._run(self._server.quorum(request, timeout.total_seconds()), timeout)
 
     def should_commit(
         self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
     ) -> bool:
         coro = self._server.should_commit(group_rank, step, should_commit, timeout.total_seconds())
-        return self._run(coro, timeout)  # type: ignore[no-any-return]
+        return self._run(coro, timeout)
 
     def checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
         return self._server.checkpoint_metadata(rank)

@@ -22,7 +22,7 @@ class OptimizerWrapper(torch.optim.Optimizer):
         self.manager.start_quorum()
         self.optim.zero_grad(set_to_none)
 
-    def step(self, closure: Any = None) -> None:
+    def step(self, closure: Any = None) -> None:  # type: ignore[override]
         assert closure is None, "closures are not supported: the step may be skipped"
         if self.manager.should_commit():
             self.optim.step()

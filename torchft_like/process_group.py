@@ -48,7 +48,8 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _reduce_op(opts: Any) -> ReduceOp:
+def _reduce_op(opts: Any) -> Any:
+    """The ReduceOp of `opts` (None, AllreduceOptions or a ReduceOp)."""
     if opts is None:
         return ReduceOp.SUM
     if isinstance(opts, dist.AllreduceOptions):

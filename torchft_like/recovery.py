@@ -45,7 +45,9 @@ FINGERPRINT_KEY = "fingerprint"
 """Key of QuorumMember.data: {"step": s, "values": [one per group rank]}."""
 
 
-def fingerprint_data(step: int, values: Mapping[int, str], world_size: int) -> dict:
+def fingerprint_data(
+    step: int, values: Mapping[int, str], world_size: int
+) -> dict[str, dict[str, object]]:
     """The group's entry for QuorumMember.data: its ranks' fingerprints of
     their state after `step` commits ("" for a rank that sent none); an empty
     dict when no rank sent one."""

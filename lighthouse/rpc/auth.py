@@ -208,13 +208,15 @@ class SecretServerInterceptor(aio.ServerInterceptor):
 
     async def intercept_service(
         self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        continuation: Callable[
+            [grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]
+        ],
         handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
+    ) -> grpc.RpcMethodHandler[Any, Any] | None:
         presented = None
         for key, value in handler_call_details.invocation_metadata or ():
             if key == METADATA_KEY:
-                presented = value
+                presented = value.decode(errors="replace") if isinstance(value, bytes) else value
                 break
         handler = await continuation(handler_call_details)
         why = refusal(presented, self._secret, self._service)
@@ -223,16 +225,18 @@ class SecretServerInterceptor(aio.ServerInterceptor):
         return self._denying_handler(handler, handler_call_details.method, why)
 
     def _denying_handler(
-        self, handler: grpc.RpcMethodHandler, method: str, why: str
-    ) -> grpc.RpcMethodHandler:
-        async def deny(_request: Any, context: aio.ServicerContext) -> None:
+        self, handler: grpc.RpcMethodHandler[Any, Any], method: str, why: str
+    ) -> grpc.RpcMethodHandler[Any, Any]:
+        async def deny(_request: Any, context: aio.ServicerContext[Any, Any]) -> None:
             self._log.refused(context.peer().rsplit(":", 1)[0], method, why)
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, why)
 
         return _same_kind(handler, deny)
 
 
-def _same_kind(handler: grpc.RpcMethodHandler, behavior: Any) -> grpc.RpcMethodHandler:
+def _same_kind(
+    handler: grpc.RpcMethodHandler[Any, Any], behavior: Any
+) -> grpc.RpcMethodHandler[Any, Any]:
     """A handler running `behavior`, of the same kind (unary or streaming) as `handler`."""
     if handler.request_streaming and handler.response_streaming:
         make = grpc.stream_stream_rpc_method_handler

@@ -47,7 +47,7 @@ class _Registrar:
         pass  # rebuilt, guarded, from the method table the generated code passes next
 
     def add_registered_method_handlers(
-        self, service: str, handlers: dict[str, grpc.RpcMethodHandler]
+        self, service: str, handlers: dict[str, grpc.RpcMethodHandler[Any, Any]]
     ) -> None:
         guarded = {name: _wrap(f"/{service}/{name}", h) for name, h in handlers.items()}
         self._server.add_generic_rpc_handlers(
@@ -57,7 +57,7 @@ class _Registrar:
         self.registered = True
 
 
-def _wrap(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+def _wrap(method: str, handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMethodHandler[Any, Any]:
     if handler.request_streaming or handler.request_deserializer is None:
         return handler
     decode = handler.request_deserializer
@@ -68,7 +68,7 @@ def _wrap(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         except DecodeError as e:
             return _Undecodable(e)
 
-    async def refuse(request: Any, context: aio.ServicerContext) -> None:
+    async def refuse(request: Any, context: aio.ServicerContext[Any, Any]) -> None:
         await context.abort(
             grpc.StatusCode.INVALID_ARGUMENT,
             f"{method}: the request bytes are not a valid message of this method "
@@ -80,7 +80,7 @@ def _wrap(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
         # grpc picks how to run a handler from its kind: keep the kind.
         if inspect.isasyncgenfunction(inner_stream):
 
-            async def stream(request: Any, context: aio.ServicerContext) -> Any:
+            async def stream(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
                 if isinstance(request, _Undecodable):
                     await refuse(request, context)
                 async for response in inner_stream(request, context):
@@ -88,7 +88,7 @@ def _wrap(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
 
         elif inspect.iscoroutinefunction(inner_stream):
 
-            async def stream(request: Any, context: aio.ServicerContext) -> Any:  # type: ignore[misc]
+            async def stream(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:  # type: ignore[misc]
                 if isinstance(request, _Undecodable):
                     await refuse(request, context)
                 return await inner_stream(request, context)
@@ -105,7 +105,7 @@ def _wrap(method: str, handler: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
     if not inspect.iscoroutinefunction(inner):
         return handler
 
-    async def unary(request: Any, context: aio.ServicerContext) -> Any:
+    async def unary(request: Any, context: aio.ServicerContext[Any, Any]) -> Any:
         if isinstance(request, _Undecodable):
             await refuse(request, context)
         return await inner(request, context)

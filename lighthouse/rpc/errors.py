@@ -10,7 +10,7 @@ lighthouse and back).
 from __future__ import annotations
 
 import logging
-from typing import NoReturn
+from typing import Any, NoReturn
 
 import grpc
 from grpc import aio
@@ -73,7 +73,7 @@ def from_rpc_error(e: grpc.RpcError, peer: str, method: str) -> Exception:
     return error_of(code, f"{method} at {peer} failed: {details}")
 
 
-async def abort(context: aio.ServicerContext, error: Exception) -> NoReturn:
+async def abort(context: aio.ServicerContext[Any, Any], error: Exception) -> NoReturn:
     """Ends the call with `error`'s status and text. An error outside the
     family is a bug of ours: logged with its traceback, answered INTERNAL."""
     code = status_of(error)

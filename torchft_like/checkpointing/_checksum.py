@@ -17,7 +17,7 @@ from collections.abc import Callable
 try:
     import crc32c as _crc32c
 except ImportError:  # pragma: no cover - crc32c is a dependency
-    _crc32c = None
+    _crc32c = None  # type: ignore[assignment]
 
 Update = Callable[[memoryview, int], int]
 """update(data, crc) -> the crc of the bytes before `data` and `data`; start at 0."""

@@ -93,7 +93,7 @@ class Fetch:
                     index, lo, hi = piece
                     view = _format.memview(tensors[index])[lo:hi]
                     self._read_into(conn, response, view)
-                    verifier.add((i, index), view)  # type: ignore[union-attr]
+                    verifier.add((i, index), view)
                 trailer = self._read(conn, response, _checksum.ITEM.size * len(segments[i]))
                 sent[i] = [crc for (crc,) in _checksum.ITEM.iter_unpack(trailer)]
 
