@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
+import subprocess
+import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
@@ -16,7 +19,7 @@ from lighthouse import (
     QuorumTimeoutError,
 )
 from torchft_like.group_quorum import QuorumRequest
-from torchft_like.manager_client import ManagerClient
+from torchft_like.manager_client import ManagerClient, ManagerClientProtocol
 from torchft_like.manager_server import LocalManagerClient, ManagerServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -175,3 +178,34 @@ def test_a_direct_lighthouse_call_hears_the_reason_not_a_bare_deadline(lighthous
 
 def ask_within(server: ManagerServer, group_rank: int, timeout: timedelta):
     return ManagerClient(server.address()).quorum(QuorumRequest(group_rank, 0), timeout)
+
+
+@pytest.mark.parametrize("client_kind", [ManagerClient, LocalManagerClient])
+def test_both_clients_honour_the_protocol_with_the_same_signatures(client_kind):
+    for name, member in vars(ManagerClientProtocol).items():
+        if name.startswith("_") or not callable(member):
+            continue
+        assert hasattr(client_kind, name), f"{client_kind.__name__} lacks {name}"
+        ours = list(inspect.signature(getattr(client_kind, name)).parameters)
+        assert ours == list(inspect.signature(member).parameters), name
+
+
+KILL_IN_PROCESS = """
+import sys
+from lighthouse import LighthouseServer
+from torchft_like.manager_server import LocalManagerClient, ManagerServer
+lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+server = ManagerServer(replica_id="g:1", lighthouse_addr=lighthouse.address(),
+                       hostname="127.0.0.1", bind="127.0.0.1:0", store_addr="x:1", world_size=1)
+LocalManagerClient(server).kill("asked by the test")
+import time; time.sleep(10)
+sys.exit(0)
+"""
+
+
+def test_the_in_process_client_can_kill_its_group_too():
+    proc = subprocess.run(
+        [sys.executable, "-c", KILL_IN_PROCESS], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 1, proc.stderr[-2000:]
+    assert "killed by request: asked by the test" in proc.stderr
