@@ -1,4 +1,4 @@
-"""End to end: the chaos runner (python -m torchft_like.chaos) with real
+"""End to end: the chaos runner (python -m tools.chaos) with real
 torchrun groups, real SIGKILL and SIGSTOP, and a real lighthouse restart."""
 
 from __future__ import annotations
@@ -11,14 +11,14 @@ import psutil
 import pytest
 
 from tests.procs import PYTHON
-from torchft_like._procs import tree
+from tools.procs import tree
 
 
 def run_chaos(children, tmp_path, args: list[str], timeout: float) -> dict:
     """Runs the chaos runner to its end; returns its summary.json."""
     out = tmp_path / "chaos"
     runner = children.spawn(
-        [PYTHON, "-m", "torchft_like.chaos", "--step-sleep", "0.2", "--max-delay-s", "1.5",
+        [PYTHON, "-m", "tools.chaos", "--step-sleep", "0.2", "--max-delay-s", "1.5",
          "--timeout", str(timeout - 20), "--out", str(out), *args],
         log=tmp_path / "chaos.log",
     )  # fmt: skip
@@ -72,7 +72,7 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_then_by_the_runner(children,
 @pytest.mark.timeout(120)
 def test_interrupting_the_runner_kills_every_child(children, tmp_path):
     runner = children.spawn(
-        [PYTHON, "-m", "torchft_like.chaos", "--groups", "2", "--nproc-per-group", "1",
+        [PYTHON, "-m", "tools.chaos", "--groups", "2", "--nproc-per-group", "1",
          "--steps", "1000", "--faults", "0", "--out", str(tmp_path / "chaos")],
         log=tmp_path / "chaos.log",
     )  # fmt: skip
