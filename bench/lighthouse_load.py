@@ -42,7 +42,7 @@ from pathlib import Path
 import psutil
 
 from bench._report import REPO, add_common_args, report, results_file
-from torchft_like._procs import free_port
+from tools.procs import free_port
 
 CONTENDERS = ("ref", "ours", "ours_stream")
 VENV_BIN = Path(sys.executable).parent

@@ -38,7 +38,7 @@ from typing import Any
 import psutil
 
 from bench._report import REPO, add_common_args, report, results_file
-from torchft_like._procs import free_port, kill_tree, read_jsonl, spawn, tree
+from tools.procs import free_port, kill_tree, read_jsonl, spawn, tree
 
 VENV_BIN = Path(sys.executable).parent
 CONTENDERS = {

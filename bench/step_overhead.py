@@ -31,7 +31,7 @@ import time
 from pathlib import Path
 
 from bench._report import REPO, add_common_args, report, results_file
-from torchft_like._procs import free_port, kill_tree
+from tools.procs import free_port, kill_tree
 
 WORKER = str(REPO / "bench" / "_step_worker.py")
 TORCHFT_LIGHTHOUSE_RPCS = 1

@@ -20,9 +20,12 @@ import sys
 import time
 from pathlib import Path
 
-from torchft_like._procs import free_port, kill_tree, read_jsonl, spawn
-
 REPO = Path(__file__).resolve().parent.parent
+# Run as a script, Python puts examples/ on sys.path, not the repository root
+# that holds tools/ (repository tooling, not installed with the library).
+sys.path.insert(0, str(REPO))
+
+from tools.procs import free_port, kill_tree, read_jsonl, spawn  # noqa: E402
 
 # --- arguments --------------------------------------------------------------
 

@@ -11,7 +11,7 @@ import threading
 import time
 from pathlib import Path
 
-from torchft_like._procs import kill_tree, spawn
+from tools.procs import kill_tree, spawn
 
 REPO = Path(__file__).resolve().parent.parent
 

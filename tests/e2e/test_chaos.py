@@ -1,24 +1,25 @@
-"""End to end: the chaos runner (python -m torchft_like.chaos) with real
+"""End to end: the chaos runner (python -m tools.chaos) with real
 torchrun groups, real SIGKILL and SIGSTOP, and a real lighthouse restart."""
 
 from __future__ import annotations
 
 import json
+import shutil
 import signal
 import time
 
 import psutil
 import pytest
 
-from tests.procs import PYTHON
-from torchft_like._procs import tree
+from tests.procs import PYTHON, REPO
+from tools.procs import tree
 
 
 def run_chaos(children, tmp_path, args: list[str], timeout: float) -> dict:
     """Runs the chaos runner to its end; returns its summary.json."""
     out = tmp_path / "chaos"
     runner = children.spawn(
-        [PYTHON, "-m", "torchft_like.chaos", "--step-sleep", "0.2", "--max-delay-s", "1.5",
+        [PYTHON, "-m", "tools.chaos", "--step-sleep", "0.2", "--max-delay-s", "1.5",
          "--timeout", str(timeout - 20), "--out", str(out), *args],
         log=tmp_path / "chaos.log",
     )  # fmt: skip
@@ -70,19 +71,23 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_then_by_the_runner(children,
 
 
 @pytest.mark.timeout(120)
-def test_interrupting_the_runner_kills_every_child(children, tmp_path):
+def test_interrupting_the_runner_kills_every_child_of_the_script_it_was_given(children, tmp_path):
+    # A copy under another name: only --script can have started its workers.
+    script = tmp_path / "given_train.py"
+    shutil.copy(REPO / "examples" / "train_ddp.py", script)
     runner = children.spawn(
-        [PYTHON, "-m", "torchft_like.chaos", "--groups", "2", "--nproc-per-group", "1",
-         "--steps", "1000", "--faults", "0", "--out", str(tmp_path / "chaos")],
+        [PYTHON, "-m", "tools.chaos", "--script", str(script), "--groups", "2",
+         "--nproc-per-group", "1", "--steps", "1000", "--faults", "0",
+         "--out", str(tmp_path / "chaos")],
         log=tmp_path / "chaos.log",
     )  # fmt: skip
     deadline = time.monotonic() + 90
     while True:
         procs = tree(runner.pid)
-        workers = [p for p in procs if "train_ddp.py" in " ".join(_cmdline(p))]
+        workers = [p for p in procs if _program(p) == str(script.resolve())]
         if len(workers) == 2:
             break
-        assert time.monotonic() < deadline, "the runner never started two groups"
+        assert time.monotonic() < deadline, "the runner never started the workers of two groups"
         time.sleep(0.2)
     runner.send_signal(signal.SIGINT)
     assert runner.wait(timeout=30) == 130
@@ -90,11 +95,13 @@ def test_interrupting_the_runner_kills_every_child(children, tmp_path):
     assert not alive, f"children outlived the interrupted runner: {alive}"
 
 
-def _cmdline(p: psutil.Process) -> list[str]:
+def _program(p: psutil.Process) -> str | None:
+    """What the Python process runs: its script, or its -m module. The runner
+    and torchrun also name the script, but among their arguments."""
     try:
-        return p.cmdline()
+        return next((arg for arg in p.cmdline()[1:] if not arg.startswith("-")), None)
     except psutil.Error:
-        return []
+        return None
 
 
 def _running(p: psutil.Process) -> bool:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from tests.procs import PYTHON, wait_for_line
-from torchft_like._procs import kill_tree, read_jsonl
+from tools.procs import kill_tree, read_jsonl
 
 pytestmark = pytest.mark.timeout(150)
 

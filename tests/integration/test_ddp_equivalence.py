@@ -21,8 +21,8 @@ from torch.distributed import TCPStore
 
 from lighthouse import LighthouseServer
 from tests.integration._replica import small_replica
+from tools.procs import free_port
 from torchft_like import DistributedDataParallel, Optimizer
-from torchft_like._procs import free_port
 
 pytestmark = pytest.mark.timeout(90)
 STEPS = 20

@@ -21,7 +21,7 @@ import pytest
 from lighthouse import LighthouseClient, LighthouseServer, QuorumError, QuorumTimeoutError
 from lighthouse.client import AsyncLighthouseClient
 from tests.procs import PYTHON, Children, wait_for_line
-from torchft_like._procs import free_port, kill_tree
+from tools.procs import free_port, kill_tree
 from torchft_like.manager_server import ManagerServer
 
 pytestmark = pytest.mark.timeout(90)

@@ -7,7 +7,7 @@ from collections import Counter
 
 import pytest
 
-from torchft_like._chaos_checks import (
+from tools.chaos.checks import (
     StepRecord,
     committed_step_regressions,
     final_agreement,
@@ -16,7 +16,7 @@ from torchft_like._chaos_checks import (
     step_regressions,
     survivor_stall_s,
 )
-from torchft_like._chaos_schedule import (
+from tools.chaos.schedule import (
     ALL_KINDS,
     FaultKind,
     ScheduleConfig,

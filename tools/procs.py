@@ -1,9 +1,15 @@
-"""Killing whole process trees: torchrun puts each worker in its own session,
-so a signal to torchrun's process group would leave the workers running."""
+"""Child process trees for the demo, the tests, the benchmarks and the chaos runner.
+
+Starts children in sessions of their own, finds and signals their whole trees,
+kills a tree and waits until it is gone, and reads their JSON-lines logs.
+Trees, not process groups: torchrun puts each worker in its own session, so a
+signal to torchrun's process group would leave the workers running.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import signal
 import socket
@@ -13,6 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import psutil
+
+logger = logging.getLogger(__name__)
 
 
 def free_port() -> int:

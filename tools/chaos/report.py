@@ -1,0 +1,132 @@
+"""The chaos run's verdict: checks, per-fault stall and rejoin table, goodput, summary.json."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from dataclasses import asdict
+
+from tools.chaos import checks
+from tools.chaos.runner import Runner
+from tools.chaos.schedule import FaultKind
+
+
+def report(runner: Runner, left: list[str]) -> int:
+    """Checks the ended run, prints the per-fault table and the summary, and
+    writes summary.json; returns the exit status (1 when a check failed).
+
+    Args:
+        runner: the run, after its loop returned.
+        left: processes still running after the cleanup (each a failure).
+    """
+    a, records = runner.args, runner.records
+    problems = list(runner.problems)
+    problems += checks.step_regressions(records)
+    problems += checks.committed_step_regressions(records)
+    finals = {g.index: g.final for g in runner.groups if g.final is not None}
+    outside, divergence = checks.final_agreement(finals)
+    problems += divergence
+    missing = [g.index for g in runner.groups if g.final is None]
+    if missing:
+        problems.append(f"groups {missing} did not finish")
+    if left:
+        problems.append(f"processes alive after the cleanup: {left}")
+    for g in runner.groups:
+        if g.final is not None and g.state != "finished":
+            problems.append(f"group {g.index} logged its final step but did not exit")
+    _time_outcomes(runner)
+    final_step = runner.leading_step()
+    gp = checks.goodput(records, a.groups, final_step)
+
+    print("\n fault | step | kind               | victim | down s | survivor stall s | rejoin s |")
+    for o in sorted(runner.outcomes, key=lambda o: o.index):
+        f = o.fault
+        victim = (
+            "lighthouse"
+            if f.group is None
+            else f"g{f.group}" + (f"/r{f.rank}" if f.rank is not None else "")
+        )
+        print(
+            f" {o.index:>5} | {f.at_step:>4} | {f.kind.value:<18} | {victim:>6} "
+            f"| {f.delay_s:>6.2f} | {_fmt(o.stall_s):>16} | {_fmt(o.rejoin_s):>8} | {o.note}"
+        )
+    done = [o for o in runner.outcomes if o.fired_at is not None]
+    stalls = [o.stall_s for o in done if o.stall_s is not None]
+    rejoins = [o.rejoin_s for o in done if o.rejoin_s is not None]
+    print(f"\nfaults injected: {len(done)} of {len(runner.schedule)} scheduled (seed {a.seed})")
+    print(f"survivor stall s: median {_med(stalls)}, worst {_fmt(max(stalls, default=None))}")
+    print(f"rejoin s:         median {_med(rejoins)}, worst {_fmt(max(rejoins, default=None))}")
+    for kind in FaultKind:
+        of_kind = [o for o in done if o.fault.kind == kind]
+        if of_kind:
+            st = [o.stall_s for o in of_kind if o.stall_s is not None]
+            rj = [o.rejoin_s for o in of_kind if o.rejoin_s is not None]
+            print(
+                f"  {kind.value:<18} x{len(of_kind):<3} stall median {_med(st)} worst "
+                f"{_fmt(max(st, default=None))}, rejoin median {_med(rj)} worst "
+                f"{_fmt(max(rj, default=None))}"
+            )
+    print(
+        f"goodput {gp.goodput:.1%} ({gp.participant_steps} group-steps committed; fault-free "
+        f"step {gp.fault_free_step_s:.3f} s); participation {gp.participation:.1%} of "
+        f"{final_step} steps x {a.groups} groups"
+    )
+    for g in runner.groups:
+        f = g.final
+        print(f"group {g.index}: " + (f"step {f['step']} hash {f['hash']} quorum {f['quorum_id']}"
+                                      if f else "no final state"))  # fmt: skip
+    if outside:
+        print(f"groups {outside} ended outside the last quorum (trained alone at the end)")
+    print("\nCHECKS PASSED" if not problems else "\nCHECKS FAILED:\n  " + "\n  ".join(problems))
+    summary = {
+        "args": vars(a),
+        "faults": [
+            {**asdict(o), "fault": {**asdict(o.fault), "kind": o.fault.kind.value}}
+            for o in runner.outcomes
+        ],
+        "goodput": asdict(gp),
+        "finals": finals,
+        "outside_last_quorum": outside,
+        "problems": problems,
+        "stall_median_s": statistics.median(stalls) if stalls else None,
+        "rejoin_median_s": statistics.median(rejoins) if rejoins else None,
+    }
+    (runner.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
+    print(f"logs and summary.json in {runner.out}")
+    return 0 if not problems else 1
+
+
+def _time_outcomes(runner: Runner) -> None:
+    """Fills each settled fault's worst survivor stall and its rejoin time."""
+    records = runner.records
+    for o in runner.outcomes:
+        unsettled = o.settled_at != o.settled_at  # NaN: hit the settle timeout
+        if o.settled_at is None or o.fired_at is None or unsettled:
+            continue
+        # A survivor hit by a later fault stalls for its own reason from then on.
+        stalls = []
+        for g in o.survivors:
+            hit = min(
+                (x.fired_at for x in runner.outcomes
+                 if x.fault.group == g and x.fired_at is not None and x.fired_at > o.fired_at),
+                default=float("inf"),
+            )  # fmt: skip
+            before = [r for r in records if r.t < hit]
+            stalls.append(checks.survivor_stall_s(before, [g], o.fired_at, min(o.settled_at, hit)))
+        o.stall_s = max(stalls, default=None)
+        survivors = list(o.survivors)
+        who = [o.fault.group] if o.fault.group is not None else survivors
+        since = o.recovered_at if o.recovered_at is not None else o.fired_at
+        fresh = records
+        if o.fault.kind == FaultKind.KILL_RANK:  # a step in flight at the kill may commit
+            fresh = [r for r in records if r.group not in who or r.incarnation > o.incarnation]
+        first = checks.first_commit_after(fresh, who, since)
+        o.rejoin_s = first - since if first is not None else None
+
+
+def _fmt(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
+def _med(xs: list[float]) -> str:
+    return _fmt(statistics.median(xs)) if xs else "-"
