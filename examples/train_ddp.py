@@ -49,6 +49,7 @@ from torchft_like import (  # noqa: E402
     Manager,
     Optimizer,
     ProcessGroupGloo,
+    StepBatches,
 )
 from torchft_like.standby import wait_for_replica_group  # noqa: E402
 
@@ -116,7 +117,8 @@ gen = torch.Generator().manual_seed(args.seed)
 inputs = torch.randn(NUM_SAMPLES, NUM_FEATURES, generator=gen)
 teacher = torch.randn(NUM_FEATURES, NUM_CLASSES, generator=gen)
 labels = (inputs @ teacher).argmax(dim=1)
-dataset = TensorDataset(inputs, labels)
+# Each sample carries its id, so the per-step log shows which samples a commit trained.
+dataset = TensorDataset(torch.arange(NUM_SAMPLES), inputs, labels)
 
 # --- model, manager, optimizer ----------------------------------------------
 
@@ -173,6 +175,8 @@ except (QuorumError, ValueError) as e:  # unreachable, refused, bad settings
     log.error("%s", e)
     sys.exit(2)
 manager_time = time.time()
+# The batch of each committed step; its position is state that heals copy.
+batches = StepBatches(manager, loader)
 ddp_model = DistributedDataParallel(manager, model)
 optimizer = Optimizer(manager, inner_optimizer)
 criterion = nn.CrossEntropyLoss()
@@ -227,16 +231,9 @@ def last_step() -> int:
 
 gc.freeze()
 gc.enable()
-epoch = 0
-batches = iter(loader)
 while manager.current_step() < last_step():
-    try:
-        x, y = next(batches)
-    except StopIteration:
-        epoch += 1
-        sampler.set_epoch(epoch)
-        batches = iter(loader)
-        continue
+    ids, x, y = next(batches)
+    position = batches.position()
     x, y = x.to(device), y.to(device)
     step_start = time.time()
     optimizer.zero_grad()
@@ -245,6 +242,8 @@ while manager.current_step() < last_step():
     step_before = manager.current_step()
     optimizer.step()
     committed = manager.current_step() > step_before
+    # A healing replica contributes zeros: its batch is not trained this step.
+    contributed = committed and manager.is_participating()
     healed = manager.did_heal()
     log.info(
         "step %d loss %.4f participants %d committed %s%s",
@@ -265,6 +264,11 @@ while manager.current_step() < last_step():
             "committed": committed,
             "healed": healed,
             "quorum_id": manager.quorum_id(),
+            # The samples this group's commit trained (none when it did not
+            # contribute), and where they lie in its shard.
+            "sample_ids": ids.tolist() if contributed else [],
+            "data_epoch": position.epoch,
+            "data_batch": position.batch,
             **manager.timings(),
         }
     )

@@ -10,6 +10,7 @@ from torchft_like.process_group import (
     ProcessGroupDummy,
     ProcessGroupGloo,
 )
+from torchft_like.step_batches import StepBatches
 
 __all__ = [
     "BufferSync",
@@ -23,5 +24,6 @@ __all__ = [
     "ProcessGroupDummy",
     "ProcessGroupGloo",
     "PureDistributedDataParallel",
+    "StepBatches",
     "WorldSizeMode",
 ]

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
+from itertools import islice
 from typing import Any
 
 from torch.utils import data
@@ -51,3 +53,19 @@ class DistributedSampler(data.distributed.DistributedSampler):
         super().__init__(
             dataset, num_replicas=self.global_world_size, rank=self.global_rank, **kwargs
         )
+        self.start = 0
+        """Index into this epoch's shard where iteration begins, so a loader
+        resumes mid-epoch without reading the samples before it
+        (torchft_like.StepBatches sets it)."""
+
+    def set_start(self, start: int) -> None:
+        """Begins every later iteration at `start` (0: the shard's beginning)."""
+        if not 0 <= start <= self.num_samples:
+            raise ValueError(
+                f"start ({start}) must be in [0, {self.num_samples}] (the samples per shard "
+                "in an epoch); pass the index of the first sample to read this epoch"
+            )
+        self.start = start
+
+    def __iter__(self) -> Iterator[Any]:
+        return islice(super().__iter__(), self.start, None)

@@ -9,7 +9,9 @@ from pathlib import Path
 import pytest
 
 from tests.procs import PYTHON, wait_for_line
+from tools.chaos.checks import BatchRecord, data_exactly_once
 from tools.procs import kill_tree, read_jsonl
+from torchft_like.data import DistributedSampler
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -64,6 +66,45 @@ def finals(tmp_path: Path) -> list[dict]:
     ]
 
 
+NUM_SAMPLES, BATCH_SIZE, SEED = 8192, 32, 0  # examples/train_ddp.py's data and defaults
+
+
+def shard_batches(group: int, num_steps: int) -> list[list[int]]:
+    """The sample ids of a group's batches in step order, as its sampler defines them."""
+    sampler = DistributedSampler(range(NUM_SAMPLES), group, 2, group_rank=0, num_replicas=1,
+                                 seed=SEED)  # fmt: skip
+    out: list[list[int]] = []
+    epoch = 0
+    while len(out) < num_steps:
+        sampler.set_epoch(epoch)
+        order = list(sampler)
+        out += [
+            order[i : i + BATCH_SIZE] for i in range(0, len(order) - BATCH_SIZE + 1, BATCH_SIZE)
+        ]
+        epoch += 1
+    return out
+
+
+def assert_exactly_once_data(tmp_path: Path, final: int) -> None:
+    """Each commit a group contributed to trained the batch of its own shard at
+    the position of its step (the commit of step s trains batch s-1), no step
+    twice: nothing skipped, nothing repeated. The survivor contributed to every
+    step."""
+    batches = []
+    for group in (0, 1):
+        expected = shard_batches(group, final)
+        contributed = [r for r in steps(tmp_path / f"group{group}.jsonl")
+                       if r["committed"] and r["sample_ids"]]  # fmt: skip
+        for r in contributed:
+            assert r["sample_ids"] == expected[r["step"] - 1], (
+                f"group {group} trained the wrong batch at step {r['step']}"
+            )
+            batches.append(BatchRecord(group, r["step"], r["data_epoch"], tuple(r["sample_ids"])))
+        if group == 0:
+            assert sorted(r["step"] for r in contributed) == list(range(1, final + 1))
+    assert data_exactly_once(batches) == []
+
+
 def test_a_killed_group_restarts_heals_and_ends_bit_identical(children, tmp_path):
     lighthouse = start_lighthouse(children, heartbeat_timeout_ms=1000)
     survivor = start_group(children, tmp_path, lighthouse, 0)
@@ -98,6 +139,7 @@ def test_a_killed_group_restarts_heals_and_ends_bit_identical(children, tmp_path
     a, b = finals(tmp_path)
     assert a["step"] == b["step"] == final
     assert a["hash"] == b["hash"], "replicas are not bit-identical at the same step"
+    assert_exactly_once_data(tmp_path, final)
 
 
 def test_a_group_that_leaves_on_purpose_does_not_stall_the_other(children, tmp_path):

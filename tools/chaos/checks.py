@@ -138,3 +138,58 @@ def first_commit_after(records: list[StepRecord], groups: list[int], since: floa
     """Time of the first commit by any of `groups` after `since`, or None."""
     times = [r.t for r in records if r.group in groups and r.committed and r.t > since]
     return min(times) if times else None
+
+
+@dataclass(frozen=True)
+class BatchRecord:
+    """The samples one group's commit trained (logged only when it contributed)."""
+
+    group: int
+    step: int
+    """The committed step (the step count after the commit)."""
+    epoch: int
+    """The data epoch the batch belongs to."""
+    sample_ids: tuple[int, ...]
+
+
+def data_exactly_once(batches: list[BatchRecord]) -> list[str]:
+    """Every batch is trained once by the commit its step calls for: a group
+    trains one batch per committed step (never a step twice), never a sample
+    twice in an epoch, only its own shard (no sample of another group's in the
+    same epoch), and its epochs follow its steps (groups at the same step are
+    in the same epoch: a restarted group replaying its shard from the start,
+    or one a batch behind its step, breaks one of these)."""
+    problems = []
+    seen_steps: dict[tuple[int, int], BatchRecord] = {}
+    owner: dict[tuple[int, int], BatchRecord] = {}
+    epoch_of_step: dict[int, BatchRecord] = {}
+    last: dict[int, BatchRecord] = {}
+    for b in sorted(batches, key=lambda b: (b.group, b.step)):
+        if (b.group, b.step) in seen_steps:
+            problems.append(f"group {b.group} trained a batch for step {b.step} twice")
+            continue
+        seen_steps[(b.group, b.step)] = b
+        before = last.get(b.group)
+        if before is not None and before.epoch > b.epoch:
+            problems.append(
+                f"group {b.group} went back from epoch {before.epoch} (step {before.step}) "
+                f"to epoch {b.epoch} (step {b.step})"
+            )
+        last[b.group] = b
+        same = epoch_of_step.setdefault(b.step, b)
+        if same.epoch != b.epoch:
+            problems.append(
+                f"at step {b.step} group {same.group} trained epoch {same.epoch} but group "
+                f"{b.group} epoch {b.epoch}"
+            )
+        for sample in b.sample_ids:
+            first = owner.setdefault((b.epoch, sample), b)
+            if first is b:
+                continue
+            who = "it" if first.group == b.group else f"group {first.group}"
+            problems.append(
+                f"group {b.group} trained sample {sample} at step {b.step}, which {who} "
+                f"trained at step {first.step} in the same epoch {b.epoch}"
+            )
+            break  # one line per batch
+    return problems

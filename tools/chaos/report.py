@@ -23,6 +23,7 @@ def report(runner: Runner, left: list[str]) -> int:
     problems = list(runner.problems)
     problems += checks.step_regressions(records)
     problems += checks.committed_step_regressions(records)
+    problems += checks.data_exactly_once(runner.batches)
     finals = {g.index: g.final for g in runner.groups if g.final is not None}
     outside, divergence = checks.final_agreement(finals)
     problems += divergence

@@ -66,6 +66,8 @@ class Runner:
     children: Children
     groups: list[Group] = field(default_factory=list)
     records: list[checks.StepRecord] = field(default_factory=list)
+    batches: list[checks.BatchRecord] = field(default_factory=list)
+    """The samples of each contributed commit (scripts that log sample_ids)."""
     problems: list[str] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)
     active: list[_Active] = field(default_factory=list)
@@ -108,6 +110,12 @@ class Runner:
                             r["participants"],
                         )
                     )  # fmt: skip
+                    if r["committed"] and r.get("sample_ids"):
+                        self.batches.append(
+                            checks.BatchRecord(
+                                g.index, r["step"], r["data_epoch"], tuple(r["sample_ids"])
+                            )
+                        )
                 elif r["event"] == "final":
                     g.final = r
 
