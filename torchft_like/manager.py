@@ -272,6 +272,23 @@ class Manager:
         self._step = state_dict["step"]
         self._batches_committed = state_dict["batches_committed"]
 
+    def full_state_dict(self) -> dict[str, Any]:
+        """Everything healing copies: every registered state dict ("user")
+        and our progress ("torchft"); durable checkpoints save it."""
+        return self._full_state_dict()
+
+    def load_full_state_dict(self, state: dict[str, Any]) -> None:
+        """Loads a `full_state_dict()`, e.g. from a durable checkpoint."""
+        missing = sorted(set(self._user_state) - set(state["user"]))
+        if missing:
+            raise ValueError(
+                f"the state has no {missing} (registered with register_state_dict_fn; it "
+                f"holds {sorted(state['user'])}): register the same keys as when it was saved"
+            )
+        for key, (load, _) in self._user_state.items():
+            load(state["user"][key])
+        self.load_state_dict(state["torchft"])
+
     def _full_state_dict(self) -> dict[str, Any]:
         return {
             "user": {key: fns[1]() for key, fns in self._user_state.items()},
