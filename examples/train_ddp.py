@@ -51,6 +51,7 @@ from torchft_like import (  # noqa: E402
     ProcessGroupGloo,
     StepBatches,
 )
+from torchft_like.checkpointing.durable import DurableCheckpointer  # noqa: E402
 from torchft_like.standby import wait_for_replica_group  # noqa: E402
 
 # --- arguments --------------------------------------------------------------
@@ -85,6 +86,16 @@ parser.add_argument(
     "the id of the replica group to replace into this file, and train as that group "
     "(REPLICA_GROUP_ID is then ignored)",
 )
+parser.add_argument(
+    "--checkpoint-dir",
+    default=None,
+    help="durable checkpoints here (shared by every group); a start resumes from the newest "
+    "complete one",
+)
+parser.add_argument(
+    "--checkpoint-every", type=int, default=100, help="committed steps between checkpoints"
+)
+parser.add_argument("--checkpoint-keep", type=int, default=2, help="checkpoints kept per rank")
 args = parser.parse_args()
 
 NUM_REPLICA_GROUPS = int(os.environ.get("NUM_REPLICA_GROUPS", 2))
@@ -177,6 +188,12 @@ except (QuorumError, ValueError) as e:  # unreachable, refused, bad settings
 manager_time = time.time()
 # The batch of each committed step; its position is state that heals copy.
 batches = StepBatches(manager, loader)
+checkpointer = None
+if args.checkpoint_dir:
+    checkpointer = DurableCheckpointer(
+        manager, args.checkpoint_dir, args.checkpoint_every, keep=args.checkpoint_keep
+    )
+    checkpointer.load_newest()  # before the first quorum: a whole-job restart resumes here
 ddp_model = DistributedDataParallel(manager, model)
 optimizer = Optimizer(manager, inner_optimizer)
 criterion = nn.CrossEntropyLoss()
@@ -242,6 +259,8 @@ while manager.current_step() < last_step():
     step_before = manager.current_step()
     optimizer.step()
     committed = manager.current_step() > step_before
+    if committed and checkpointer is not None:
+        checkpointer.maybe_save()
     # A healing replica contributes zeros: its batch is not trained this step.
     contributed = committed and manager.is_participating()
     healed = manager.did_heal()
@@ -286,4 +305,6 @@ emit(
         "quorum_id": manager.quorum_id(),  # groups in one last quorum must agree
     }
 )
+if checkpointer is not None:
+    checkpointer.close()
 manager.shutdown()
