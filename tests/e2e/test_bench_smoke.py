@@ -19,6 +19,7 @@ BENCHMARKS = [
     "lighthouse_load",
     "fingerprint",
     "auth_overhead",
+    "checkpoint_overhead",
 ]
 TIMEOUT_S = 90
 """A bound, not the expected time: each takes 1-25 s on an idle 2-core machine."""
