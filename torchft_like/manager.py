@@ -28,6 +28,7 @@ from torch.distributed import ReduceOp, TCPStore
 
 from lighthouse.rpc import auth
 from lighthouse.rpc.errors import QuorumError
+from torchft_like import parent_watch
 from torchft_like._work import FutureWork, completed_work
 from torchft_like.checkpointing import CheckpointTransport, HTTPTransport
 from torchft_like.fingerprint import fingerprint
@@ -116,6 +117,9 @@ class Manager:
         secret: the job's shared secret (lighthouse.rpc.auth), sent with every
             call and required by our servers; None reads TORCHFT_SECRET_FILE
             or TORCHFT_SECRET, and without either access control is off.
+        exit_with_parent: end this process within about 0.1 s of its parent
+            (torchrun) dying, so that `kill -9` of torchrun is a group death
+            rather than an orphan that trains on (torchft_like.parent_watch).
     """
 
     def __init__(
@@ -145,6 +149,7 @@ class Manager:
         fingerprint_interval: int | None = None,
         fingerprint_fn: Callable[[], Any] | None = None,
         secret: str | None = None,
+        exit_with_parent: bool = True,
     ) -> None:
         if min_replica_size < 1:
             raise ValueError(f"min_replica_size ({min_replica_size}) must be at least 1")
@@ -153,6 +158,8 @@ class Manager:
                 f"fingerprint_interval ({fingerprint_interval}) must be at least 1, "
                 "or None to turn fingerprints off"
             )
+        if exit_with_parent:
+            parent_watch.exit_with_parent()
         self._fingerprint_interval = fingerprint_interval
         self._fingerprint_fn = fingerprint_fn
         self._pg = pg

@@ -3,9 +3,12 @@ running examples/train_ddp.py; real SIGKILL of a whole group, real restart."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.procs import PYTHON, wait_for_line
@@ -125,3 +128,48 @@ def test_a_group_that_leaves_on_purpose_does_not_stall_the_other(children, tmp_p
     assert after and all(r["committed"] for r in after)
     assert after[0]["t"] - left_at < 5, "the stayer waited for the leaver's heartbeat to expire"
     assert after[-1]["participants"] == 1
+
+
+def test_killing_torchrun_alone_ends_its_worker_and_the_other_group_goes_on(children, tmp_path):
+    # What the README tells users to do: kill -9 of torchrun, not of its tree.
+    # A 20 s heartbeat timeout: only the worker's exit (its heartbeat stream
+    # closing) can explain the survivor dropping it quickly.
+    lighthouse = start_lighthouse(children, heartbeat_timeout_ms=20_000)
+    survivor = start_group(children, tmp_path, lighthouse, 0)
+    victim = start_group(children, tmp_path, lighthouse, 1)
+    log0 = tmp_path / "group0.jsonl"
+    wait_until(
+        lambda: sum(r["participants"] == 2 and r["committed"] for r in steps(log0)) >= 5,
+        90,
+        "both groups to train together",
+    )
+    workers = psutil.Process(victim.pid).children(recursive=True)
+    assert workers, "torchrun has no worker"
+    os.kill(victim.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    killed_wall = time.time()
+    victim.wait(timeout=10)
+    while alive := [w for w in workers if running(w)]:
+        assert time.monotonic() - killed_at < 5, f"orphaned workers still run: {alive}"
+        time.sleep(0.01)
+    exit_s = time.monotonic() - killed_at
+    print(f"orphaned worker exited {exit_s:.2f} s after torchrun's SIGKILL")
+    assert exit_s < 1.5, f"the orphaned worker took {exit_s:.2f} s to exit"
+    wait_until(
+        lambda: any(
+            r["t"] > killed_wall and r["committed"] and r["participants"] == 1 for r in steps(log0)
+        ),
+        15,
+        "the survivor to commit without the dead group",
+    )
+    stop_at(tmp_path, 0, last_step(log0) + 3)
+    assert survivor.wait(timeout=60) == 0
+    assert "is gone" in (tmp_path / "group1.log").read_text()
+
+
+def running(proc: psutil.Process) -> bool:
+    """A zombie (an orphan not yet reaped by init) runs nothing: gone."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
