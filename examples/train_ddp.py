@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 TORCH_TIME, TORCH_CPU = time.time(), time.process_time()
 
-from lighthouse import QuorumError  # noqa: E402
+from lighthouse import DuplicateGroupError, QuorumError  # noqa: E402
 from torchft_like import (  # noqa: E402
     DistributedDataParallel,
     DistributedSampler,
@@ -86,6 +86,7 @@ parser.add_argument(
 )
 args = parser.parse_args()
 
+REPLICA_GROUP_ID_ENV = "REPLICA_GROUP_ID"
 NUM_REPLICA_GROUPS = int(os.environ.get("NUM_REPLICA_GROUPS", 2))
 RANK = int(os.environ.get("RANK", 0))
 torch.set_num_threads(1)
@@ -106,7 +107,7 @@ def log_as(group: str) -> None:
     )
 
 
-log_as("standby" if args.standby_file else os.environ.get("REPLICA_GROUP_ID", "0"))
+log_as("standby" if args.standby_file else os.environ.get(REPLICA_GROUP_ID_ENV, "?"))
 log = logging.getLogger("train_ddp")
 
 # --- data: a fixed random teacher network labels random inputs --------------
@@ -150,7 +151,29 @@ if args.standby_file:
     log_as(str(REPLICA_GROUP_ID))
     log.info("standby: replacing replica group %d", REPLICA_GROUP_ID)
 else:
-    REPLICA_GROUP_ID = int(os.environ.get("REPLICA_GROUP_ID", 0))
+    # No default: a forgotten variable would silently make a second group 0,
+    # training group 0's data shard twice.
+    try:
+        REPLICA_GROUP_ID = int(os.environ[REPLICA_GROUP_ID_ENV])
+    except (KeyError, ValueError):
+        log.error(
+            "%s=%r: it must be set to this replica group's id, an integer in "
+            "[0, NUM_REPLICA_GROUPS), different for every group; e.g. %s=0 torchrun ... "
+            "(or start a warm standby with --standby-file)",
+            REPLICA_GROUP_ID_ENV,
+            os.environ.get(REPLICA_GROUP_ID_ENV),
+            REPLICA_GROUP_ID_ENV,
+        )
+        sys.exit(2)
+    if not 0 <= REPLICA_GROUP_ID < NUM_REPLICA_GROUPS:
+        log.error(
+            "%s=%d must be in [0, NUM_REPLICA_GROUPS=%d): each group trains its own shard; "
+            "set NUM_REPLICA_GROUPS to the number of groups",
+            REPLICA_GROUP_ID_ENV,
+            REPLICA_GROUP_ID,
+            NUM_REPLICA_GROUPS,
+        )
+        sys.exit(2)
 sampler = DistributedSampler(
     dataset, replica_rank=REPLICA_GROUP_ID, num_replica_groups=NUM_REPLICA_GROUPS, seed=args.seed
 )
@@ -229,47 +252,51 @@ gc.freeze()
 gc.enable()
 epoch = 0
 batches = iter(loader)
-while manager.current_step() < last_step():
-    try:
-        x, y = next(batches)
-    except StopIteration:
-        epoch += 1
-        sampler.set_epoch(epoch)
-        batches = iter(loader)
-        continue
-    x, y = x.to(device), y.to(device)
-    step_start = time.time()
-    optimizer.zero_grad()
-    loss = criterion(ddp_model(x), y)
-    loss.backward()
-    step_before = manager.current_step()
-    optimizer.step()
-    committed = manager.current_step() > step_before
-    healed = manager.did_heal()
-    log.info(
-        "step %d loss %.4f participants %d committed %s%s",
-        manager.current_step(),
-        loss.item(),
-        manager.num_participants(),
-        committed,
-        " healed" if healed else "",
-    )
-    emit(
-        {
-            "event": "step",
-            "t": time.time(),
-            "step_s": time.time() - step_start,
-            "step": manager.current_step(),
-            "loss": loss.item(),
-            "participants": manager.num_participants(),
-            "committed": committed,
-            "healed": healed,
-            "quorum_id": manager.quorum_id(),
-            **manager.timings(),
-        }
-    )
-    if args.step_sleep:
-        time.sleep(args.step_sleep)
+try:
+    while manager.current_step() < last_step():
+        try:
+            x, y = next(batches)
+        except StopIteration:
+            epoch += 1
+            sampler.set_epoch(epoch)
+            batches = iter(loader)
+            continue
+        x, y = x.to(device), y.to(device)
+        step_start = time.time()
+        optimizer.zero_grad()
+        loss = criterion(ddp_model(x), y)
+        loss.backward()
+        step_before = manager.current_step()
+        optimizer.step()
+        committed = manager.current_step() > step_before
+        healed = manager.did_heal()
+        log.info(
+            "step %d loss %.4f participants %d committed %s%s",
+            manager.current_step(),
+            loss.item(),
+            manager.num_participants(),
+            committed,
+            " healed" if healed else "",
+        )
+        emit(
+            {
+                "event": "step",
+                "t": time.time(),
+                "step_s": time.time() - step_start,
+                "step": manager.current_step(),
+                "loss": loss.item(),
+                "participants": manager.num_participants(),
+                "committed": committed,
+                "healed": healed,
+                "quorum_id": manager.quorum_id(),
+                **manager.timings(),
+            }
+        )
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+except DuplicateGroupError as e:  # a second live group with our id: stop, loudly
+    log.error("%s", e)
+    sys.exit(2)
 
 final_hash = state_hash()
 log.info("finished at step %d, state hash %s", manager.current_step(), final_hash)

@@ -7,7 +7,7 @@ every clause of the rule is tested as a plain function (tests/unit).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 
@@ -129,6 +129,55 @@ def healthy_replicas(
     if streams_closed:
         healthy -= stream_closed_since_heartbeat(heartbeats, streams_closed)
     return healthy
+
+
+def group_name(replica_id: str) -> str:
+    """The replica group part of a `{name}:{uuid}` id (an id without ':' is
+    its own name): the uuid changes with every process start, the name not."""
+    name, colon, _ = replica_id.rpartition(":")
+    return name if colon else replica_id
+
+
+def twin_refusal(
+    now: float,
+    replica_id: str,
+    same_name: Iterable[str],
+    heartbeats: Mapping[str, float],
+    timeout_ms: int,
+    streams_closed: Mapping[str, float] | None = None,
+) -> str | None:
+    """Why `replica_id` must be refused as a second live group of its name, or None.
+
+    Two live processes training as one replica group (a restarted torchrun
+    while the old one still runs, or a REPLICA_GROUP_ID given twice) would
+    train the same data shard twice and corrupt the group's place in the
+    quorum. The replica already known and healthy keeps the name; a newcomer
+    is refused until that one is dead (stream closed, or silent past the
+    heartbeat timeout) or has left.
+
+    Args:
+        same_name: the known replica ids of the same group name (the caller
+            keeps an index, so a heartbeat costs no scan of every replica).
+    """
+    others = {rid for rid in same_name if rid != replica_id}
+    if not others:
+        return None
+    live = healthy_replicas(
+        now,
+        {rid: heartbeats[rid] for rid in others if rid in heartbeats},
+        timeout_ms,
+        streams_closed,
+    )
+    if not live:
+        return None
+    holder = min(live)
+    return (
+        f"replica group {group_name(replica_id)!r} is already live as {holder} "
+        f"(heard from {now - heartbeats[holder]:.1f} s ago); refusing {replica_id}: "
+        "a group id must be unique among live groups. Stop the other process first "
+        "(it is released as soon as it dies or leaves), or give this one another "
+        "REPLICA_GROUP_ID"
+    )
 
 
 def compute_quorum(now: float, state: LighthouseState, config: LighthouseConfig) -> QuorumDecision:

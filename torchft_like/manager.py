@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp, TCPStore
 
 from lighthouse.rpc import auth
-from lighthouse.rpc.errors import QuorumError
+from lighthouse.rpc.errors import DuplicateGroupError, QuorumError
 from torchft_like import parent_watch
 from torchft_like._work import FutureWork, completed_work
 from torchft_like.checkpointing import CheckpointTransport, HTTPTransport
@@ -186,6 +186,8 @@ class Manager:
         self._commit_failures = 0
         self._quorum_id = -1
         self._errored: Exception | None = None
+        self._fatal: DuplicateGroupError | None = None
+        """An error that no retry can fix: raised by the next start_quorum/should_commit."""
         self._healing = False
         self._pending_state_dict: dict[str, Any] | None = None
         self._participating_rank: int | None = None
@@ -293,6 +295,8 @@ class Manager:
         """Begins the step: asks for a quorum, in the background when async."""
         if self._quorum_future is not None:
             self._quorum_future.result()
+        if self._fatal is not None:
+            raise self._fatal
         self._errored = None
         self._healing = False
         self._healed = False
@@ -355,6 +359,10 @@ class Manager:
             result = self._client.quorum(request, timeout)
             self._timings["quorum_s"] = time.monotonic() - start
             self._apply_quorum(result, allow_heal)
+        except DuplicateGroupError as e:
+            self._logger.error("quorum refused, stopping: %s", e)
+            self._fatal = e
+            self.report_error(e)
         except QuorumError as e:  # expected when peers or the lighthouse fail: no traceback
             self._logger.warning("quorum failed: %s", e)
             self.report_error(e)
@@ -513,10 +521,16 @@ class Manager:
         """Votes with the whole group; True means every rank may step.
 
         Applies a pending healed state first, and stops serving our state so
-        the optimizer can write the weights. Raises RuntimeError after
-        `max_retries` consecutive uncommitted steps.
+        the optimizer can write the weights.
+
+        Raises:
+            RuntimeError: `max_retries` consecutive uncommitted steps.
+            DuplicateGroupError: the lighthouse refused this group because
+                another live group has the same name; retrying cannot help.
         """
         self.wait_quorum()
+        if self._fatal is not None:
+            raise self._fatal
         if self._healing and self._errored is None:
             try:
                 self._apply_pending_state_dict()

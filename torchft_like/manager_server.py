@@ -24,6 +24,7 @@ from lighthouse.quorum import Quorum, QuorumMember
 from lighthouse.rpc import errors, serve
 from lighthouse.rpc.address import advertised_host, join_host_port, parse_bind
 from lighthouse.rpc.errors import (
+    DuplicateGroupError,
     LighthouseUnavailableError,
     NotServedError,
     QuorumError,
@@ -271,8 +272,8 @@ class ManagerServer:
                     ) from None
                 await asyncio.sleep(delay)
                 continue
-            except QuorumTimeoutError:
-                raise
+            except (QuorumTimeoutError, DuplicateGroupError):
+                raise  # a retry cannot help: keep the lighthouse's reason
             except QuorumError as e:
                 if attempt >= self._quorum_retries:
                     raise
@@ -380,6 +381,11 @@ class ManagerServer:
                 if failing:
                     logger.info("[%s] lighthouse heartbeats succeed again", self.replica_id)
                 failing = False
+            except DuplicateGroupError as e:
+                # The quorum calls fail with it too, and the Manager stops there.
+                if not failing:
+                    logger.error("[%s] refused by the lighthouse: %s", self.replica_id, e)
+                failing = True
             except Exception as e:
                 if not failing:
                     logger.warning(

@@ -173,3 +173,26 @@ def running(proc: psutil.Process) -> bool:
         return proc.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def test_a_missing_or_duplicate_replica_group_id_stops_the_script_naming_it(children, tmp_path):
+    lighthouse = start_lighthouse(children, heartbeat_timeout_ms=20_000)
+    env = {"TORCHFT_LIGHTHOUSE": lighthouse, "NUM_REPLICA_GROUPS": "2"}
+    unnamed = children.spawn(
+        [PYTHON, "examples/train_ddp.py", "--steps", "5"], log=tmp_path / "unnamed.log", env=env
+    )
+    assert unnamed.wait(timeout=60) == 2
+    text = (tmp_path / "unnamed.log").read_text()
+    assert "REPLICA_GROUP_ID=None: it must be set" in text and "--standby-file" in text
+
+    first = start_group(children, tmp_path, lighthouse, 0)
+    wait_until(lambda: last_step(tmp_path / "group0.jsonl") >= 3, 60, "group 0 to train")
+    twin = children.spawn(
+        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+         "examples/train_ddp.py", "--steps", "5", "--hidden", "64"],
+        log=tmp_path / "twin.log", env={**env, "REPLICA_GROUP_ID": "0"},
+    )  # fmt: skip
+    assert twin.wait(timeout=60) != 0
+    text = (tmp_path / "twin.log").read_text()
+    assert "replica group 'train_ddp_0' is already live" in text, text[-3000:]
+    assert first.poll() is None, "the first group 0 stopped"

@@ -12,8 +12,10 @@ from lighthouse.quorum import (
     QuorumMember,
     compute_quorum,
     forgotten_replicas,
+    group_name,
     next_quorum_id,
     quorum_changed,
+    twin_refusal,
 )
 
 NOW = 1000.0
@@ -249,3 +251,46 @@ def test_silent_replicas_are_forgotten():
 def test_bad_config_is_refused_with_the_rule(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         LighthouseConfig(**kwargs)
+
+
+# ---- twin groups -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "replica_id, name",
+    [("train_ddp_0:9f1c", "train_ddp_0"), ("a:b:uuid", "a:b"), ("plain", "plain"), (":u", "")],
+)
+def test_the_group_name_is_the_id_before_its_last_colon(replica_id, name):
+    assert group_name(replica_id) == name
+
+
+@pytest.mark.parametrize(
+    "case, same_name, beats, closed, refused",
+    [
+        ("first of its name", [], {}, {}, False),
+        ("only itself known (its own later calls)", ["g:new"], {"g:new": 0.1}, {}, False),
+        ("another of the name is live", ["g:old"], {"g:old": 0.1}, {}, True),
+        ("the other is silent past the heartbeat timeout", ["g:old"], {"g:old": 1.5}, {}, False),
+        ("the other's stream closed after its last beat", ["g:old"], {"g:old": 0.5},
+         {"g:old": 0.2}, False),
+        ("the other's stream closed but it beat since", ["g:old"], {"g:old": 0.1},
+         {"g:old": 0.3}, True),
+        ("the index names one with no heartbeat", ["g:gone"], {}, {}, False),
+        ("one of two others is live", ["g:a", "g:b"], {"g:a": 3.0, "g:b": 0.2}, {}, True),
+    ],
+)  # fmt: skip
+def test_a_second_live_replica_of_one_group_is_refused_until_the_first_is_dead(
+    case, same_name, beats, closed, refused
+):
+    heartbeats = {rid: NOW - ago for rid, ago in beats.items()}
+    streams_closed = {rid: NOW - ago for rid, ago in closed.items()}
+    reason = twin_refusal(
+        NOW, "g:new", same_name, heartbeats, CONFIG.heartbeat_timeout_ms, streams_closed
+    )
+    if not refused:
+        assert reason is None, case
+        return
+    assert reason is not None, case
+    live = next(rid for rid in same_name if rid in beats and beats[rid] < 1.0)
+    assert f"replica group 'g' is already live as {live}" in reason
+    assert "refusing g:new" in reason and "another REPLICA_GROUP_ID" in reason
