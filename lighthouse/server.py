@@ -18,6 +18,7 @@ from grpc import aio
 from lighthouse import wire
 from lighthouse.metrics import LighthouseMetrics
 from lighthouse.quorum import (
+    ArrivalStats,
     LighthouseConfig,
     LighthouseState,
     Participant,
@@ -29,6 +30,7 @@ from lighthouse.quorum import (
     healthy_replicas,
     next_quorum_id,
     quorum_changed,
+    record_arrival,
     twin_refusal,
 )
 from lighthouse.rpc import errors, serve
@@ -59,6 +61,8 @@ class _Coordinator:
         self.metrics = metrics
         self.waiters: dict[str, _Waiter] = {}
         self.heartbeats: dict[str, float] = {}
+        self.arrivals: dict[str, ArrivalStats] = {}
+        """replica_id -> its heartbeat rhythm (quorum.suspected_replicas)."""
         self.open_streams: dict[str, int] = {}
         """replica_id -> heartbeat streams open (a reconnect may overlap the old one)."""
         self.streams_closed: dict[str, float] = {}
@@ -83,8 +87,17 @@ class _Coordinator:
         """Raises DuplicateGroupError for a second live replica of one group."""
         now = time.monotonic()
         self._admit(replica_id, now)
-        self.heartbeats[replica_id] = now
+        self._heard(replica_id, now)
         self.metrics.heartbeats.inc()
+
+    def _heard(self, replica_id: str, now: float) -> None:
+        last = self.heartbeats.get(replica_id)
+        if last is not None:
+            cap_s = self.config.heartbeat_timeout_ms / 1000
+            self.arrivals[replica_id] = record_arrival(
+                self.arrivals.get(replica_id), now - last, cap_s
+            )
+        self.heartbeats[replica_id] = now
 
     def _admit(self, replica_id: str, now: float) -> None:
         """Refuses a replica whose group name another live replica holds
@@ -140,6 +153,7 @@ class _Coordinator:
                 del self.by_name[name]
         self._refusals_logged.discard(replica_id)
         self.heartbeats.pop(replica_id, None)
+        self.arrivals.pop(replica_id, None)
         self.members.pop(replica_id, None)
         self.streams_closed.pop(replica_id, None)
 
@@ -157,7 +171,7 @@ class _Coordinator:
         """Waits for the first issued quorum that contains `member`."""
         now = time.monotonic()
         self._admit(member.replica_id, now)
-        self.heartbeats[member.replica_id] = now
+        self._heard(member.replica_id, now)
         self.members[member.replica_id] = member
         old = self.waiters.pop(member.replica_id, None)
         if old is not None and not old.future.done():
@@ -209,6 +223,7 @@ class _Coordinator:
             self.prev_quorum,
             streams_closed=self.streams_closed,
             started_at=self.started_at,
+            arrivals=self.arrivals,
         )
         decision = compute_quorum(now, state, self.config)
         self.reason = decision.reason
@@ -405,12 +420,16 @@ class LighthouseServer:
         heartbeat_timeout_ms: int = 5000,
         http_bind: str | None = None,
         secret: str | None = None,
+        suspect_phi: float = 8.0,
+        suspect_min_ms: int = 700,
     ) -> None:
         self.config = LighthouseConfig(
             min_replicas=min_replicas,
             join_timeout_ms=join_timeout_ms,
             quorum_tick_ms=quorum_tick_ms,
             heartbeat_timeout_ms=heartbeat_timeout_ms,
+            suspect_phi=suspect_phi,
+            suspect_min_ms=suspect_min_ms,
         )
         host, port = parse_bind(bind)
         self.metrics = LighthouseMetrics()

@@ -12,7 +12,7 @@ import psutil
 import pytest
 
 from tests.procs import PYTHON, wait_for_line
-from tools.procs import kill_tree, read_jsonl
+from tools.procs import kill_tree, read_jsonl, signal_tree
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -28,11 +28,13 @@ def wait_until(condition, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def start_lighthouse(children, heartbeat_timeout_ms: int) -> str:
+def start_lighthouse(
+    children, heartbeat_timeout_ms: int, join_timeout_ms: int = 1000, extra: tuple = ()
+) -> str:
     proc = children.spawn(
         [PYTHON, "-m", "lighthouse", "--min-replicas", "1", "--bind", "127.0.0.1:0",
          "--http-bind", "", "--heartbeat-timeout-ms", str(heartbeat_timeout_ms),
-         "--join-timeout-ms", "1000"]
+         "--join-timeout-ms", str(join_timeout_ms), *extra]
     )  # fmt: skip
     return wait_for_line(proc, r"listening on (http://\S+)", timeout=15).group(1)
 
@@ -196,3 +198,56 @@ def test_a_missing_or_duplicate_replica_group_id_stops_the_script_naming_it(chil
     text = (tmp_path / "twin.log").read_text()
     assert "replica group 'train_ddp_0' is already live" in text, text[-3000:]
     assert first.poll() is None, "the first group 0 stopped"
+
+
+@pytest.mark.parametrize("suspect", ["on", "off"])
+def test_a_stopped_group_is_left_out_within_a_second_and_heals_when_continued(
+    children, tmp_path, suspect
+):
+    # Default heartbeat timeout (5 s) and join timeout (60 s): only the hang
+    # detector can leave the stopped group out quickly. "off" measures the
+    # stall without it, for comparison; it only checks the group heals.
+    extra = () if suspect == "on" else ("--suspect-phi", "0")
+    lighthouse = start_lighthouse(children, 5000, join_timeout_ms=60_000, extra=extra)
+    survivor = start_group(children, tmp_path, lighthouse, 0)
+    victim = start_group(children, tmp_path, lighthouse, 1)
+    log0, log1 = tmp_path / "group0.jsonl", tmp_path / "group1.jsonl"
+    wait_until(
+        lambda: sum(r["participants"] == 2 and r["committed"] for r in steps(log0)) >= 20,
+        90,
+        "both groups to train together",
+    )
+    signal_tree(victim.pid, signal.SIGSTOP)
+    stopped_at = time.time()
+    wait_until(
+        lambda: sum(r["t"] > stopped_at and r["committed"] for r in steps(log0)) >= 10,
+        30,
+        "the survivor to go on alone",
+    )
+    signal_tree(victim.pid, signal.SIGCONT)
+    continued_at = time.time()
+    wait_until(
+        lambda: any(r["t"] > continued_at and r["committed"] for r in steps(log1)),
+        60,
+        "the continued group to commit again",
+    )
+    commits = [r["t"] for r in steps(log0) if r["committed"]]
+    before = [t for t in commits if t <= stopped_at]
+    gaps = [b - a for a, b in zip(before[-20:], before[-19:])]
+    ordinary_s = sorted(gaps)[len(gaps) // 2]
+    after = [t for t in commits if t > stopped_at]
+    stall_s = after[0] - before[-1]
+    print(
+        f"suspect={suspect}: survivor stall {stall_s:.2f} s "
+        f"(ordinary step {ordinary_s:.2f} s, extra {stall_s - ordinary_s:.2f} s)"
+    )
+    final = last_step(log0) + 10
+    for group in (0, 1):
+        stop_at(tmp_path, group, final)
+    assert survivor.wait(timeout=60) == 0
+    assert victim.wait(timeout=60) == 0
+    assert any(r["healed"] for r in steps(log1) if r["t"] > continued_at), "it did not heal"
+    a, b = finals(tmp_path)
+    assert a["hash"] == b["hash"], "replicas are not bit-identical at the same step"
+    if suspect == "on":
+        assert stall_s - ordinary_s < 1.5, f"the survivor stalled {stall_s:.2f} s"
