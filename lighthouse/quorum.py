@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -25,8 +26,10 @@ class QuorumMember:
     step: int = 0
     world_size: int = 1
     shrink_only: bool = False
-    data: str = ""
-    """Free-form JSON the member shares with the others."""
+    data: str | dict[str, Any] | None = ""
+    """Free-form JSON the member shares with the others: the JSON text inside
+    the lighthouse and on the wire; `LighthouseClient.quorum` hands it out
+    decoded (a dict, or None when empty), as pytorch/torchft does."""
     commit_failures: int = 0
 
 

@@ -94,7 +94,10 @@ class Manager:
         load_state_dict, state_dict: the user state to heal, registered as
             "default" (more with `register_state_dict_fn`).
         min_replica_size: fewest replicas a step may commit with.
-        use_async_quorum: overlap the quorum with the forward pass.
+        use_async_quorum: overlap the quorum with the forward pass. When
+            False, a failed quorum raises from start_quorum and a failed
+            vote from should_commit (a timeout as TimeoutError), as in
+            torchft; when True they are recorded and the step is skipped.
         timeout: bound on collectives, votes and state transfers.
         quorum_timeout: bound on one quorum.
         connect_timeout: bound on reaching the lighthouse and the servers.
@@ -193,6 +196,8 @@ class Manager:
         self._participating_rank: int | None = None
         self._num_participants = 0
         self._quorum_future: Future[None] | None = None
+        self._quorum_error: Exception | None = None
+        """Why this step's quorum failed, if it did."""
         self._pending_work: list[dist.Work] = []
         self._healed = False
         self._timings: dict[str, float] = {}
@@ -314,6 +319,10 @@ class Manager:
         # valid, so every replica of a fresh job counts from the first step.
         if not self._use_async_quorum or (self._init_sync and self._step == 0):
             self.wait_quorum()
+            if not self._use_async_quorum and self._quorum_error is not None:
+                # Synchronous callers get the failure where they asked, as
+                # from torchft; it is also recorded, so the step cannot commit.
+                raise self._quorum_error
             if self._healing and self._errored is None:
                 self._apply_pending_state_dict()
 
@@ -346,6 +355,7 @@ class Manager:
     ) -> None:
         start = time.monotonic()
         self._timings = {}
+        self._quorum_error = None
         try:
             request = QuorumRequest(
                 group_rank=self._group_rank,
@@ -365,9 +375,11 @@ class Manager:
             self.report_error(e)
         except QuorumError as e:  # expected when peers or the lighthouse fail: no traceback
             self._logger.warning("quorum failed: %s", e)
+            self._quorum_error = e
             self.report_error(e)
         except Exception as e:
             self._logger.exception("quorum failed: %s", e)
+            self._quorum_error = e
             self.report_error(e)
 
     def _apply_quorum(self, result: QuorumResult, allow_heal: bool) -> None:
@@ -553,13 +565,14 @@ class Manager:
                 self._num_participants,
                 self._min_replica_size,
             )
+        vote_error: Exception | None = None
         try:
             decision = self._client.should_commit(
                 self._group_rank, self._step, vote, timeout or self._timeout
             )
         except Exception as e:
             self.report_error(e)
-            decision = False
+            decision, vote_error = False, e
         if decision:
             self._step += 1
             self._batches_committed += self._num_participants
@@ -567,6 +580,8 @@ class Manager:
         else:
             self._commit_failures += 1
             self._logger.info("step not committed (%d in a row)", self._commit_failures)
+            if vote_error is not None and not self._use_async_quorum:
+                raise vote_error  # synchronous callers get it, as from torchft
             if self._max_retries is not None and self._commit_failures > self._max_retries:
                 raise RuntimeError(
                     f"{self._commit_failures} steps in a row failed to commit, more than "
