@@ -42,7 +42,7 @@ from torch.utils.data import DataLoader, TensorDataset  # noqa: E402
 
 TORCH_TIME, TORCH_CPU = time.time(), time.process_time()
 
-from lighthouse import QuorumError  # noqa: E402
+from lighthouse import DuplicateGroupError, QuorumError  # noqa: E402
 from torchft_like import (  # noqa: E402
     DistributedDataParallel,
     DistributedSampler,
@@ -98,6 +98,7 @@ parser.add_argument(
 parser.add_argument("--checkpoint-keep", type=int, default=2, help="checkpoints kept per rank")
 args = parser.parse_args()
 
+REPLICA_GROUP_ID_ENV = "REPLICA_GROUP_ID"
 NUM_REPLICA_GROUPS = int(os.environ.get("NUM_REPLICA_GROUPS", 2))
 RANK = int(os.environ.get("RANK", 0))
 torch.set_num_threads(1)
@@ -118,7 +119,7 @@ def log_as(group: str) -> None:
     )
 
 
-log_as("standby" if args.standby_file else os.environ.get("REPLICA_GROUP_ID", "0"))
+log_as("standby" if args.standby_file else os.environ.get(REPLICA_GROUP_ID_ENV, "?"))
 log = logging.getLogger("train_ddp")
 
 # --- data: a fixed random teacher network labels random inputs --------------
@@ -163,7 +164,29 @@ if args.standby_file:
     log_as(str(REPLICA_GROUP_ID))
     log.info("standby: replacing replica group %d", REPLICA_GROUP_ID)
 else:
-    REPLICA_GROUP_ID = int(os.environ.get("REPLICA_GROUP_ID", 0))
+    # No default: a forgotten variable would silently make a second group 0,
+    # training group 0's data shard twice.
+    try:
+        REPLICA_GROUP_ID = int(os.environ[REPLICA_GROUP_ID_ENV])
+    except (KeyError, ValueError):
+        log.error(
+            "%s=%r: it must be set to this replica group's id, an integer in "
+            "[0, NUM_REPLICA_GROUPS), different for every group; e.g. %s=0 torchrun ... "
+            "(or start a warm standby with --standby-file)",
+            REPLICA_GROUP_ID_ENV,
+            os.environ.get(REPLICA_GROUP_ID_ENV),
+            REPLICA_GROUP_ID_ENV,
+        )
+        sys.exit(2)
+    if not 0 <= REPLICA_GROUP_ID < NUM_REPLICA_GROUPS:
+        log.error(
+            "%s=%d must be in [0, NUM_REPLICA_GROUPS=%d): each group trains its own shard; "
+            "set NUM_REPLICA_GROUPS to the number of groups",
+            REPLICA_GROUP_ID_ENV,
+            REPLICA_GROUP_ID,
+            NUM_REPLICA_GROUPS,
+        )
+        sys.exit(2)
 sampler = DistributedSampler(
     dataset, replica_rank=REPLICA_GROUP_ID, num_replica_groups=NUM_REPLICA_GROUPS, seed=args.seed
 )
@@ -248,51 +271,55 @@ def last_step() -> int:
 
 gc.freeze()
 gc.enable()
-while manager.current_step() < last_step():
-    ids, x, y = next(batches)
-    position = batches.position()
-    x, y = x.to(device), y.to(device)
-    step_start = time.time()
-    optimizer.zero_grad()
-    loss = criterion(ddp_model(x), y)
-    loss.backward()
-    step_before = manager.current_step()
-    optimizer.step()
-    committed = manager.current_step() > step_before
-    if committed and checkpointer is not None:
-        checkpointer.maybe_save()
-    # A healing replica contributes zeros: its batch is not trained this step.
-    contributed = committed and manager.is_participating()
-    healed = manager.did_heal()
-    log.info(
-        "step %d loss %.4f participants %d committed %s%s",
-        manager.current_step(),
-        loss.item(),
-        manager.num_participants(),
-        committed,
-        " healed" if healed else "",
-    )
-    emit(
-        {
-            "event": "step",
-            "t": time.time(),
-            "step_s": time.time() - step_start,
-            "step": manager.current_step(),
-            "loss": loss.item(),
-            "participants": manager.num_participants(),
-            "committed": committed,
-            "healed": healed,
-            "quorum_id": manager.quorum_id(),
-            # The samples this group's commit trained (none when it did not
-            # contribute), and where they lie in its shard.
-            "sample_ids": ids.tolist() if contributed else [],
-            "data_epoch": position.epoch,
-            "data_batch": position.batch,
-            **manager.timings(),
-        }
-    )
-    if args.step_sleep:
-        time.sleep(args.step_sleep)
+try:
+    while manager.current_step() < last_step():
+        ids, x, y = next(batches)
+        position = batches.position()
+        x, y = x.to(device), y.to(device)
+        step_start = time.time()
+        optimizer.zero_grad()
+        loss = criterion(ddp_model(x), y)
+        loss.backward()
+        step_before = manager.current_step()
+        optimizer.step()
+        committed = manager.current_step() > step_before
+        if committed and checkpointer is not None:
+            checkpointer.maybe_save()
+        # A healing replica contributes zeros: its batch is not trained this step.
+        contributed = committed and manager.is_participating()
+        healed = manager.did_heal()
+        log.info(
+            "step %d loss %.4f participants %d committed %s%s",
+            manager.current_step(),
+            loss.item(),
+            manager.num_participants(),
+            committed,
+            " healed" if healed else "",
+        )
+        emit(
+            {
+                "event": "step",
+                "t": time.time(),
+                "step_s": time.time() - step_start,
+                "step": manager.current_step(),
+                "loss": loss.item(),
+                "participants": manager.num_participants(),
+                "committed": committed,
+                "healed": healed,
+                "quorum_id": manager.quorum_id(),
+                # The samples this group's commit trained (none when it did not
+                # contribute), and where they lie in its shard.
+                "sample_ids": ids.tolist() if contributed else [],
+                "data_epoch": position.epoch,
+                "data_batch": position.batch,
+                **manager.timings(),
+            }
+        )
+        if args.step_sleep:
+            time.sleep(args.step_sleep)
+except DuplicateGroupError as e:  # a second live group with our id: stop, loudly
+    log.error("%s", e)
+    sys.exit(2)
 
 final_hash = state_hash()
 log.info("finished at step %d, state hash %s", manager.current_step(), final_hash)

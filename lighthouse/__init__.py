@@ -7,9 +7,15 @@ from typing import Any
 
 from lighthouse.client import LighthouseClient
 from lighthouse.quorum import LighthouseConfig, Quorum, QuorumMember
-from lighthouse.rpc.errors import LighthouseUnavailableError, QuorumError, QuorumTimeoutError
+from lighthouse.rpc.errors import (
+    DuplicateGroupError,
+    LighthouseUnavailableError,
+    QuorumError,
+    QuorumTimeoutError,
+)
 
 __all__ = [
+    "DuplicateGroupError",
     "LighthouseClient",
     "LighthouseConfig",
     "LighthouseServer",

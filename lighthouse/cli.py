@@ -58,6 +58,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="ms of silence after which a replica is unhealthy (default 5000)",
     )
     p.add_argument(
+        "--suspect-phi",
+        type=float,
+        default=8.0,
+        help="suspicion (phi accrual over each replica's heartbeat rhythm) above which a "
+        "silent replica is taken as hung and left out of the next quorum before the "
+        "heartbeat timeout (default 8; 0: off)",
+    )
+    p.add_argument(
+        "--suspect-min-ms",
+        type=int,
+        default=700,
+        help="ms of silence below which no replica is suspected, whatever its rhythm (default 700)",
+    )
+    p.add_argument(
         "--http-bind",
         "--http_bind",
         dest="http_bind",
@@ -102,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             join_timeout_ms=args.join_timeout_ms,
             quorum_tick_ms=args.quorum_tick_ms,
             heartbeat_timeout_ms=args.heartbeat_timeout_ms,
+            suspect_phi=args.suspect_phi,
+            suspect_min_ms=args.suspect_min_ms,
             http_bind=args.http_bind or None,
             secret=secret,
         )

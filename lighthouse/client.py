@@ -8,7 +8,7 @@ unreachable lighthouse is reported within that time instead of after the
 from __future__ import annotations
 
 import asyncio
-import json
+import dataclasses
 import time
 from datetime import timedelta
 from typing import Any
@@ -63,7 +63,8 @@ class LighthouseClient:
         commit_failures: int = 0,
     ) -> Quorum:
         """Joins the next quorum as `replica_id`; the other arguments describe
-        us to the other members (see QuorumMember). `data` is JSON-encoded.
+        us to the other members (see QuorumMember). `data` is JSON-encoded;
+        each participant's comes back decoded (a dict, or None when empty).
 
         Raises:
             QuorumTimeoutError: no quorum with us was issued within `timeout`.
@@ -77,7 +78,7 @@ class LighthouseClient:
             step=step,
             world_size=world_size,
             shrink_only=shrink_only,
-            data=data if isinstance(data, str) else json.dumps(data) if data is not None else "",
+            data=wire.encode_data(data),
             commit_failures=commit_failures,
         )
         self._ensure_connected()
@@ -89,7 +90,14 @@ class LighthouseClient:
         except grpc.RpcError as e:
             self._connected = e.code() != grpc.StatusCode.UNAVAILABLE
             raise from_rpc_error(e, f"lighthouse {self.addr}", "Quorum") from None
-        return wire.quorum_from_proto(response.quorum)
+        quorum = wire.quorum_from_proto(response.quorum)
+        # pytorch/torchft's client hands out `data` decoded; our servers keep
+        # the text (AsyncLighthouseClient), which they only forward or parse.
+        members = tuple(
+            dataclasses.replace(m, data=wire.decode_data(m.data))  # type: ignore[arg-type]
+            for m in quorum.participants
+        )
+        return dataclasses.replace(quorum, participants=members)
 
     def heartbeat(self, replica_id: str, timeout: timedelta = timedelta(seconds=5)) -> None:
         self._ensure_connected()
@@ -224,12 +232,13 @@ class AsyncLighthouseClient:
             self._heartbeat_call = None
 
     async def leave(self, replica_id: str, timeout: timedelta) -> None:
-        """See LighthouseClient.leave."""
-        await self._ensure_connected()
+        """See LighthouseClient.leave; the whole call, connecting included,
+        takes at most `timeout` (a stopped lighthouse must not hold us up)."""
+        start = time.monotonic()
+        await self._ensure_connected(timeout)
+        left_s = max(timeout.total_seconds() - (time.monotonic() - start), 0.001)
         try:
-            await self._stub.Leave(
-                pb.LighthouseLeaveRequest(replica_id=replica_id), timeout=timeout.total_seconds()
-            )
+            await self._stub.Leave(pb.LighthouseLeaveRequest(replica_id=replica_id), timeout=left_s)
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise from_rpc_error(e, f"lighthouse {self.addr}", "Leave") from None

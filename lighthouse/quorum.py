@@ -7,8 +7,10 @@ every clause of the rule is tested as a plain function (tests/unit).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -24,8 +26,10 @@ class QuorumMember:
     step: int = 0
     world_size: int = 1
     shrink_only: bool = False
-    data: str = ""
-    """Free-form JSON the member shares with the others."""
+    data: str | dict[str, Any] | None = ""
+    """Free-form JSON the member shares with the others: the JSON text inside
+    the lighthouse and on the wire; `LighthouseClient.quorum` hands it out
+    decoded (a dict, or None when empty), as pytorch/torchft does."""
     commit_failures: int = 0
 
 
@@ -54,10 +58,22 @@ class LighthouseConfig:
     """How often the server re-runs the decision for waiting callers."""
     heartbeat_timeout_ms: int = 5000
     """A replica silent for longer than this is no longer healthy."""
+    suspect_phi: float = 8.0
+    """Suspicion (phi accrual, see suspicion()) above which a silent replica is
+    taken as hung and left out of the next quorum, long before the heartbeat
+    timeout; 8 means the silence had odds of 1e-8 under its usual heartbeat
+    rhythm. 0: off, only the heartbeat timeout counts."""
+    suspect_min_ms: int = 700
+    """Never suspect a replica silent for less than this, whatever its rhythm:
+    GIL contention and a loaded machine delay heartbeats by hundreds of ms."""
 
     def __post_init__(self) -> None:
         if self.min_replicas < 1:
             raise ValueError(f"min_replicas ({self.min_replicas}) must be at least 1")
+        if self.suspect_phi < 0:
+            raise ValueError(f"suspect_phi ({self.suspect_phi}) must be 0 (off) or positive")
+        if self.suspect_min_ms < 0:
+            raise ValueError(f"suspect_min_ms ({self.suspect_min_ms}) must not be negative")
         for name in ("join_timeout_ms", "quorum_tick_ms", "heartbeat_timeout_ms"):
             value = getattr(self, name)
             if value < 0 or (value == 0 and name != "join_timeout_ms"):
@@ -78,6 +94,75 @@ class Participant:
     """Monotonic seconds when it (re)joined."""
 
 
+ARRIVAL_WEIGHT = 0.1
+"""Weight of the newest interval in the running mean and variance (about the
+last 10-20 heartbeats count)."""
+MIN_ARRIVALS = 10
+"""Intervals seen before a replica can be suspected: a rhythm needs samples."""
+MIN_STD_S = 0.05
+"""Floor of the interval's standard deviation: a perfectly regular sender
+would otherwise be suspected at its first slight delay."""
+
+
+@dataclass(frozen=True)
+class ArrivalStats:
+    """Running mean and variance of one replica's heartbeat intervals."""
+
+    mean_s: float
+    var_s2: float
+    count: int
+
+
+def record_arrival(stats: ArrivalStats | None, interval_s: float, cap_s: float) -> ArrivalStats:
+    """Adds one heartbeat interval (exponentially weighted). Intervals are
+    capped at `cap_s` (the heartbeat timeout), so one outage (a stop, a
+    lighthouse restart) widens the rhythm for a while instead of for good."""
+    x = min(max(interval_s, 0.0), cap_s)
+    if stats is None:
+        return ArrivalStats(x, 0.0, 1)
+    diff = x - stats.mean_s
+    mean = stats.mean_s + ARRIVAL_WEIGHT * diff
+    var = (1 - ARRIVAL_WEIGHT) * (stats.var_s2 + ARRIVAL_WEIGHT * diff * diff)
+    return ArrivalStats(mean, var, stats.count + 1)
+
+
+def suspicion(silence_s: float, stats: ArrivalStats) -> float:
+    """Phi accrual (Hayashibara et al.): -log10 of the odds that a heartbeat
+    is still this late under the replica's usual rhythm (intervals taken as
+    normal). Grows with the silence; inf when the odds underflow."""
+    std = max(math.sqrt(stats.var_s2), MIN_STD_S)
+    p_later = 0.5 * math.erfc((silence_s - stats.mean_s) / (std * math.sqrt(2)))
+    return -math.log10(p_later) if p_later > 0 else math.inf
+
+
+def suspected_replicas(
+    now: float,
+    heartbeats: Mapping[str, float],
+    arrivals: Mapping[str, ArrivalStats],
+    config: LighthouseConfig,
+) -> dict[str, float]:
+    """Replicas silent far beyond their usual heartbeat rhythm -> silence (s).
+
+    A stopped process (SIGSTOP, a whole machine frozen) keeps its connection
+    open, so only its silence tells; waiting out the heartbeat timeout stalls
+    every other group that long each time. A replica is suspected when its
+    suspicion exceeds `suspect_phi`, it has been silent at least
+    `suspect_min_ms`, and enough intervals were seen to know its rhythm.
+    """
+    if config.suspect_phi <= 0:
+        return {}
+    floor_s = config.suspect_min_ms / 1000
+    found = {}
+    for rid, seen in heartbeats.items():
+        silence_s = now - seen
+        stats = arrivals.get(rid)
+        if silence_s < floor_s or stats is None or stats.count < MIN_ARRIVALS:
+            continue
+        if suspicion(silence_s, stats) > config.suspect_phi:
+            found[rid] = silence_s
+    return found
+
+
 @dataclass(frozen=True)
 class LighthouseState:
     participants: Mapping[str, Participant]
@@ -89,6 +174,8 @@ class LighthouseState:
     without a Leave: its process most likely died and its connection closed."""
     started_at: float = float("-inf")
     """Monotonic seconds when this lighthouse started (see compute_quorum)."""
+    arrivals: Mapping[str, ArrivalStats] = field(default_factory=dict)
+    """replica_id -> its heartbeat rhythm, for suspected_replicas."""
 
 
 @dataclass(frozen=True)
@@ -131,11 +218,67 @@ def healthy_replicas(
     return healthy
 
 
+def group_name(replica_id: str) -> str:
+    """The replica group part of a `{name}:{uuid}` id (an id without ':' is
+    its own name): the uuid changes with every process start, the name not."""
+    name, colon, _ = replica_id.rpartition(":")
+    return name if colon else replica_id
+
+
+def twin_refusal(
+    now: float,
+    replica_id: str,
+    same_name: Iterable[str],
+    heartbeats: Mapping[str, float],
+    timeout_ms: int,
+    streams_closed: Mapping[str, float] | None = None,
+) -> str | None:
+    """Why `replica_id` must be refused as a second live group of its name, or None.
+
+    Two live processes training as one replica group (a restarted torchrun
+    while the old one still runs, or a REPLICA_GROUP_ID given twice) would
+    train the same data shard twice and corrupt the group's place in the
+    quorum. The replica already known and healthy keeps the name; a newcomer
+    is refused until that one is dead (stream closed, or silent past the
+    heartbeat timeout) or has left.
+
+    Args:
+        same_name: the known replica ids of the same group name (the caller
+            keeps an index, so a heartbeat costs no scan of every replica).
+    """
+    others = {rid for rid in same_name if rid != replica_id}
+    if not others:
+        return None
+    live = healthy_replicas(
+        now,
+        {rid: heartbeats[rid] for rid in others if rid in heartbeats},
+        timeout_ms,
+        streams_closed,
+    )
+    if not live:
+        return None
+    holder = min(live)
+    return (
+        f"replica group {group_name(replica_id)!r} is already live as {holder} "
+        f"(heard from {now - heartbeats[holder]:.1f} s ago); refusing {replica_id}: "
+        "a group id must be unique among live groups. Stop the other process first "
+        "(it is released as soon as it dies or leaves), or give this one another "
+        "REPLICA_GROUP_ID"
+    )
+
+
 def compute_quorum(now: float, state: LighthouseState, config: LighthouseConfig) -> QuorumDecision:
     """Decides whether a quorum can be issued now, following DESIGN.md's rule."""
     heard = healthy_replicas(now, state.heartbeats, config.heartbeat_timeout_ms)
     gone = heard & stream_closed_since_heartbeat(state.heartbeats, state.streams_closed)
-    healthy = heard - gone
+    # Hung (e.g. SIGSTOP): silent far past its rhythm; left out like the dead,
+    # and healthy again with its next heartbeat.
+    hung = {
+        rid: s
+        for rid, s in suspected_replicas(now, state.heartbeats, state.arrivals, config).items()
+        if rid in heard and rid not in gone
+    }
+    healthy = heard - gone - hung.keys()
     joined = {rid: p for rid, p in state.participants.items() if rid in healthy}
     shrink_only = any(p.member.shrink_only for p in joined.values())
     prev_ids = set(state.prev_quorum.replica_ids()) if state.prev_quorum else set()
@@ -151,6 +294,16 @@ def compute_quorum(now: float, state: LighthouseState, config: LighthouseConfig)
         tally += f"[healthy, not joined: {_some(healthy - joined.keys())}]"
     if gone:
         tally += f"[{len(gone)} gone: heartbeat stream closed: {_some(gone)}]"
+    if hung:
+        first = sorted(hung)[:3]
+        tally += (
+            f"[{len(hung)} suspected hung: "
+            + ", ".join(
+                f"{rid} silent {hung[rid]:.1f} s, usually every {state.arrivals[rid].mean_s:.2f} s"
+                for rid in first
+            )
+            + (", ...]" if len(hung) > 3 else "]")
+        )
     silent = state.heartbeats.keys() - heard - state.participants.keys()
     if silent:
         tally += f"[{len(silent)} silent past the heartbeat timeout: {_some(silent)}]"

@@ -18,6 +18,7 @@ from grpc import aio
 from lighthouse import wire
 from lighthouse.metrics import LighthouseMetrics
 from lighthouse.quorum import (
+    ArrivalStats,
     LighthouseConfig,
     LighthouseState,
     Participant,
@@ -25,13 +26,16 @@ from lighthouse.quorum import (
     QuorumMember,
     compute_quorum,
     forgotten_replicas,
+    group_name,
     healthy_replicas,
     next_quorum_id,
     quorum_changed,
+    record_arrival,
+    twin_refusal,
 )
 from lighthouse.rpc import errors, serve
 from lighthouse.rpc.address import advertised_host, join_host_port, parse_bind
-from lighthouse.rpc.errors import QuorumError, QuorumTimeoutError
+from lighthouse.rpc.errors import DuplicateGroupError, QuorumError, QuorumTimeoutError
 from lighthouse.rpc.loop import BackgroundLoop, reply_budget_s, wait_within
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
@@ -57,10 +61,15 @@ class _Coordinator:
         self.metrics = metrics
         self.waiters: dict[str, _Waiter] = {}
         self.heartbeats: dict[str, float] = {}
+        self.arrivals: dict[str, ArrivalStats] = {}
+        """replica_id -> its heartbeat rhythm (quorum.suspected_replicas)."""
         self.open_streams: dict[str, int] = {}
         """replica_id -> heartbeat streams open (a reconnect may overlap the old one)."""
         self.streams_closed: dict[str, float] = {}
         """replica_id -> when its last open heartbeat stream ended without a Leave."""
+        self.by_name: dict[str, set[str]] = {}
+        """Group name -> known replica ids of that name (see twin_refusal)."""
+        self._refusals_logged: set[str] = set()
         self.members: dict[str, QuorumMember] = {}
         """Last known self-description of each replica, for the status page."""
         self.prev_quorum: Quorum | None = None
@@ -75,8 +84,41 @@ class _Coordinator:
         """How long that decision took."""
 
     def heartbeat(self, replica_id: str) -> None:
-        self.heartbeats[replica_id] = time.monotonic()
+        """Raises DuplicateGroupError for a second live replica of one group."""
+        now = time.monotonic()
+        self._admit(replica_id, now)
+        self._heard(replica_id, now)
         self.metrics.heartbeats.inc()
+
+    def _heard(self, replica_id: str, now: float) -> None:
+        last = self.heartbeats.get(replica_id)
+        if last is not None:
+            cap_s = self.config.heartbeat_timeout_ms / 1000
+            self.arrivals[replica_id] = record_arrival(
+                self.arrivals.get(replica_id), now - last, cap_s
+            )
+        self.heartbeats[replica_id] = now
+
+    def _admit(self, replica_id: str, now: float) -> None:
+        """Refuses a replica whose group name another live replica holds
+        (twin_refusal); a refused replica leaves no trace, so the live one
+        keeps the name until it dies or leaves."""
+        name = group_name(replica_id)
+        reason = twin_refusal(
+            now,
+            replica_id,
+            self.by_name.get(name, ()),
+            self.heartbeats,
+            self.config.heartbeat_timeout_ms,
+            self.streams_closed,
+        )
+        if reason is not None:
+            # Once per refused replica: its heartbeats may keep coming 10 times a second.
+            if replica_id not in self._refusals_logged and len(self._refusals_logged) < 10_000:
+                self._refusals_logged.add(replica_id)
+                logger.warning("refused: %s", reason)
+            raise DuplicateGroupError(reason)
+        self.by_name.setdefault(name, set()).add(replica_id)
 
     def stream_opened(self, replica_id: str) -> None:
         self.open_streams[replica_id] = self.open_streams.get(replica_id, 0) + 1
@@ -103,7 +145,15 @@ class _Coordinator:
             self.decide_soon()
 
     def _forget(self, replica_id: str) -> None:
+        name = group_name(replica_id)
+        same = self.by_name.get(name)
+        if same is not None:
+            same.discard(replica_id)
+            if not same:
+                del self.by_name[name]
+        self._refusals_logged.discard(replica_id)
         self.heartbeats.pop(replica_id, None)
+        self.arrivals.pop(replica_id, None)
         self.members.pop(replica_id, None)
         self.streams_closed.pop(replica_id, None)
 
@@ -120,7 +170,8 @@ class _Coordinator:
     async def quorum(self, member: QuorumMember) -> Quorum:
         """Waits for the first issued quorum that contains `member`."""
         now = time.monotonic()
-        self.heartbeats[member.replica_id] = now
+        self._admit(member.replica_id, now)
+        self._heard(member.replica_id, now)
         self.members[member.replica_id] = member
         old = self.waiters.pop(member.replica_id, None)
         if old is not None and not old.future.done():
@@ -172,6 +223,7 @@ class _Coordinator:
             self.prev_quorum,
             streams_closed=self.streams_closed,
             started_at=self.started_at,
+            arrivals=self.arrivals,
         )
         decision = compute_quorum(now, state, self.config)
         self.reason = decision.reason
@@ -299,7 +351,10 @@ class _LighthouseServicer:
     ) -> pb.LighthouseHeartbeatResponse:
         if not request.replica_id:
             await errors.abort(context, ValueError("replica_id must be a non-empty string"))
-        self._coord.heartbeat(request.replica_id)
+        try:
+            self._coord.heartbeat(request.replica_id)
+        except DuplicateGroupError as e:
+            await errors.abort(context, e)
         return pb.LighthouseHeartbeatResponse()
 
     async def HeartbeatStream(
@@ -323,7 +378,10 @@ class _LighthouseServicer:
                         )
                     replica_id = request.replica_id
                     self._coord.stream_opened(replica_id)
-                self._coord.heartbeat(replica_id)
+                try:
+                    self._coord.heartbeat(replica_id)
+                except DuplicateGroupError as e:
+                    await errors.abort(context, e)
         finally:
             # Also on cancellation: the client's connection closed under us.
             if replica_id:
@@ -362,12 +420,16 @@ class LighthouseServer:
         heartbeat_timeout_ms: int = 5000,
         http_bind: str | None = None,
         secret: str | None = None,
+        suspect_phi: float = 8.0,
+        suspect_min_ms: int = 700,
     ) -> None:
         self.config = LighthouseConfig(
             min_replicas=min_replicas,
             join_timeout_ms=join_timeout_ms,
             quorum_tick_ms=quorum_tick_ms,
             heartbeat_timeout_ms=heartbeat_timeout_ms,
+            suspect_phi=suspect_phi,
+            suspect_min_ms=suspect_min_ms,
         )
         host, port = parse_bind(bind)
         self.metrics = LighthouseMetrics()

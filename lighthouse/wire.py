@@ -6,6 +6,8 @@ and bad input is turned into a ValueError naming the field.
 
 from __future__ import annotations
 
+import json
+
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from lighthouse.quorum import Quorum, QuorumMember
@@ -31,6 +33,25 @@ def member_from_proto(msg: pb.QuorumMember) -> QuorumMember:
     )
 
 
+def encode_data(data: object) -> str:
+    """QuorumMember.data as it travels: JSON text (a dict is encoded, None is "")."""
+    if data is None:
+        return ""
+    return data if isinstance(data, str) else json.dumps(data)
+
+
+def decode_data(text: str) -> object:
+    """QuorumMember.data as pytorch/torchft's client returns it: the decoded
+    JSON, None when empty. Text that is not JSON (a peer free to send
+    anything) comes back as it is rather than failing the whole quorum."""
+    if not text:
+        return None
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
+
+
 def member_to_proto(member: QuorumMember) -> pb.QuorumMember:
     return pb.QuorumMember(
         replica_id=member.replica_id,
@@ -39,7 +60,7 @@ def member_to_proto(member: QuorumMember) -> pb.QuorumMember:
         step=member.step,
         world_size=member.world_size,
         shrink_only=member.shrink_only,
-        data=member.data,
+        data=encode_data(member.data),
         commit_failures=member.commit_failures,
     )
 

@@ -27,7 +27,8 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp, TCPStore
 
 from lighthouse.rpc import auth
-from lighthouse.rpc.errors import QuorumError
+from lighthouse.rpc.errors import DuplicateGroupError, QuorumError
+from torchft_like import parent_watch
 from torchft_like._work import FutureWork, completed_work
 from torchft_like.checkpointing import CheckpointTransport, HTTPTransport
 from torchft_like.fingerprint import fingerprint
@@ -93,7 +94,10 @@ class Manager:
         load_state_dict, state_dict: the user state to heal, registered as
             "default" (more with `register_state_dict_fn`).
         min_replica_size: fewest replicas a step may commit with.
-        use_async_quorum: overlap the quorum with the forward pass.
+        use_async_quorum: overlap the quorum with the forward pass. When
+            False, a failed quorum raises from start_quorum and a failed
+            vote from should_commit (a timeout as TimeoutError), as in
+            torchft; when True they are recorded and the step is skipped.
         timeout: bound on collectives, votes and state transfers.
         quorum_timeout: bound on one quorum.
         connect_timeout: bound on reaching the lighthouse and the servers.
@@ -116,6 +120,9 @@ class Manager:
         secret: the job's shared secret (lighthouse.rpc.auth), sent with every
             call and required by our servers; None reads TORCHFT_SECRET_FILE
             or TORCHFT_SECRET, and without either access control is off.
+        exit_with_parent: end this process within about 0.1 s of its parent
+            (torchrun) dying, so that `kill -9` of torchrun is a group death
+            rather than an orphan that trains on (torchft_like.parent_watch).
     """
 
     def __init__(
@@ -145,6 +152,7 @@ class Manager:
         fingerprint_interval: int | None = None,
         fingerprint_fn: Callable[[], Any] | None = None,
         secret: str | None = None,
+        exit_with_parent: bool = True,
     ) -> None:
         if min_replica_size < 1:
             raise ValueError(f"min_replica_size ({min_replica_size}) must be at least 1")
@@ -153,6 +161,8 @@ class Manager:
                 f"fingerprint_interval ({fingerprint_interval}) must be at least 1, "
                 "or None to turn fingerprints off"
             )
+        if exit_with_parent:
+            parent_watch.exit_with_parent()
         self._fingerprint_interval = fingerprint_interval
         self._fingerprint_fn = fingerprint_fn
         self._pg = pg
@@ -179,11 +189,15 @@ class Manager:
         self._commit_failures = 0
         self._quorum_id = -1
         self._errored: Exception | None = None
+        self._fatal: DuplicateGroupError | None = None
+        """An error that no retry can fix: raised by the next start_quorum/should_commit."""
         self._healing = False
         self._pending_state_dict: dict[str, Any] | None = None
         self._participating_rank: int | None = None
         self._num_participants = 0
         self._quorum_future: Future[None] | None = None
+        self._quorum_error: Exception | None = None
+        """Why this step's quorum failed, if it did."""
         self._pending_work: list[dist.Work] = []
         self._healed = False
         self._timings: dict[str, float] = {}
@@ -303,6 +317,8 @@ class Manager:
         """Begins the step: asks for a quorum, in the background when async."""
         if self._quorum_future is not None:
             self._quorum_future.result()
+        if self._fatal is not None:
+            raise self._fatal
         self._errored = None
         self._healing = False
         self._healed = False
@@ -320,6 +336,10 @@ class Manager:
         # valid, so every replica of a fresh job counts from the first step.
         if not self._use_async_quorum or (self._init_sync and self._step == 0):
             self.wait_quorum()
+            if not self._use_async_quorum and self._quorum_error is not None:
+                # Synchronous callers get the failure where they asked, as
+                # from torchft; it is also recorded, so the step cannot commit.
+                raise self._quorum_error
             if self._healing and self._errored is None:
                 self._apply_pending_state_dict()
 
@@ -352,6 +372,7 @@ class Manager:
     ) -> None:
         start = time.monotonic()
         self._timings = {}
+        self._quorum_error = None
         try:
             request = QuorumRequest(
                 group_rank=self._group_rank,
@@ -365,11 +386,17 @@ class Manager:
             result = self._client.quorum(request, timeout)
             self._timings["quorum_s"] = time.monotonic() - start
             self._apply_quorum(result, allow_heal)
+        except DuplicateGroupError as e:
+            self._logger.error("quorum refused, stopping: %s", e)
+            self._fatal = e
+            self.report_error(e)
         except QuorumError as e:  # expected when peers or the lighthouse fail: no traceback
             self._logger.warning("quorum failed: %s", e)
+            self._quorum_error = e
             self.report_error(e)
         except Exception as e:
             self._logger.exception("quorum failed: %s", e)
+            self._quorum_error = e
             self.report_error(e)
 
     def _apply_quorum(self, result: QuorumResult, allow_heal: bool) -> None:
@@ -523,10 +550,16 @@ class Manager:
         """Votes with the whole group; True means every rank may step.
 
         Applies a pending healed state first, and stops serving our state so
-        the optimizer can write the weights. Raises RuntimeError after
-        `max_retries` consecutive uncommitted steps.
+        the optimizer can write the weights.
+
+        Raises:
+            RuntimeError: `max_retries` consecutive uncommitted steps.
+            DuplicateGroupError: the lighthouse refused this group because
+                another live group has the same name; retrying cannot help.
         """
         self.wait_quorum()
+        if self._fatal is not None:
+            raise self._fatal
         if self._healing and self._errored is None:
             try:
                 self._apply_pending_state_dict()
@@ -549,13 +582,14 @@ class Manager:
                 self._num_participants,
                 self._min_replica_size,
             )
+        vote_error: Exception | None = None
         try:
             decision = self._client.should_commit(
                 self._group_rank, self._step, vote, timeout or self._timeout
             )
         except Exception as e:
             self.report_error(e)
-            decision = False
+            decision, vote_error = False, e
         if decision:
             self._step += 1
             self._batches_committed += self._num_participants
@@ -563,6 +597,8 @@ class Manager:
         else:
             self._commit_failures += 1
             self._logger.info("step not committed (%d in a row)", self._commit_failures)
+            if vote_error is not None and not self._use_async_quorum:
+                raise vote_error  # synchronous callers get it, as from torchft
             if self._max_retries is not None and self._commit_failures > self._max_retries:
                 raise RuntimeError(
                     f"{self._commit_failures} steps in a row failed to commit, more than "

@@ -24,6 +24,7 @@ from lighthouse.quorum import Quorum, QuorumMember
 from lighthouse.rpc import errors, serve
 from lighthouse.rpc.address import advertised_host, join_host_port, parse_bind
 from lighthouse.rpc.errors import (
+    DuplicateGroupError,
     LighthouseUnavailableError,
     NotServedError,
     QuorumError,
@@ -44,6 +45,9 @@ T = TypeVar("T")
 
 MAX_WAIT_S = 24 * 3600.0
 """Bound of a call that came without a deadline."""
+
+LEAVE_TIMEOUT = timedelta(milliseconds=300)
+"""Bound of the Leave at shutdown, so that shutdown stays under a second."""
 
 
 def retry_delay_s(num_failures: int) -> float:
@@ -271,8 +275,8 @@ class ManagerServer:
                     ) from None
                 await asyncio.sleep(delay)
                 continue
-            except QuorumTimeoutError:
-                raise
+            except (QuorumTimeoutError, DuplicateGroupError):
+                raise  # a retry cannot help: keep the lighthouse's reason
             except QuorumError as e:
                 if attempt >= self._quorum_retries:
                     raise
@@ -380,6 +384,11 @@ class ManagerServer:
                 if failing:
                     logger.info("[%s] lighthouse heartbeats succeed again", self.replica_id)
                 failing = False
+            except DuplicateGroupError as e:
+                # The quorum calls fail with it too, and the Manager stops there.
+                if not failing:
+                    logger.error("[%s] refused by the lighthouse: %s", self.replica_id, e)
+                failing = True
             except Exception as e:
                 if not failing:
                     logger.warning(
@@ -408,12 +417,13 @@ class ManagerServer:
         # result; the loop then ends at its next check of _stopped.
         await asyncio.wait([self._heartbeater], timeout=1.0)
         if leave:
+            # Best effort and short: a stopped lighthouse (the normal order at
+            # the end of a job) must not hold shutdown up; the others then
+            # wait out our heartbeat timeout instead.
             try:
-                await self._lighthouse.leave(self.replica_id, self._connect_timeout)
+                await self._lighthouse.leave(self.replica_id, LEAVE_TIMEOUT)
             except Exception as e:
-                logger.warning(
-                    "[%s] could not tell the lighthouse we leave: %s", self.replica_id, e
-                )
+                logger.info("[%s] could not tell the lighthouse we leave: %s", self.replica_id, e)
         await self._server.stop(grace=None)
         await self._lighthouse.close()
 

@@ -27,13 +27,36 @@ class OptimizerWrapper(torch.optim.Optimizer):
         if self.manager.should_commit():
             self.optim.step()
 
-    @property
-    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
-        return self.optim.param_groups
+    # The optimizer facade: code that inspects or edits an optimizer (LR
+    # schedulers, param-group surgery, checkpointing) must see the wrapped
+    # one, because the base class attributes were never initialised here.
 
     @property
-    def state(self) -> Any:  # type: ignore[override]
+    def defaults(self) -> dict[str, Any]:
+        return self.optim.defaults
+
+    @defaults.setter
+    def defaults(self, value: dict[str, Any]) -> None:
+        self.optim.defaults = value
+
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:
+        return self.optim.param_groups
+
+    @param_groups.setter
+    def param_groups(self, value: list[dict[str, Any]]) -> None:
+        self.optim.param_groups = value
+
+    @property
+    def state(self) -> Any:
         return self.optim.state
+
+    @state.setter
+    def state(self, value: Any) -> None:
+        self.optim.state = value
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        self.optim.add_param_group(param_group)
 
     def state_dict(self) -> dict[str, Any]:
         return self.optim.state_dict()

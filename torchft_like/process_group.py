@@ -24,7 +24,20 @@ from torchft_like._work import FutureWork, completed_work
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_OPS = ("allreduce", "allgather", "broadcast", "barrier", "send", "recv")
+SUPPORTED_OPS = (
+    "allreduce",
+    "allreduce_coalesced",
+    "allgather",
+    "allgather_into_tensor_coalesced",
+    "alltoall_base",
+    "broadcast",
+    "broadcast_one",
+    "barrier",
+    "reduce_scatter",
+    "reduce_scatter_tensor_coalesced",
+    "send",
+    "recv",
+)
 
 
 def parse_store_addr(store_addr: str) -> tuple[str, int, str]:
@@ -74,16 +87,101 @@ def _then(fut: torch.futures.Future[Any], fn: Callable[[Any], Any]) -> torch.fut
     return out
 
 
-def _unsupported(name: str) -> Callable[..., Any]:
+def _unsupported(name: str, supported: tuple[str, ...] = SUPPORTED_OPS) -> Callable[..., Any]:
+    """A method that refuses `name`. NotImplementedError is a RuntimeError,
+    and "does not support <op>" is what callers (torchft's tests among them)
+    match to skip an op a backend lacks."""
+
     def method(self: Any, *args: Any, **kwargs: Any) -> Any:
         raise NotImplementedError(
-            f"{type(self).__name__} does not support {name}; supported: {', '.join(SUPPORTED_OPS)}"
+            f"{type(self).__name__} does not support {name}; supported: {', '.join(supported)}"
         )
 
     return method
 
 
-class ProcessGroupGloo(dist.ProcessGroup):
+def _call(method: str, *args_then_backend: Any) -> dist.Work:
+    """`backend.method(*args)` with the backend passed last, so that
+    functools.partial can bind the arguments and `_run` the backend."""
+    *args, backend = args_then_backend
+    return getattr(backend, method)(*args)
+
+
+def _all_of(works: list[dist.Work], value: Any) -> dist.Work:
+    """One Work for several: done when all are, failing with the first failure."""
+    futures = [w.get_future() for w in works]
+    out: torch.futures.Future[Any] = torch.futures.Future()
+    remaining = [len(futures)]
+    lock = threading.Lock()
+
+    def settle(done: torch.futures.Future[Any]) -> None:
+        try:
+            done.value()
+        except Exception as e:
+            with lock:
+                if not out.done():
+                    out.set_exception(e)
+            return
+        with lock:
+            remaining[0] -= 1
+            if remaining[0] == 0 and not out.done():
+                out.set_result(value)
+
+    if not futures:
+        out.set_result(value)
+    for fut in futures:
+        fut.add_done_callback(settle)
+    return FutureWork(out)
+
+
+class _Registrable:
+    """`register(name)` / `unregister()`: makes a Python process group known
+    to torch by name, which functional collectives (and DeviceMesh) need to
+    find it from C++."""
+
+    _registered_name: str | None = None
+    _registered_desc: str = "undefined"
+
+    def register(self, name: str) -> Any:
+        """Registers this group under a new group name; returns self.
+
+        The name is torch's next group number, as for any new group, so
+        `dist.get_pg_count()` counts it. `name` is its description.
+        """
+        from torch.distributed import distributed_c10d as c10d
+
+        group_name = str(c10d._world.group_count)
+        c10d._world.group_count += 1
+        self._registered_name = group_name
+        self._registered_desc = name
+        c10d._register_process_group(group_name, self)  # type: ignore[arg-type]
+        return self
+
+    # torch reads a group's name and description from its C++ backends,
+    # which a Python process group has none of: answer them here.
+    @property
+    def group_name(self) -> str:
+        if self._registered_name is None:
+            raise RuntimeError(
+                f"{type(self).__name__} has no group name: call register(name) first"
+            )
+        return self._registered_name
+
+    @property
+    def group_desc(self) -> str:
+        return self._registered_desc
+
+    def unregister(self) -> None:
+        """Forgets the registration of `register()`; a no-op if there is none."""
+        from torch.distributed import distributed_c10d as c10d
+
+        name = getattr(self, "_registered_name", None)
+        if name is not None:
+            c10d._unregister_process_group(name)
+            self._registered_name = None
+
+
+class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
     """Gloo process group that is rebuilt on every new quorum.
 
     `configure()` drops the previous gloo group and meets the new members in
@@ -106,6 +204,11 @@ class ProcessGroupGloo(dist.ProcessGroup):
         """Bumped when a group is dropped, so its late failures are not ours."""
         self._lock = threading.Lock()
         self._droppers: list[threading.Thread] = []
+
+    def set_timeout(self, timeout: timedelta) -> None:
+        """Bounds the collectives of the next configure() (gloo fixes a group's
+        timeout when it is built)."""
+        self._timeout = timeout
 
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
         """Joins the group at `store_addr` as `rank` of `world_size`; blocks until
@@ -131,8 +234,11 @@ class ProcessGroupGloo(dist.ProcessGroup):
             self._rank, self._world_size = rank, world_size
         logger.debug("%s configured: rank %d of %d at %s", replica_id, rank, world_size, store_addr)
 
-    def _abort_backend(self) -> None:
+    def _abort_backend(self, generation: int | None = None) -> None:
+        """Drops the current group (only if still `generation`, when given)."""
         with self._lock:
+            if generation is not None and generation != self._generation:
+                return
             retired = [] if self._backend is None else [self._backend]
             self._backend = None
             self._generation += 1
@@ -155,6 +261,8 @@ class ProcessGroupGloo(dist.ProcessGroup):
         with self._lock:
             backend, generation = self._backend, self._generation
         if backend is None:
+            if self._error is not None:
+                raise self._error
             raise RuntimeError(
                 f"{name} before configure(): this process group has no members "
                 "(configure() was not called, or it failed)"
@@ -165,7 +273,7 @@ class ProcessGroupGloo(dist.ProcessGroup):
         except Exception as e:
             record(e)
             raise
-        if p2p_tensors is not None:  # gloo's send/recv work has no future
+        if p2p_tensors is not None:  # gloo's send/recv (and reduce_scatter) work has no future
             return _P2PWork(work, p2p_tensors, record)
 
         def record_failure(fut: torch.futures.Future[Any]) -> None:
@@ -179,9 +287,17 @@ class ProcessGroupGloo(dist.ProcessGroup):
 
     def _record_error(self, generation: int, e: Exception) -> None:
         with self._lock:
-            if generation == self._generation:
-                self._error = e
-                return
+            current = generation == self._generation
+            if current and self._error is None:
+                self._error = RuntimeError(
+                    f"gloo process group aborted after a failed collective ({e}); "
+                    "configure() builds a new one"
+                )
+        if current:
+            # A gloo group that failed once is broken for good: drop it, so
+            # the collectives still queued on it fail now, not at the timeout.
+            self._abort_backend(generation)
+            return
         # An aborted group's in-flight collective still runs to its timeout.
         logger.debug("ignoring a failure from a replaced gloo group: %s", e)
 
@@ -201,6 +317,15 @@ class ProcessGroupGloo(dist.ProcessGroup):
         options.reduceOp = op
         return self._run("allreduce", lambda b: b.allreduce(tensors, options))
 
+    def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
+        options = dist.AllreduceCoalescedOptions()
+        options.reduceOp = (
+            _reduce_op(opts)
+            if not isinstance(opts, dist.AllreduceCoalescedOptions)
+            else opts.reduceOp
+        )
+        return self._run("allreduce_coalesced", lambda b: b.allreduce_coalesced(tensors, options))
+
     def allgather(
         self,
         output_tensors: list[list[torch.Tensor]],
@@ -208,6 +333,81 @@ class ProcessGroupGloo(dist.ProcessGroup):
         opts: Any = None,
     ) -> dist.Work:
         return self._run("allgather", lambda b: b.allgather(output_tensors, input_tensor))
+
+    def allgather_into_tensor_coalesced(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> dist.Work:
+        """Each output gathers its input of every rank (gloo: one by one)."""
+        works = [
+            self._run(
+                "allgather_into_tensor_coalesced",
+                functools.partial(_call, "_allgather_base", o, i),
+            )
+            for o, i in zip(output_tensors, input_tensors, strict=True)
+        ]
+        return _all_of(works, output_tensors)
+
+    def reduce_scatter(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[list[torch.Tensor]],
+        opts: Any = None,
+    ) -> dist.Work:
+        options = dist.ReduceScatterOptions()
+        options.reduceOp = (
+            opts.reduceOp if isinstance(opts, dist.ReduceScatterOptions) else _reduce_op(opts)
+        )
+        return self._run(
+            "reduce_scatter",
+            lambda b: b.reduce_scatter(output_tensors, input_tensors, options),
+            output_tensors,  # gloo's reduce_scatter work has no future
+        )
+
+    def reduce_scatter_tensor_coalesced(
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[torch.Tensor],
+        opts: Any = None,
+    ) -> dist.Work:
+        """Each input is summed over the ranks and split by rank (gloo: one by one)."""
+        options = dist.ReduceScatterOptions()
+        options.reduceOp = (
+            opts.reduceOp if isinstance(opts, dist.ReduceScatterOptions) else _reduce_op(opts)
+        )
+        works = [
+            self._run(
+                "reduce_scatter_tensor_coalesced",
+                functools.partial(_call, "_reduce_scatter_base", o, i, options),
+                [o],  # gloo's reduce_scatter work has no future
+            )
+            for o, i in zip(output_tensors, input_tensors, strict=True)
+        ]
+        return _all_of(works, output_tensors)
+
+    def alltoall_base(
+        self,
+        output_buffer: torch.Tensor,
+        input_buffer: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> dist.Work:
+        options = opts if isinstance(opts, dist.AllToAllOptions) else dist.AllToAllOptions()
+        return self._run(
+            "alltoall_base",
+            lambda b: b.alltoall_base(
+                output_buffer, input_buffer, output_split_sizes, input_split_sizes, options
+            ),
+        )
+
+    def broadcast_one(self, tensor: torch.Tensor, root: int) -> dist.Work:
+        """Broadcasts one tensor from replica rank `root`."""
+        options = dist.BroadcastOptions()
+        options.rootRank = root
+        return self.broadcast([tensor], options)
 
     def broadcast(self, tensor_list: list[torch.Tensor], opts: Any = None) -> dist.Work:
         options = opts if isinstance(opts, dist.BroadcastOptions) else dist.BroadcastOptions()
@@ -224,7 +424,6 @@ class ProcessGroupGloo(dist.ProcessGroup):
     def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist.Work:
         return self._run("recv", lambda b: b.recv(tensors, src_rank, tag), tensors)
 
-    reduce_scatter = _unsupported("reduce_scatter")
     alltoall = _unsupported("alltoall")
     gather = _unsupported("gather")
     scatter = _unsupported("scatter")
@@ -297,7 +496,7 @@ class _P2PWork(dist.Work):
             self._future.set_result(self._tensors)
 
 
-class ProcessGroupDummy(dist.ProcessGroup):
+class ProcessGroupDummy(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
     """Completes every collective at once without communicating.
 
     DDP is built over it so that its init-time parameter check and broadcast
@@ -308,6 +507,15 @@ class ProcessGroupDummy(dist.ProcessGroup):
         super().__init__(rank, world)
         self.num_ops = 0
         """Collectives absorbed so far (tests check DDP went through here)."""
+        self.configure_count = 0
+        """configure() calls so far (tests check a wrapper passed them on)."""
+
+    def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
+        """Counts the call; a dummy group has no peers to meet."""
+        self.configure_count += 1
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
 
     def _done(self, value: Any) -> dist.Work:
         self.num_ops += 1
@@ -336,6 +544,41 @@ class ProcessGroupDummy(dist.ProcessGroup):
         )
         return self._done(output)
 
+    def allgather_into_tensor_coalesced(
+        self, output_tensors: Any, input_tensors: Any, opts: Any = None
+    ) -> dist.Work:
+        for out, tensor in zip(output_tensors, input_tensors):
+            self._allgather_base(out, tensor)
+        return self._done(output_tensors)
+
+    def reduce_scatter(
+        self, output_tensors: Any, input_tensors: Any, opts: Any = None
+    ) -> dist.Work:
+        for out, inputs in zip(output_tensors, input_tensors):
+            out.copy_(inputs[0])
+        return self._done(output_tensors)
+
+    def reduce_scatter_tensor_coalesced(
+        self, output_tensors: Any, input_tensors: Any, opts: Any = None
+    ) -> dist.Work:
+        for out, tensor in zip(output_tensors, input_tensors):
+            out.copy_(tensor.reshape(-1)[: out.numel()].view_as(out))
+        return self._done(output_tensors)
+
+    def alltoall_base(
+        self,
+        output_buffer: Any,
+        input_buffer: Any,
+        output_split: Any,
+        input_split: Any,
+        opts: Any = None,
+    ) -> dist.Work:
+        output_buffer.copy_(input_buffer)
+        return self._done(output_buffer)
+
+    def broadcast_one(self, tensor: Any, root: int) -> dist.Work:
+        return self._done(tensor)
+
     def barrier(self, opts: Any = None) -> dist.Work:
         return self._done(None)
 
@@ -357,8 +600,57 @@ class _ProcessGroupWrapper(dist.ProcessGroup):
     def configure(self, store_addr: str, replica_id: str, rank: int, world_size: int) -> None:
         self._pg.configure(store_addr, replica_id, rank, world_size)
 
+    def __repr__(self) -> str:
+        # torchft's name for the plain wrapper, whose subclasses say their own.
+        name = "ProcessGroupWrapper" if type(self) is _ProcessGroupWrapper else type(self).__name__
+        return f"{name}(pg={self._pg!r})"
+
     def _dispatch(self, start: Callable[[], dist.Work], default: Any) -> dist.Work:
         return start()
+
+    def allreduce_coalesced(self, tensors: Any, opts: Any = None) -> dist.Work:
+        return self._dispatch(lambda: self._pg.allreduce_coalesced(tensors, opts), tensors)
+
+    def allgather_into_tensor_coalesced(
+        self, output_tensors: Any, input_tensors: Any, opts: Any = None
+    ) -> dist.Work:
+        return self._dispatch(
+            lambda: self._pg.allgather_into_tensor_coalesced(output_tensors, input_tensors, opts),
+            output_tensors,
+        )
+
+    def reduce_scatter(
+        self, output_tensors: Any, input_tensors: Any, opts: Any = None
+    ) -> dist.Work:
+        return self._dispatch(
+            lambda: self._pg.reduce_scatter(output_tensors, input_tensors, opts), output_tensors
+        )
+
+    def reduce_scatter_tensor_coalesced(
+        self, output_tensors: Any, input_tensors: Any, opts: Any = None
+    ) -> dist.Work:
+        return self._dispatch(
+            lambda: self._pg.reduce_scatter_tensor_coalesced(output_tensors, input_tensors, opts),
+            output_tensors,
+        )
+
+    def alltoall_base(
+        self,
+        output_buffer: Any,
+        input_buffer: Any,
+        output_split: Any,
+        input_split: Any,
+        opts: Any = None,
+    ) -> dist.Work:
+        return self._dispatch(
+            lambda: self._pg.alltoall_base(
+                output_buffer, input_buffer, output_split, input_split, opts
+            ),
+            output_buffer,
+        )
+
+    def broadcast_one(self, tensor: Any, root: int) -> dist.Work:
+        return self._dispatch(lambda: self._pg.broadcast_one(tensor, root), tensor)
 
     def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:
         return self._dispatch(lambda: self._pg.allreduce(tensors, opts), tensors)
@@ -486,15 +778,25 @@ class ManagedProcessGroup(dist.ProcessGroup):
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         if len(tensors) != 1:
             raise ValueError(f"ManagedProcessGroup.allreduce takes one tensor, got {len(tensors)}")
-        work = self._manager.allreduce(tensors[0], reduce_op=_reduce_op(opts))
-        # The manager's future holds the tensor; torch callers (DDP comm hooks
-        # included) expect the list, as from any other process group.
-        fut = work if isinstance(work, torch.futures.Future) else work.get_future()
-        return FutureWork(_then(fut, lambda _: tensors))
+        # The Manager's own work, as it is: wrapping it would add a future
+        # that only settles through the Manager's, so whatever holds the
+        # Manager's up (or a Manager double whose work never completes)
+        # would hang every wait() on ours. Its future holds the tensor.
+        return self._manager.allreduce(tensors[0], reduce_op=_reduce_op(opts))
 
-    allgather = _unsupported("allgather")
-    broadcast = _unsupported("broadcast")
-    barrier = _unsupported("barrier")
+    allreduce_coalesced = _unsupported("allreduce_coalesced", ("allreduce",))
+    allgather = _unsupported("allgather", ("allreduce",))
+    allgather_into_tensor_coalesced = _unsupported(
+        "allgather_into_tensor_coalesced", ("allreduce",)
+    )
+    alltoall_base = _unsupported("alltoall_base", ("allreduce",))
+    broadcast = _unsupported("broadcast", ("allreduce",))
+    broadcast_one = _unsupported("broadcast_one", ("allreduce",))
+    barrier = _unsupported("barrier", ("allreduce",))
+    reduce_scatter = _unsupported("reduce_scatter", ("allreduce",))
+    reduce_scatter_tensor_coalesced = _unsupported(
+        "reduce_scatter_tensor_coalesced", ("allreduce",)
+    )
 
     def size(self) -> int:
         return self._manager.num_participants()

@@ -65,7 +65,8 @@ def member_fingerprint(member: QuorumMember, group_rank: int) -> str | None:
     is only ever compared with one of the same step.
     """
     try:
-        entry = json.loads(member.data)[FINGERPRINT_KEY]
+        data = json.loads(member.data) if isinstance(member.data, str) else member.data
+        entry = data[FINGERPRINT_KEY]  # type: ignore[index]
         value = entry["values"][group_rank]
         if entry["step"] == member.step and isinstance(value, str) and value:
             return value

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import socket
+import time
 from datetime import timedelta
 
 import grpc
@@ -48,16 +49,27 @@ def unreachable(
 
 
 def check_reachable(target: str, what: str, connect_timeout: timedelta) -> None:
-    """Opens and closes a TCP connection to `target`, bounded by the timeout.
+    """Connects to `target` with plain TCP, retrying until `connect_timeout`.
 
-    A plain socket, not grpc.channel_ready_future: the latter starts a
+    Retried because a refused connection fails at once, and a lighthouse
+    started a few seconds after its replicas must not fail them. A plain
+    socket, not grpc.channel_ready_future: the latter starts a
     connectivity-polling thread that can deadlock a later channel.close().
 
     Raises:
         LighthouseUnavailableError: nothing accepted the connection in time.
     """
     host, port = parse_bind(target)
-    try:
-        socket.create_connection((host, port), timeout=connect_timeout.total_seconds()).close()
-    except OSError as e:
-        raise unreachable(what, connect_timeout, e) from None
+    deadline = time.monotonic() + connect_timeout.total_seconds()
+    backoff_s = 0.05
+    while True:
+        left_s = deadline - time.monotonic()
+        try:
+            socket.create_connection((host, port), timeout=max(left_s, 0.001)).close()
+            return
+        except OSError as e:
+            left_s = deadline - time.monotonic()
+            if left_s <= 0:
+                raise unreachable(what, connect_timeout, e) from None
+            time.sleep(min(backoff_s, left_s))
+            backoff_s = min(backoff_s * 2, 0.5)

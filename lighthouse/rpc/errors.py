@@ -34,6 +34,13 @@ class NotServedError(QuorumError, LookupError):
     """The server does not hold what was asked for (yet)."""
 
 
+class DuplicateGroupError(QuorumError):
+    """Another live replica already trains under this replica group's name.
+
+    Not retried: waiting does not help while the other one lives, and
+    training on would train one data shard twice. Stop one of them."""
+
+
 MAX_DETAILS_CHARS = 4000
 """Longest status text sent: it travels in trailing metadata, which gRPC caps
 at 16 KiB, and a reason quoting huge ids (bad input) would break the answer."""
@@ -44,6 +51,7 @@ _STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (QuorumTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (LighthouseUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (NotServedError, grpc.StatusCode.NOT_FOUND),
+    (DuplicateGroupError, grpc.StatusCode.ALREADY_EXISTS),
     (QuorumError, grpc.StatusCode.ABORTED),
 )
 """The one exception <-> status table, read in both directions."""

@@ -3,14 +3,17 @@ running examples/train_ddp.py; real SIGKILL of a whole group, real restart."""
 
 from __future__ import annotations
 
+import os
+import signal
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from tests.procs import PYTHON, wait_for_line
 from tools.chaos.checks import BatchRecord, data_exactly_once
-from tools.procs import kill_tree, read_jsonl
+from tools.procs import kill_tree, read_jsonl, signal_tree
 from torchft_like.data import DistributedSampler
 
 pytestmark = pytest.mark.timeout(150)
@@ -27,11 +30,13 @@ def wait_until(condition, timeout: float, what: str) -> None:
         time.sleep(0.1)
 
 
-def start_lighthouse(children, heartbeat_timeout_ms: int) -> str:
+def start_lighthouse(
+    children, heartbeat_timeout_ms: int, join_timeout_ms: int = 1000, extra: tuple = ()
+) -> str:
     proc = children.spawn(
         [PYTHON, "-m", "lighthouse", "--min-replicas", "1", "--bind", "127.0.0.1:0",
          "--http-bind", "", "--heartbeat-timeout-ms", str(heartbeat_timeout_ms),
-         "--join-timeout-ms", "1000"]
+         "--join-timeout-ms", str(join_timeout_ms), *extra]
     )  # fmt: skip
     return wait_for_line(proc, r"listening on (http://\S+)", timeout=15).group(1)
 
@@ -167,3 +172,124 @@ def test_a_group_that_leaves_on_purpose_does_not_stall_the_other(children, tmp_p
     assert after and all(r["committed"] for r in after)
     assert after[0]["t"] - left_at < 5, "the stayer waited for the leaver's heartbeat to expire"
     assert after[-1]["participants"] == 1
+
+
+def test_killing_torchrun_alone_ends_its_worker_and_the_other_group_goes_on(children, tmp_path):
+    # What the README tells users to do: kill -9 of torchrun, not of its tree.
+    # A 20 s heartbeat timeout: only the worker's exit (its heartbeat stream
+    # closing) can explain the survivor dropping it quickly.
+    lighthouse = start_lighthouse(children, heartbeat_timeout_ms=20_000)
+    survivor = start_group(children, tmp_path, lighthouse, 0)
+    victim = start_group(children, tmp_path, lighthouse, 1)
+    log0 = tmp_path / "group0.jsonl"
+    wait_until(
+        lambda: sum(r["participants"] == 2 and r["committed"] for r in steps(log0)) >= 5,
+        90,
+        "both groups to train together",
+    )
+    workers = psutil.Process(victim.pid).children(recursive=True)
+    assert workers, "torchrun has no worker"
+    os.kill(victim.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    killed_wall = time.time()
+    victim.wait(timeout=10)
+    while alive := [w for w in workers if running(w)]:
+        assert time.monotonic() - killed_at < 5, f"orphaned workers still run: {alive}"
+        time.sleep(0.01)
+    exit_s = time.monotonic() - killed_at
+    print(f"orphaned worker exited {exit_s:.2f} s after torchrun's SIGKILL")
+    assert exit_s < 1.5, f"the orphaned worker took {exit_s:.2f} s to exit"
+    wait_until(
+        lambda: any(
+            r["t"] > killed_wall and r["committed"] and r["participants"] == 1 for r in steps(log0)
+        ),
+        15,
+        "the survivor to commit without the dead group",
+    )
+    stop_at(tmp_path, 0, last_step(log0) + 3)
+    assert survivor.wait(timeout=60) == 0
+    assert "is gone" in (tmp_path / "group1.log").read_text()
+
+
+def running(proc: psutil.Process) -> bool:
+    """A zombie (an orphan not yet reaped by init) runs nothing: gone."""
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_missing_or_duplicate_replica_group_id_stops_the_script_naming_it(children, tmp_path):
+    lighthouse = start_lighthouse(children, heartbeat_timeout_ms=20_000)
+    env = {"TORCHFT_LIGHTHOUSE": lighthouse, "NUM_REPLICA_GROUPS": "2"}
+    unnamed = children.spawn(
+        [PYTHON, "examples/train_ddp.py", "--steps", "5"], log=tmp_path / "unnamed.log", env=env
+    )
+    assert unnamed.wait(timeout=60) == 2
+    text = (tmp_path / "unnamed.log").read_text()
+    assert "REPLICA_GROUP_ID=None: it must be set" in text and "--standby-file" in text
+
+    first = start_group(children, tmp_path, lighthouse, 0)
+    wait_until(lambda: last_step(tmp_path / "group0.jsonl") >= 3, 60, "group 0 to train")
+    twin = children.spawn(
+        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+         "examples/train_ddp.py", "--steps", "5", "--hidden", "64"],
+        log=tmp_path / "twin.log", env={**env, "REPLICA_GROUP_ID": "0"},
+    )  # fmt: skip
+    assert twin.wait(timeout=60) != 0
+    text = (tmp_path / "twin.log").read_text()
+    assert "replica group 'train_ddp_0' is already live" in text, text[-3000:]
+    assert first.poll() is None, "the first group 0 stopped"
+
+
+@pytest.mark.parametrize("suspect", ["on", "off"])
+def test_a_stopped_group_is_left_out_within_a_second_and_heals_when_continued(
+    children, tmp_path, suspect
+):
+    # Default heartbeat timeout (5 s) and join timeout (60 s): only the hang
+    # detector can leave the stopped group out quickly. "off" measures the
+    # stall without it, for comparison; it only checks the group heals.
+    extra = () if suspect == "on" else ("--suspect-phi", "0")
+    lighthouse = start_lighthouse(children, 5000, join_timeout_ms=60_000, extra=extra)
+    survivor = start_group(children, tmp_path, lighthouse, 0)
+    victim = start_group(children, tmp_path, lighthouse, 1)
+    log0, log1 = tmp_path / "group0.jsonl", tmp_path / "group1.jsonl"
+    wait_until(
+        lambda: sum(r["participants"] == 2 and r["committed"] for r in steps(log0)) >= 20,
+        90,
+        "both groups to train together",
+    )
+    signal_tree(victim.pid, signal.SIGSTOP)
+    stopped_at = time.time()
+    wait_until(
+        lambda: sum(r["t"] > stopped_at and r["committed"] for r in steps(log0)) >= 10,
+        30,
+        "the survivor to go on alone",
+    )
+    signal_tree(victim.pid, signal.SIGCONT)
+    continued_at = time.time()
+    wait_until(
+        lambda: any(r["t"] > continued_at and r["committed"] for r in steps(log1)),
+        60,
+        "the continued group to commit again",
+    )
+    commits = [r["t"] for r in steps(log0) if r["committed"]]
+    before = [t for t in commits if t <= stopped_at]
+    gaps = [b - a for a, b in zip(before[-20:], before[-19:])]
+    ordinary_s = sorted(gaps)[len(gaps) // 2]
+    after = [t for t in commits if t > stopped_at]
+    stall_s = after[0] - before[-1]
+    print(
+        f"suspect={suspect}: survivor stall {stall_s:.2f} s "
+        f"(ordinary step {ordinary_s:.2f} s, extra {stall_s - ordinary_s:.2f} s)"
+    )
+    final = last_step(log0) + 10
+    for group in (0, 1):
+        stop_at(tmp_path, group, final)
+    assert survivor.wait(timeout=60) == 0
+    assert victim.wait(timeout=60) == 0
+    assert any(r["healed"] for r in steps(log1) if r["t"] > continued_at), "it did not heal"
+    a, b = finals(tmp_path)
+    assert a["hash"] == b["hash"], "replicas are not bit-identical at the same step"
+    if suspect == "on":
+        assert stall_s - ordinary_s < 1.5, f"the survivor stalled {stall_s:.2f} s"

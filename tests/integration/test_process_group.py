@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed import ReduceOp
 
-from torchft_like._work import completed_work
+from torchft_like._work import FutureWork, completed_work
 from torchft_like.process_group import (
     ErrorSwallowingProcessGroupWrapper,
     FakeProcessGroupWrapper,
@@ -260,8 +260,10 @@ def test_collectives_before_configure_and_unsupported_ops_are_clear_errors():
         pg.allreduce([torch.ones(1)], ReduceOp.SUM)
     with pytest.raises(RuntimeError, match="recv before configure"):
         pg.recv([torch.ones(1)], 0, 0)
-    with pytest.raises(NotImplementedError, match="reduce_scatter"):
-        pg.reduce_scatter([], [])
+    with pytest.raises(RuntimeError, match="reduce_scatter before configure"):
+        pg.reduce_scatter([torch.ones(1)], [[torch.ones(1)]])
+    with pytest.raises(NotImplementedError, match="does not support alltoall;"):
+        pg.alltoall([], [])
     assert (pg.getBackendName(), pg.errored()) == ("torchft-gloo", None)
     pg.shutdown()
     pg.shutdown()  # idempotent
@@ -289,9 +291,129 @@ def test_the_managed_group_sends_allreduce_through_the_manager():
     manager = _FakeManager()
     pg = ManagedProcessGroup(manager)
     tensor = torch.ones(2)
-    assert pg.allreduce([tensor], ReduceOp.AVG).get_future().wait() == [tensor]
+    assert pg.allreduce([tensor], ReduceOp.AVG).get_future().wait() is tensor
     assert torch.equal(tensor, torch.full((2,), 2.0))
     assert manager.reduce_ops == [ReduceOp.AVG]
     assert (pg.size(), pg.rank()) == (3, 0)
-    with pytest.raises(NotImplementedError, match="broadcast"):
-        pg.broadcast([tensor], 0)
+    for op, args in [
+        ("broadcast", ([tensor], 0)),
+        ("allreduce_coalesced", ([tensor],)),
+        ("reduce_scatter", ([tensor], [[tensor]])),
+    ]:
+        with pytest.raises(RuntimeError, match=f"does not support {op};"):
+            getattr(pg, op)(*args)
+
+
+class _StuckManager(_FakeManager):
+    """A Manager whose allreduce work never completes (a peer that hangs)."""
+
+    def allreduce(self, tensor: torch.Tensor, reduce_op: ReduceOp = ReduceOp.AVG) -> Any:
+        self.reduce_ops.append(reduce_op)
+        self.pending: torch.futures.Future[Any] = torch.futures.Future()
+        return FutureWork(self.pending)
+
+
+@pytest.mark.timeout(60)
+def test_the_managed_group_returns_the_managers_work_itself():
+    manager = _StuckManager()
+    work = ManagedProcessGroup(manager).allreduce([torch.ones(2)], ReduceOp.SUM)
+    assert work.get_future() is manager.pending  # nothing chained that could hang apart
+    manager.pending.set_result(torch.ones(2))
+    assert work.wait()
+
+
+@pytest.mark.timeout(60)
+def test_coalesced_scatter_and_alltoall_collectives_of_two_ranks_give_the_reduced_values(
+    store, pgs
+):
+    members = pgs(2)
+    configure_all(store, members, quorum_id=1)
+
+    def run(rank: int, pg: ProcessGroupGloo) -> dict[str, list[float]]:
+        r = float(rank)
+        a, b = torch.tensor([r + 1]), torch.tensor([r + 10])
+        pg.allreduce_coalesced([a, b]).wait()
+        g0, g1 = torch.zeros(2), torch.zeros(2)
+        pg.allgather_into_tensor_coalesced(
+            [g0, g1], [torch.tensor([r]), torch.tensor([r + 5])]
+        ).wait()
+        rows = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 4.0])]
+        rs = torch.zeros(2)
+        pg.reduce_scatter([rs], [rows]).wait()
+        rc0, rc1 = torch.zeros(1), torch.zeros(1)
+        work = pg.reduce_scatter_tensor_coalesced(
+            [rc0, rc1], [torch.tensor([1.0, 2.0]), torch.tensor([10.0, 20.0])]
+        )
+        work.get_future().wait()
+        a2a = torch.zeros(2)
+        pg.alltoall_base(a2a, torch.tensor([r * 2, r * 2 + 1]), [1, 1], [1, 1]).wait()
+        one = torch.tensor([7.0]) if rank == 1 else torch.zeros(1)
+        pg.broadcast_one(one, 1).wait()
+        return {
+            "coalesced": [a.item(), b.item()],
+            "gathered": g0.tolist() + g1.tolist(),
+            "scattered": rs.tolist(),
+            "scattered_coalesced": [rc0.item(), rc1.item()],
+            "alltoall": a2a.tolist(),
+            "broadcast_one": [one.item()],
+        }
+
+    first, second = on_all_ranks(members, run)
+    assert first == {
+        "coalesced": [3.0, 21.0],
+        "gathered": [0.0, 1.0, 5.0, 6.0],
+        "scattered": [2.0, 4.0],
+        "scattered_coalesced": [2.0, 20.0],
+        "alltoall": [0.0, 2.0],
+        "broadcast_one": [7.0],
+    }
+    assert second["scattered"] == [6.0, 8.0]
+    assert second["scattered_coalesced"] == [4.0, 40.0]
+    assert second["alltoall"] == [1.0, 3.0]
+
+
+@pytest.mark.timeout(60)
+def test_a_registered_group_serves_functional_collectives_by_name(store, pgs):
+    from torch.distributed import _functional_collectives as funcol
+    from torch.distributed import distributed_c10d as c10d
+
+    (pg,) = pgs(1)
+    configure_all(store, [pg], quorum_id=1)
+    with pytest.raises(RuntimeError, match="call register"):
+        pg.group_name  # noqa: B018 (the property raises)
+    assert pg.register("ft_replicas") is pg
+    try:
+        assert pg.group_name == str(dist.get_pg_count() - 1)
+        assert c10d._resolve_process_group(pg.group_name) is pg
+        out = funcol.all_reduce(torch.full((3,), 2.0), "sum", pg)
+        assert torch.equal(funcol.wait_tensor(out), torch.full((3,), 2.0))
+    finally:
+        pg.unregister()
+
+
+@pytest.mark.timeout(60)
+def test_a_failed_collective_aborts_the_group_until_configure(store, pgs):
+    alive, dead = pgs(2, timeout=SHORT)
+    configure_all(store, [alive, dead], quorum_id=1)
+    dead.shutdown()
+    with pytest.raises(RuntimeError):
+        alive.allreduce([torch.ones(1)], ReduceOp.SUM).wait()
+    error = alive.errored()
+    assert isinstance(error, RuntimeError) and "aborted" in str(error)
+    with pytest.raises(RuntimeError, match="aborted"):
+        alive.allreduce([torch.ones(1)], ReduceOp.SUM)  # fails at once, no timeout
+    (fresh,) = pgs(1, timeout=SHORT)
+    configure_all(store, [alive, fresh], quorum_id=2)
+    assert alive.errored() is None
+    assert allreduce_on_all([alive, fresh], ReduceOp.SUM)[0][0][0].item() == 3.0
+
+
+def test_the_dummy_group_counts_configures_and_the_wrapper_names_what_it_wraps():
+    from torchft_like.process_group import _ProcessGroupWrapper
+
+    dummy = ProcessGroupDummy(0, 1)
+    wrapper = _ProcessGroupWrapper(dummy)
+    wrapper.configure("unused:0/prefix", "0", 0, 1)
+    assert dummy.configure_count == 1
+    assert repr(wrapper) == "ProcessGroupWrapper(pg=ProcessGroupDummy())"
+    assert repr(ErrorSwallowingProcessGroupWrapper(dummy)).startswith("ErrorSwallowing")

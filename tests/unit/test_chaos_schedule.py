@@ -124,8 +124,8 @@ def test_kinds_parse_from_a_comma_list_and_unknown_names_are_refused():
 # ---- checks --------------------------------------------------------------------
 
 
-def rec(group, t, step, committed=True, participants=2, incarnation=0) -> StepRecord:
-    return StepRecord(group, incarnation, t, step, committed, participants)
+def rec(group, t, step, committed=True, participants=2, incarnation=0, quorum=-1) -> StepRecord:
+    return StepRecord(group, incarnation, t, step, committed, participants, quorum)
 
 
 @pytest.mark.parametrize(
@@ -151,8 +151,17 @@ def test_a_step_going_back_within_one_incarnation_is_a_problem(records, num_prob
         ([rec(0, 1, 50), rec(1, 2, 1), rec(1, 3, 2)], 2),
         # an uncommitted step behind the job is fine (a healing replica)
         ([rec(0, 1, 50), rec(1, 2, 3, committed=False), rec(1, 3, 51)], 0),
+        # seed 17: group 2 was stopped between its allreduce of step 100 and its
+        # log line; groups 0 and 1 went on in quorum 8 without it, and group 2
+        # logged its commit (in quorum 7) 2.4 s late
+        ([rec(0, 10.0, 100, quorum=7), rec(1, 10.0, 100, quorum=7),
+          rec(0, 11.0, 101, quorum=8), rec(1, 11.0, 101, quorum=8),
+          rec(0, 12.0, 102, quorum=8), rec(1, 12.1, 102, quorum=8),
+          rec(2, 12.4, 100, quorum=7), rec(0, 13.0, 103, quorum=8)], 0),
+        # a later quorum really committing below an earlier one is still caught
+        ([rec(0, 1, 50, quorum=7), rec(1, 2, 1, quorum=8), rec(1, 3, 2, quorum=8)], 2),
     ],
-)
+)  # fmt: skip
 def test_the_highest_committed_step_never_goes_backwards(records, num_problems):
     assert len(committed_step_regressions(records)) == num_problems
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import re
+from dataclasses import replace
+
 import pytest
 
 from lighthouse.quorum import (
+    ArrivalStats,
     LighthouseConfig,
     LighthouseState,
     Participant,
@@ -12,8 +16,13 @@ from lighthouse.quorum import (
     QuorumMember,
     compute_quorum,
     forgotten_replicas,
+    group_name,
     next_quorum_id,
     quorum_changed,
+    record_arrival,
+    suspected_replicas,
+    suspicion,
+    twin_refusal,
 )
 
 NOW = 1000.0
@@ -249,3 +258,122 @@ def test_silent_replicas_are_forgotten():
 def test_bad_config_is_refused_with_the_rule(kwargs, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         LighthouseConfig(**kwargs)
+
+
+# ---- twin groups -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "replica_id, name",
+    [("train_ddp_0:9f1c", "train_ddp_0"), ("a:b:uuid", "a:b"), ("plain", "plain"), (":u", "")],
+)
+def test_the_group_name_is_the_id_before_its_last_colon(replica_id, name):
+    assert group_name(replica_id) == name
+
+
+@pytest.mark.parametrize(
+    "case, same_name, beats, closed, refused",
+    [
+        ("first of its name", [], {}, {}, False),
+        ("only itself known (its own later calls)", ["g:new"], {"g:new": 0.1}, {}, False),
+        ("another of the name is live", ["g:old"], {"g:old": 0.1}, {}, True),
+        ("the other is silent past the heartbeat timeout", ["g:old"], {"g:old": 1.5}, {}, False),
+        ("the other's stream closed after its last beat", ["g:old"], {"g:old": 0.5},
+         {"g:old": 0.2}, False),
+        ("the other's stream closed but it beat since", ["g:old"], {"g:old": 0.1},
+         {"g:old": 0.3}, True),
+        ("the index names one with no heartbeat", ["g:gone"], {}, {}, False),
+        ("one of two others is live", ["g:a", "g:b"], {"g:a": 3.0, "g:b": 0.2}, {}, True),
+    ],
+)  # fmt: skip
+def test_a_second_live_replica_of_one_group_is_refused_until_the_first_is_dead(
+    case, same_name, beats, closed, refused
+):
+    heartbeats = {rid: NOW - ago for rid, ago in beats.items()}
+    streams_closed = {rid: NOW - ago for rid, ago in closed.items()}
+    reason = twin_refusal(
+        NOW, "g:new", same_name, heartbeats, CONFIG.heartbeat_timeout_ms, streams_closed
+    )
+    if not refused:
+        assert reason is None, case
+        return
+    assert reason is not None, case
+    live = next(rid for rid in same_name if rid in beats and beats[rid] < 1.0)
+    assert f"replica group 'g' is already live as {live}" in reason
+    assert "refusing g:new" in reason and "another REPLICA_GROUP_ID" in reason
+
+
+# ---- hang detection (phi accrual) ------------------------------------------------
+
+
+def rhythm(intervals: list[float]) -> ArrivalStats:
+    stats = None
+    for x in intervals:
+        stats = record_arrival(stats, x, cap_s=1.0)
+    assert stats is not None
+    return stats
+
+
+REGULAR = rhythm([0.1] * 30)
+JITTERY = rhythm([0.1, 0.6] * 15)  # a loaded machine: heartbeats up to 0.6 s apart
+
+
+def test_the_rhythm_tracks_the_mean_and_caps_an_outage_at_the_cap():
+    assert REGULAR.mean_s == pytest.approx(0.1) and REGULAR.var_s2 == pytest.approx(0.0)
+    assert REGULAR.count == 30
+    after_outage = record_arrival(REGULAR, 60.0, cap_s=1.0)
+    assert after_outage.mean_s == pytest.approx(0.1 + 0.1 * 0.9)
+
+
+@pytest.mark.parametrize(
+    "stats, silence_s, suspected",
+    [
+        (REGULAR, 0.1, False),
+        (REGULAR, 0.3, False),  # slow, but below suspect_min_ms (700)
+        (REGULAR, 0.75, True),
+        (JITTERY, 0.75, False),  # the same silence is ordinary for a jittery sender
+        (JITTERY, 2.5, True),
+        (rhythm([0.1] * 5), 0.9, False),  # too few intervals to know its rhythm
+    ],
+)
+def test_a_replica_is_suspected_only_when_silent_far_beyond_its_own_rhythm(
+    stats, silence_s, suspected
+):
+    found = suspected_replicas(NOW, {"a": NOW - silence_s}, {"a": stats}, CONFIG)
+    assert ("a" in found) == suspected
+
+
+def test_suspicion_grows_with_silence_and_is_off_at_phi_zero():
+    assert suspicion(0.2, REGULAR) < suspicion(0.4, REGULAR) < suspicion(0.6, REGULAR)
+    off = LighthouseConfig(min_replicas=2, suspect_phi=0)
+    assert suspected_replicas(NOW, {"a": NOW - 3.0}, {"a": REGULAR}, off) == {}
+
+
+def hung_state(silence_s: float, stats: ArrivalStats, waiting: bool = False) -> LighthouseState:
+    """a and b wait; c (a previous member) last heard `silence_s` ago."""
+    base = state({"a": 0.0, "b": 0.0, **({"c": silence_s} if waiting else {})},
+                 beats={"c": silence_s}, prev=["a", "b", "c"])  # fmt: skip
+    return replace(base, arrivals={"a": REGULAR, "b": REGULAR, "c": stats})
+
+
+@pytest.mark.parametrize("waiting", [False, True], ids=["straggling", "waiting"])
+def test_a_hung_replica_is_left_out_at_once_when_the_others_are_ready(waiting):
+    decision = compute_quorum(NOW, hung_state(0.8, REGULAR, waiting), CONFIG)
+    assert decision.members is not None
+    assert [m.replica_id for m in decision.members] == ["a", "b"]
+    assert "1 suspected hung: c silent 0.8 s, usually every 0.10 s" in decision.reason
+
+
+def test_a_slow_but_ordinary_replica_is_still_waited_for():
+    decision = compute_quorum(NOW, hung_state(0.8, JITTERY), CONFIG)
+    assert decision.members is None and decision.kind == "stragglers"
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [({"suspect_phi": -1}, "suspect_phi (-1) must be 0 (off) or positive"),
+     ({"suspect_min_ms": -5}, "suspect_min_ms (-5) must not be negative")],
+)  # fmt: skip
+def test_bad_suspicion_settings_are_refused_naming_the_value(overrides, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        LighthouseConfig(min_replicas=1, **overrides)

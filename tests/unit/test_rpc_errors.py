@@ -4,6 +4,7 @@ import grpc
 import pytest
 
 from lighthouse.rpc.errors import (
+    DuplicateGroupError,
     LighthouseUnavailableError,
     NotServedError,
     QuorumError,
@@ -20,6 +21,7 @@ from lighthouse.rpc.errors import (
         (QuorumTimeoutError("waiting for replicas: 1 joined"), grpc.StatusCode.DEADLINE_EXCEEDED),
         (LighthouseUnavailableError("could not connect"), grpc.StatusCode.UNAVAILABLE),
         (NotServedError("rank 1 has not asked"), grpc.StatusCode.NOT_FOUND),
+        (DuplicateGroupError("group 'g' is already live"), grpc.StatusCode.ALREADY_EXISTS),
         (QuorumError("replica r left"), grpc.StatusCode.ABORTED),
     ],
 )

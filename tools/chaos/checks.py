@@ -19,6 +19,9 @@ class StepRecord:
     step: int
     committed: bool
     participants: int
+    quorum_id: int = -1
+    """The quorum the step ran in (-1: unknown, a log without it). Ids grow
+    over the job, also across lighthouse restarts."""
 
 
 def step_regressions(records: list[StepRecord]) -> list[str]:
@@ -40,16 +43,23 @@ def committed_step_regressions(records: list[StepRecord], slack: int = 1) -> lis
     """The job's highest committed step never goes backwards: every commit
     lands at most `slack` below the highest one committed before it (a member
     of the same quorum may log its commit of step N after another member
-    logged N+1)."""
+    logged N+1).
+
+    "Before" is the order of commitment, not of logging: quorums in id order,
+    then log time within a quorum. A group stopped (SIGSTOP) between its
+    allreduce and its log line logs that commit seconds late, after the others
+    moved on in a later quorum without it; by log time alone its step would
+    seem to go back. Within one quorum no member can run ahead by more than a
+    step: the next step's allreduce needs them all."""
     problems = []
     highest = 0
-    for r in sorted(records, key=lambda r: r.t):
+    for r in sorted(records, key=lambda r: (r.quorum_id, r.t)):
         if not r.committed:
             continue
         if r.step < highest - slack:
             problems.append(
-                f"group {r.group} committed step {r.step} after step {highest} had been "
-                f"committed (t={r.t:.3f})"
+                f"group {r.group} committed step {r.step} in quorum {r.quorum_id} after "
+                f"step {highest} had been committed (t={r.t:.3f})"
             )
         highest = max(highest, r.step)
     return problems

@@ -107,7 +107,7 @@ class Runner:
                     self.records.append(
                         checks.StepRecord(
                             g.index, g.incarnation, r["t"], r["step"], r["committed"],
-                            r["participants"],
+                            r["participants"], r.get("quorum_id", -1),
                         )
                     )  # fmt: skip
                     if r["committed"] and r.get("sample_ids"):

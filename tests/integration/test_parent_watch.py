@@ -1,0 +1,55 @@
+"""A process that asked to exit with its parent does, within a second of the
+parent's SIGKILL (torchft_like.parent_watch), with real processes."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import psutil
+
+from tests.procs import PYTHON
+
+# The parent starts the child and waits; the child watches its parent and says
+# when it is ready. Only the library's torch-free module is imported.
+CHILD = (
+    "import logging, sys, time; logging.basicConfig(level=logging.INFO); "
+    "from torchft_like.parent_watch import exit_with_parent; exit_with_parent(); "
+    "print('watching', flush=True); time.sleep(60)"
+)
+PARENT = (
+    "import subprocess, sys; "
+    f"c = subprocess.Popen([sys.executable, '-c', {CHILD!r}]); "
+    "print('child', c.pid, flush=True); c.wait()"
+)
+
+
+def running(proc: psutil.Process) -> bool:
+    try:
+        return proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def test_a_child_exits_within_a_second_of_its_parents_sigkill(children, tmp_path):
+    log = tmp_path / "tree.log"
+    parent = children.spawn([PYTHON, "-c", PARENT], log=log)
+    deadline = time.monotonic() + 30
+    while "watching" not in (text := log.read_text()):
+        assert time.monotonic() < deadline, f"the child did not start:\n{text}"
+        time.sleep(0.05)
+    child = psutil.Process(int(text.split("child ")[1].split()[0]))
+    os.kill(parent.pid, signal.SIGKILL)
+    killed_at = time.monotonic()
+    parent.wait(timeout=10)
+    # Polled, not child.wait(): an orphan stays a zombie until init reaps it,
+    # which psutil's wait counts as alive; a zombie runs nothing.
+    while running(child):
+        if time.monotonic() - killed_at > 5:
+            child.kill()
+            raise AssertionError("the orphaned child still runs 5 s after its parent died")
+        time.sleep(0.01)
+    took_s = time.monotonic() - killed_at
+    assert took_s < 1.0, f"the orphan took {took_s:.2f} s to exit"
+    assert "parent process" in log.read_text() and "is gone" in log.read_text()
