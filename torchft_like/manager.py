@@ -286,10 +286,6 @@ class Manager:
         self._step = state_dict["step"]
         self._batches_committed = state_dict["batches_committed"]
 
-    def full_state_dict(self) -> dict[str, Any]:
-        """Everything healing copies: every registered state dict ("user")
-        and our progress ("torchft"); durable checkpoints save it."""
-        return self._full_state_dict()
 
     def load_full_state_dict(self, state: dict[str, Any]) -> None:
         """Loads a `full_state_dict()`, e.g. from a durable checkpoint."""
@@ -303,7 +299,9 @@ class Manager:
             load(state["user"][key])
         self.load_state_dict(state["torchft"])
 
-    def _full_state_dict(self) -> dict[str, Any]:
+    def full_state_dict(self) -> dict[str, Any]:
+        """Everything healing copies: every registered state dict ("user")
+        and our progress ("torchft"); durable checkpoints save it."""
         return {
             "user": {key: fns[1]() for key, fns in self._user_state.items()},
             "torchft": self.state_dict(),
@@ -360,7 +358,7 @@ class Manager:
             return ""
         try:
             fn = self._fingerprint_fn
-            value = fingerprint(fn() if fn else self._full_state_dict()["user"])
+            value = fingerprint(fn() if fn else self.full_state_dict()["user"])
         except Exception as e:
             self._logger.exception("fingerprint failed, not comparing this step: %s", e)
             return ""
@@ -421,7 +419,7 @@ class Manager:
             self._checkpoint_transport.send_checkpoint(
                 list(result.recover_dst_replica_ranks),
                 self._step,
-                self._full_state_dict(),
+                self.full_state_dict(),
                 self._timeout,
             )
         if allow_heal and result.heal:
