@@ -33,7 +33,7 @@ from lighthouse.quorum import (
     record_arrival,
     twin_refusal,
 )
-from lighthouse.rpc import errors, serve
+from lighthouse.rpc import auth, errors, serve
 from lighthouse.rpc.address import advertised_host, join_host_port, parse_bind
 from lighthouse.rpc.errors import DuplicateGroupError, QuorumError, QuorumTimeoutError
 from lighthouse.rpc.loop import BackgroundLoop, reply_budget_s, wait_within
@@ -448,6 +448,9 @@ class LighthouseServer:
             raise
         logger.info("lighthouse listening on %s (gRPC, bind %s)", self.address(), bind)
         logger.info("access control: %s", "on (shared secret)" if secret else "off (no secret)")
+        warning = auth.exposure_warning(secret, host, "lighthouse")
+        if warning:
+            logger.warning("%s", warning)
 
     async def _start(self, host: str, port: int) -> int:
         self._server = serve.new_server(
