@@ -30,12 +30,13 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from lighthouse.rpc import auth
 from lighthouse.rpc.address import BIND_HOST_ENV
+from lighthouse.rpc.http_server import QuietHTTPServer
 from torchft_like.checkpointing import _checksum, _format
 from torchft_like.checkpointing._http_fetch import (
     NOT_SERVING,
@@ -271,14 +272,10 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._thread.join()
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 128  # a receiver opens num_chunks connections at once
+class _Server(QuietHTTPServer):
+    service = "checkpoint server"
     transport: HTTPTransport
     refusals: auth.RefusalLog
-
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        logger.exception("checkpoint server: request from %s failed", client_address)
 
 
 class _Server6(_Server):
