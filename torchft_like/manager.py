@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp, TCPStore
 
 from lighthouse.rpc import auth
+from lighthouse.rpc.address import BIND_HOST_ENV, join_host_port
 from lighthouse.rpc.errors import DuplicateGroupError, QuorumError
 from torchft_like import parent_watch
 from torchft_like._work import FutureWork, completed_work
@@ -85,7 +86,9 @@ class Manager:
 
     Argument names follow pytorch/torchft's Manager. Unset arguments come from
     torchrun's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) and
-    TORCHFT_LIGHTHOUSE / TORCHFT_MANAGER_PORT; TORCHFT_*_SEC override the
+    TORCHFT_LIGHTHOUSE / TORCHFT_MANAGER_PORT; the servers listen on `hostname`
+    (what peers are told) unless TORCHFT_BIND_HOST names another host (0.0.0.0
+    or :: for all interfaces); TORCHFT_*_SEC override the
     timeouts and TORCHFT_QUORUM_RETRIES the retries; TORCHFT_SECRET_FILE or
     TORCHFT_SECRET give the job's shared secret.
 
@@ -226,8 +229,9 @@ class Manager:
                 "or TORCHFT_SECRET): pass HTTPTransport(..., secret=...) the same secret, or "
                 "the peers cannot fetch from each other"
             )
+        bind_host = os.environ.get(BIND_HOST_ENV) or None
         self._checkpoint_transport = checkpoint_transport or HTTPTransport(
-            timeout=self._timeout, secret=self._secret
+            timeout=self._timeout, secret=self._secret, bind_host=bind_host
         )
         self._manager_server: ManagerServer | None = None
         if self._group_rank == 0:
@@ -243,7 +247,7 @@ class Manager:
                 replica_id=full_id,
                 lighthouse_addr=lighthouse_addr,
                 hostname=hostname,
-                bind=f"[::]:{port}",
+                bind=join_host_port(bind_host or hostname, port),
                 store_addr=f"{store_addr}:{store_port}",
                 world_size=self._group_world_size,
                 heartbeat_interval=heartbeat_interval,
