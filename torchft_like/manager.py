@@ -290,7 +290,6 @@ class Manager:
         self._step = state_dict["step"]
         self._batches_committed = state_dict["batches_committed"]
 
-
     def load_full_state_dict(self, state: dict[str, Any]) -> None:
         """Loads a `full_state_dict()`, e.g. from a durable checkpoint."""
         missing = sorted(set(self._user_state) - set(state["user"]))
