@@ -226,9 +226,11 @@ def test_a_missing_or_duplicate_replica_group_id_stops_the_script_naming_it(chil
     lighthouse = start_lighthouse(children, heartbeat_timeout_ms=20_000)
     env = {"TORCHFT_LIGHTHOUSE": lighthouse, "NUM_REPLICA_GROUPS": "2"}
     unnamed = children.spawn(
-        [PYTHON, "examples/train_ddp.py", "--steps", "5"], log=tmp_path / "unnamed.log", env=env
-    )
-    assert unnamed.wait(timeout=60) == 2
+        [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
+         "examples/train_ddp.py", "--steps", "5"],
+        log=tmp_path / "unnamed.log", env=env,
+    )  # fmt: skip
+    assert unnamed.wait(timeout=60) != 0  # the worker's 2 becomes torchrun's 1
     text = (tmp_path / "unnamed.log").read_text()
     assert "REPLICA_GROUP_ID=None: it must be set" in text and "--standby-file" in text
 
