@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard
 
 KEYS = {"local", "device_type", "mesh", "dim_names", "placements", "shape", "stride"}
@@ -119,7 +120,7 @@ def build(node: Any, local: torch.Tensor, meshes: dict[str, DeviceMesh]) -> DTen
         mesh = meshes[key] = DeviceMesh(
             node["device_type"], ranks, mesh_dim_names=names, _init_backend=local_groups
         )
-    placements = [_decode_placement(p, "state") for p in node["placements"]]
-    return DTensor.from_local(
-        local, mesh, placements, shape=torch.Size(node["shape"]), stride=tuple(node["stride"])
-    )
+    placements = tuple(_decode_placement(p, "state") for p in node["placements"])
+    meta = TensorMeta(torch.Size(node["shape"]), tuple(node["stride"]), local.dtype)
+    # Not DTensor.from_local: on a rank outside the mesh it drops the shard.
+    return DTensor(local, DTensorSpec(mesh, placements, meta), requires_grad=False)
