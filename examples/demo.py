@@ -29,7 +29,19 @@ from tools.procs import free_port, kill_tree, read_jsonl, spawn  # noqa: E402
 
 # --- arguments --------------------------------------------------------------
 
-parser = argparse.ArgumentParser(description="torchft_like kill-and-recover demo")
+parser = argparse.ArgumentParser(
+    description="torchft_like kill-and-recover demo",
+    epilog="""\
+environment: the demo reads none itself; its lighthouse and training groups
+inherit it, so e.g. TORCHFT_SECRET_FILE (a file holding a shared secret)
+turns access control on for the whole demo. It sets TORCHFT_LIGHTHOUSE,
+REPLICA_GROUP_ID and NUM_REPLICA_GROUPS for its groups itself.
+
+example:
+  .venv/bin/python examples/demo.py --groups 3 --victim 2 --steps 300
+""",
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+)
 parser.add_argument("--groups", type=int, default=2, help="replica groups")
 parser.add_argument("--nproc-per-group", type=int, default=1, help="ranks per replica group")
 parser.add_argument("--steps", type=int, default=400, help="committed steps to train")

@@ -56,7 +56,30 @@ from torchft_like.standby import wait_for_replica_group  # noqa: E402
 
 # --- arguments --------------------------------------------------------------
 
-parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+TORCHRUN_ENV = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE")
+ENVIRONMENT = """\
+environment (torchrun sets the first five; set the others):
+  MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE, LOCAL_RANK   set by torchrun
+  REPLICA_GROUP_ID            this group's id, an integer in [0, NUM_REPLICA_GROUPS)
+  NUM_REPLICA_GROUPS          number of replica groups (default 2)
+  TORCHFT_LIGHTHOUSE          lighthouse URL with its port, e.g. http://127.0.0.1:29510
+  TORCHFT_MANAGER_PORT        port of rank 0's ManagerServer (default 0: any free one)
+  TORCHFT_BIND_HOST           host the servers listen on (default: this machine's name;
+                              0.0.0.0 or :: for all interfaces)
+  TORCHFT_SECRET_FILE         file holding the job's shared secret (or TORCHFT_SECRET)
+  TORCHFT_TIMEOUT_SEC, TORCHFT_QUORUM_TIMEOUT_SEC, TORCHFT_CONNECT_TIMEOUT_SEC,
+  TORCHFT_QUORUM_RETRIES      override the Manager's timeouts and retries
+
+example: after `torchft-lighthouse --min-replicas 1 --bind 127.0.0.1:29510`, per group:
+  TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510 REPLICA_GROUP_ID=0 NUM_REPLICA_GROUPS=2 \\
+      torchrun --standalone --nproc_per_node 1 examples/train_ddp.py --steps 500
+"""
+
+parser = argparse.ArgumentParser(
+    description=__doc__.split("\n")[0] + " Runs under torchrun, one process per rank.",
+    epilog=ENVIRONMENT,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+)
 parser.add_argument("--steps", type=int, default=500, help="committed steps to train")
 parser.add_argument("--hidden", type=int, default=256, help="hidden width of the MLP")
 parser.add_argument("--layers", type=int, default=3, help="hidden layers of the MLP")
@@ -97,6 +120,15 @@ parser.add_argument(
 )
 parser.add_argument("--checkpoint-keep", type=int, default=2, help="checkpoints kept per rank")
 args = parser.parse_args()
+if missing := [name for name in TORCHRUN_ENV if name not in os.environ]:
+    parser.exit(
+        2,
+        f"train_ddp.py: error: {', '.join(missing)} not set: this script runs under torchrun, "
+        f"which sets {', '.join(TORCHRUN_ENV)}; start it as\n"
+        "  TORCHFT_LIGHTHOUSE=http://127.0.0.1:29510 REPLICA_GROUP_ID=0 "
+        "torchrun --standalone --nproc_per_node 1 examples/train_ddp.py\n"
+        "(see --help for every variable it reads)\n",
+    )
 
 REPLICA_GROUP_ID_ENV = "REPLICA_GROUP_ID"
 NUM_REPLICA_GROUPS = int(os.environ.get("NUM_REPLICA_GROUPS", 2))

@@ -18,6 +18,19 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="torchft-lighthouse",
         description="Coordinator of torchft_like replica groups: forms a quorum each step.",
+        epilog=f"""\
+environment:
+  {auth.SECRET_FILE_ENV}   file holding the job's shared secret (same as --secret-file)
+  {auth.SECRET_ENV}        the secret itself, when no file is given
+  Without either, access control is off: a lighthouse listening off loopback
+  then logs a SECURITY warning. Replicas find the lighthouse through
+  TORCHFT_LIGHTHOUSE=http://HOST:PORT (the port is required).
+
+example:
+  {auth.SECRET_FILE_ENV}=/etc/torchft/secret torchft-lighthouse --min-replicas 2 \\
+      --bind 10.0.0.5:29510 --http-bind 127.0.0.1:29511
+""",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     # torchft's underscore spellings are accepted too, so its scripts run unchanged.
     p.add_argument(

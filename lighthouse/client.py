@@ -25,6 +25,19 @@ from lighthouse.rpc.loop import wait_within
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 
+LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
+"""Where the library's Manager finds the lighthouse (read by torchft_like.manager)."""
+
+
+def lighthouse_target(addr: str) -> str:
+    """The gRPC target of a lighthouse URL; a bad one names TORCHFT_LIGHTHOUSE and the fix."""
+    return url_to_target(
+        addr,
+        f"lighthouse address ({LIGHTHOUSE_ENV} or lighthouse_addr)",
+        f"set {LIGHTHOUSE_ENV} to the URL torchft-lighthouse printed at start, with its "
+        "port, e.g. http://lighthouse-host:29510",
+    )
+
 
 class LighthouseClient:
     """Blocking client. Quorum blocks until a quorum containing us is issued.
@@ -40,7 +53,7 @@ class LighthouseClient:
     ) -> None:
         self.addr = addr
         self._connect_timeout = connect_timeout
-        self._target = url_to_target(addr)
+        self._target = lighthouse_target(addr)
         self._channel = blocking_channel(self._target, secret)
         self._stub = pb_grpc.LighthouseServiceStub(self._channel)
         self._connected = False
@@ -137,7 +150,7 @@ class AsyncLighthouseClient:
     ) -> None:
         self.addr = addr
         self._connect_timeout = connect_timeout
-        self._channel = aio_channel(url_to_target(addr), secret)
+        self._channel = aio_channel(lighthouse_target(addr), secret)
         self._stub = pb_grpc.LighthouseServiceStub(self._channel)
         self._heartbeat_call: Any = None
 

@@ -33,7 +33,8 @@ from lighthouse.quorum import (
     record_arrival,
     twin_refusal,
 )
-from lighthouse.rpc import errors, serve
+from lighthouse.quorum_log import waiting_report
+from lighthouse.rpc import auth, errors, serve
 from lighthouse.rpc.address import advertised_host, join_host_port, parse_bind
 from lighthouse.rpc.errors import DuplicateGroupError, QuorumError, QuorumTimeoutError
 from lighthouse.rpc.loop import BackgroundLoop, reply_budget_s, wait_within
@@ -76,6 +77,10 @@ class _Coordinator:
         self.started_at = time.monotonic()
         self.quorum_id = 0
         self.reason = "no replica has asked for a quorum yet"
+        """The latest decision's reason (a timed-out caller hears it)."""
+        self.summary = self.reason
+        """The status page's line: the last issued quorum's reason, a calm
+        count mid-step, or the reason of a stall (lighthouse.quorum_log)."""
         self._logged_status: tuple[str, int] | None = None
         self._decide_soon = False
         self._decided_at = 0.0
@@ -228,18 +233,20 @@ class _Coordinator:
         decision = compute_quorum(now, state, self.config)
         self.reason = decision.reason
         if decision.members is None:
-            self._log_waiting(decision.kind, decision.reason)
+            self._report_waiting(now, decision.kind, decision.reason)
             return
-        self._logged_status = None
+        after_stall, self._logged_status = self._logged_status is not None, None
+        self.summary = f"quorum issued: {decision.reason}"
         changed = quorum_changed(self.prev_quorum, decision.members)
         if changed:
             self.quorum_id = next_quorum_id(self.quorum_id, int(time.time() * 1000))
         quorum = Quorum(self.quorum_id, decision.members, time.time())
         self.prev_quorum = quorum
         self.metrics.on_quorum(quorum)
-        # A new quorum is news; the same members again (every step) is not.
+        # A new quorum is news, and so is the end of a logged stall; the
+        # same members again (every step) is not.
         logger.log(
-            logging.INFO if changed else logging.DEBUG,
+            logging.INFO if changed or after_stall else logging.DEBUG,
             "quorum %d issued (%s): %s",
             quorum.quorum_id,
             decision.reason,
@@ -270,13 +277,22 @@ class _Coordinator:
             now, self.heartbeats, self.config.heartbeat_timeout_ms, self.streams_closed
         )
 
-    def _log_waiting(self, kind: str, reason: str) -> None:
-        """One line per change of why no quorum can be issued: not one per tick,
-        nor one per joining replica (a thousand replicas joining is one line)."""
-        key = (kind, len(self._healthy(time.monotonic())))
+    def _report_waiting(self, now: float, kind: str, reason: str) -> None:
+        """Mid-step waits at DEBUG; a stall at INFO, one line per change of
+        its reason's kind or of the healthy count: not one per tick, nor one
+        per joining replica (a thousand replicas joining is one line)."""
+        healthy = self._healthy(now)
+        first_joined_at = min(w.participant.joined_at for w in self.waiters.values())
+        num_joined = sum(1 for rid in self.waiters if rid in healthy)
+        report = waiting_report(now, first_joined_at, num_joined, len(healthy), reason)
+        self.summary = report.summary
+        if not report.stalled:
+            logger.debug("quorum status: %s", reason)
+            return
+        key = (kind, len(healthy))
         if key != self._logged_status:
             self._logged_status = key
-            logger.info("quorum status: %s", reason)
+            logger.info("quorum status: %s", report.summary)
 
     def snapshot(self) -> dict[str, Any]:
         now = time.monotonic()
@@ -300,6 +316,7 @@ class _Coordinator:
             "quorum_id": self.prev_quorum.quorum_id if self.prev_quorum else None,
             "quorum_members": sorted(in_quorum),
             "reason": self.reason,
+            "summary": self.summary,
             "min_replicas": self.config.min_replicas,
             "replicas": replicas,
         }
@@ -448,6 +465,9 @@ class LighthouseServer:
             raise
         logger.info("lighthouse listening on %s (gRPC, bind %s)", self.address(), bind)
         logger.info("access control: %s", "on (shared secret)" if secret else "off (no secret)")
+        warning = auth.exposure_warning(secret, host, "lighthouse")
+        if warning:
+            logger.warning("%s", warning)
 
     async def _start(self, host: str, port: int) -> int:
         self._server = serve.new_server(

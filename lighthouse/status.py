@@ -17,13 +17,17 @@ from __future__ import annotations
 import html
 import json
 import logging
-import socket
 import threading
 from collections.abc import Callable
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from lighthouse.rpc.address import advertised_host, join_host_port, parse_bind
+from lighthouse.rpc.http_server import server_class
+
+HANDLER_TIMEOUT_S = 10.0
+"""Seconds a connection may stay silent before it is dropped: an idle or
+slow client holds a server thread this long at most."""
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +39,7 @@ _PAGE = """<!doctype html>
 <h1>Lighthouse</h1>
 <p>Quorum id: <b>{quorum_id}</b> &middot; members: {num_members}
 &middot; min_replicas: {min_replicas}</p>
-<p>Status: {reason}</p>
+<p>Status: {summary}</p>
 <table><tr><th>replica id</th><th>step</th><th>address</th><th>heartbeat age</th>
 <th>health</th><th>in quorum</th><th>waiting</th></tr>
 {rows}
@@ -63,7 +67,7 @@ def render_page(status: dict[str, Any]) -> str:
         quorum_id=status["quorum_id"],
         num_members=len(status["quorum_members"]),
         min_replicas=status["min_replicas"],
-        reason=html.escape(status["reason"]),
+        summary=html.escape(status["summary"]),
         rows="\n".join(rows),
     )
 
@@ -83,6 +87,8 @@ class StatusServer:
         host, port = parse_bind(bind)
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = HANDLER_TIMEOUT_S
+
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 path = self.path.split("?", 1)[0]
                 if path == "/":
@@ -118,19 +124,14 @@ class StatusServer:
             def log_message(self, format: str, *args: Any) -> None:
                 logger.debug("status page: " + format, *args)
 
-        server_class: type[ThreadingHTTPServer] = ThreadingHTTPServer
-        if ":" in host or host == "":
-            server_class = type(
-                "_V6Server", (ThreadingHTTPServer,), {"address_family": socket.AF_INET6}
-            )
         try:
-            self._server = server_class((host, port), Handler)
+            self._server = server_class(host)((host, port), Handler)
         except OSError as e:
             raise OSError(
                 f"cannot serve the status page on {bind}: {e.strerror}; choose another "
                 "--http-bind port (0 picks a free one)"
             ) from e
-        self._server.daemon_threads = True
+        self._server.service = "status page"
         self._host = advertised_host(host)
         self._thread = threading.Thread(
             target=self._server.serve_forever, args=(0.05,), name="lighthouse-http", daemon=True

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp, TCPStore
 
 from lighthouse.rpc import auth
+from lighthouse.rpc.address import BIND_HOST_ENV, join_host_port
 from lighthouse.rpc.errors import DuplicateGroupError, QuorumError
 from torchft_like import parent_watch
 from torchft_like._state_gate import StateReadGate
@@ -86,7 +87,9 @@ class Manager:
 
     Argument names follow pytorch/torchft's Manager. Unset arguments come from
     torchrun's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) and
-    TORCHFT_LIGHTHOUSE / TORCHFT_MANAGER_PORT; TORCHFT_*_SEC override the
+    TORCHFT_LIGHTHOUSE / TORCHFT_MANAGER_PORT; the servers listen on `hostname`
+    (what peers are told) unless TORCHFT_BIND_HOST names another host (0.0.0.0
+    or :: for all interfaces); TORCHFT_*_SEC override the
     timeouts and TORCHFT_QUORUM_RETRIES the retries; TORCHFT_SECRET_FILE or
     TORCHFT_SECRET give the job's shared secret.
 
@@ -228,8 +231,9 @@ class Manager:
                 "or TORCHFT_SECRET): pass HTTPTransport(..., secret=...) the same secret, or "
                 "the peers cannot fetch from each other"
             )
+        bind_host = os.environ.get(BIND_HOST_ENV) or None
         self._checkpoint_transport = checkpoint_transport or HTTPTransport(
-            timeout=self._timeout, secret=self._secret
+            timeout=self._timeout, secret=self._secret, bind_host=bind_host
         )
         self._manager_server: ManagerServer | None = None
         if self._group_rank == 0:
@@ -245,7 +249,7 @@ class Manager:
                 replica_id=full_id,
                 lighthouse_addr=lighthouse_addr,
                 hostname=hostname,
-                bind=f"[::]:{port}",
+                bind=join_host_port(bind_host or hostname, port),
                 store_addr=f"{store_addr}:{store_port}",
                 world_size=self._group_world_size,
                 heartbeat_interval=heartbeat_interval,
@@ -320,11 +324,6 @@ class Manager:
         self._step = state_dict["step"]
         self._batches_committed = state_dict["batches_committed"]
 
-    def full_state_dict(self) -> dict[str, Any]:
-        """Everything healing copies: every registered state dict ("user")
-        and our progress ("torchft"); durable checkpoints save it."""
-        return self._full_state_dict()
-
     def load_full_state_dict(self, state: dict[str, Any]) -> None:
         """Loads a `full_state_dict()`, e.g. from a durable checkpoint."""
         missing = sorted(set(self._user_state) - set(state["user"]))
@@ -337,7 +336,9 @@ class Manager:
             load(state["user"][key])
         self.load_state_dict(state["torchft"])
 
-    def _full_state_dict(self) -> dict[str, Any]:
+    def full_state_dict(self) -> dict[str, Any]:
+        """Everything healing copies: every registered state dict ("user")
+        and our progress ("torchft"); durable checkpoints save it."""
         return {
             "user": {key: fns[1]() for key, fns in self._user_state.items()},
             "torchft": self.state_dict(),
@@ -396,7 +397,7 @@ class Manager:
             return ""
         try:
             fn = self._fingerprint_fn
-            value = fingerprint(fn() if fn else self._full_state_dict()["user"])
+            value = fingerprint(fn() if fn else self.full_state_dict()["user"])
         except Exception as e:
             self._logger.exception("fingerprint failed, not comparing this step: %s", e)
             return ""
@@ -455,7 +456,7 @@ class Manager:
                 "serving state to replica ranks %s", list(result.recover_dst_replica_ranks)
             )
             with self._state_read_gate.read():
-                state = self._full_state_dict()
+                state = self.full_state_dict()
             self._checkpoint_transport.send_checkpoint(
                 list(result.recover_dst_replica_ranks), self._step, state, self._timeout
             )

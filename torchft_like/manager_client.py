@@ -70,7 +70,7 @@ class ManagerClient:
     ) -> None:
         self.addr = addr
         self._connect_timeout = connect_timeout
-        self._target = url_to_target(addr)
+        self._target = url_to_target(addr, "manager server address")
         self._channel = blocking_channel(self._target, secret)
         self._stub = pb_grpc.ManagerServiceStub(self._channel)
         self._connected = False

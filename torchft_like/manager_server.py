@@ -21,7 +21,7 @@ from grpc import aio
 
 from lighthouse.client import AsyncLighthouseClient
 from lighthouse.quorum import Quorum, QuorumMember
-from lighthouse.rpc import errors, serve
+from lighthouse.rpc import auth, errors, serve
 from lighthouse.rpc.address import advertised_host, join_host_port, parse_bind
 from lighthouse.rpc.errors import (
     DuplicateGroupError,
@@ -157,7 +157,12 @@ class ManagerServer:
             self._loop.stop()
             raise
         self._address = f"http://{join_host_port(hostname or advertised_host(host), self._port)}"
-        logger.info("[%s] manager server listening on %s", replica_id, self._address)
+        logger.info("[%s] manager server listening on %s (bind %s)", replica_id, self._address,
+                    bind)  # fmt: skip
+        warning = auth.exposure_warning(secret, host, "manager server")
+        if warning:
+            logger.warning("[%s] %s", replica_id, warning)
+        self._kill_refusals = auth.RefusalLog()
 
     async def _start(self, host: str, port: int) -> int:
         self._lighthouse = AsyncLighthouseClient(
@@ -356,6 +361,24 @@ class ManagerServer:
         logger.error("[%s] killed by request: %s", self.replica_id, msg)
         asyncio.get_running_loop().call_later(0.1, os._exit, 1)
 
+    def remote_kill(self, msg: str, peer: str) -> None:
+        """Kill asked over the network: obeyed only when the job has a secret
+        (the interceptor has then checked it); without one anyone who can
+        reach this port could end the group.
+
+        Raises:
+            PermissionError: no secret is configured.
+        """
+        if self._secret is None:
+            why = (
+                f"Kill refused: the manager server of {self.replica_id} has no shared secret, "
+                "so it cannot tell who asks; start the job with TORCHFT_SECRET_FILE (or "
+                "TORCHFT_SECRET) set and call Kill with the same secret"
+            )
+            self._kill_refusals.refused(peer, "a Kill", why)
+            raise PermissionError(why)
+        self.kill(msg)
+
     def _check_rank(self, group_rank: int) -> None:
         if not 0 <= group_rank < self._world_size:
             raise ValueError(f"group_rank ({group_rank}) must be in [0, {self._world_size})")
@@ -468,7 +491,10 @@ class _ManagerServicer:
     async def Kill(
         self, request: pb.KillRequest, context: aio.ServicerContext[Any, Any]
     ) -> pb.KillResponse:
-        self._s.kill(request.msg)
+        try:
+            self._s.remote_kill(request.msg, context.peer())
+        except Exception as e:
+            await errors.abort(context, e)
         return pb.KillResponse()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ipaddress
 import socket
 
 _WILDCARDS = ("", "::", "0.0.0.0", "[::]")
@@ -30,9 +31,44 @@ def advertised_host(bind_host: str) -> str:
     return socket.gethostname() if bind_host in _WILDCARDS else bind_host
 
 
-def url_to_target(url: str) -> str:
-    """`http://host:port` (or bare `host:port`) to a gRPC target `host:port`."""
+BIND_HOST_ENV = "TORCHFT_BIND_HOST"
+"""Host the library's servers (ManagerServer, checkpoint server) listen on
+when set, e.g. 0.0.0.0 or :: for all interfaces; by default they listen on
+the address they advertise to peers."""
+
+
+def is_loopback(host: str) -> bool:
+    """Whether `host` (a name or an address) resolves only to loopback addresses.
+
+    A wildcard ("", 0.0.0.0, ::) is every interface: not loopback. A name
+    that does not resolve counts as not loopback (the safe answer for a
+    warning about exposure).
+    """
+    if host in _WILDCARDS:
+        return False
+    try:
+        infos = socket.getaddrinfo(host.strip("[]"), None, proto=socket.IPPROTO_TCP)
+    except (OSError, UnicodeError):
+        return False
+    addresses = {str(info[4][0]) for info in infos}
+    return bool(addresses) and all(
+        ipaddress.ip_address(a.split("%", 1)[0]).is_loopback for a in addresses
+    )
+
+
+def url_to_target(url: str, what: str = "address", fix: str = "") -> str:
+    """`http://host:port` (or bare `host:port`) to a gRPC target `host:port`.
+
+    Raises:
+        ValueError: no port or a malformed one; the text names `what` (e.g.
+            "lighthouse address (TORCHFT_LIGHTHOUSE)") and ends with `fix`, if given.
+    """
     target = url.split("://", 1)[1] if "://" in url else url
     target = target.rstrip("/")
-    parse_bind(target)  # validates
+    host, sep, port_text = target.rpartition(":")
+    if not sep or not port_text.isdigit() or int(port_text) > 65535 or not host:
+        fix = fix or "use http://host:port, e.g. http://localhost:29510"
+        raise ValueError(f"{what} {url!r} has no valid port (host:port needed); {fix}")
+    if ":" in host and not (host.startswith("[") and host.endswith("]")):
+        raise ValueError(f"{what} {url!r}: put an IPv6 host in brackets, e.g. http://[::1]:29510")
     return target

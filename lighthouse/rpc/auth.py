@@ -41,6 +41,8 @@ from typing import Any
 import grpc
 from grpc import aio
 
+from lighthouse.rpc.address import is_loopback
+
 logger = logging.getLogger(__name__)
 
 SECRET_ENV = "TORCHFT_SECRET"
@@ -119,6 +121,22 @@ def secret_from_env(environ: Mapping[str, str], secret_file: str | None = None) 
 def load_secret(secret_file: str | None = None) -> str | None:
     """`secret_from_env` on this process's environment (for entry points)."""
     return secret_from_env(os.environ, secret_file)
+
+
+def exposure_warning(secret: str | None, bind_host: str, service: str) -> str | None:
+    """The warning a server logs at start when it runs without a secret off
+    loopback, or None. We warn rather than refuse to start: a job without a
+    secret must keep working with pytorch/torchft peers and existing launch
+    scripts, and the one destructive call (Kill) is refused anyway."""
+    if secret is not None or is_loopback(bind_host):
+        return None
+    where = "all interfaces" if bind_host in ("", "::", "0.0.0.0", "[::]") else repr(bind_host)
+    return (
+        f"SECURITY: the {service} listens on {where} without a shared secret: anyone who "
+        "can reach it can join or stall quorums with forged calls (Kill is refused "
+        f"without a secret). Set {SECRET_FILE_ENV} (a file holding e.g. `openssl rand "
+        "-hex 32`) in every process of the job, or bind to 127.0.0.1 on a single host"
+    )
 
 
 # ---- checking (pure) ---------------------------------------------------------

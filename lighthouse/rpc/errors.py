@@ -52,6 +52,7 @@ _STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (LighthouseUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (NotServedError, grpc.StatusCode.NOT_FOUND),
     (DuplicateGroupError, grpc.StatusCode.ALREADY_EXISTS),
+    (PermissionError, grpc.StatusCode.PERMISSION_DENIED),
     (QuorumError, grpc.StatusCode.ABORTED),
 )
 """The one exception <-> status table, read in both directions."""

@@ -11,15 +11,25 @@ from lighthouse.rpc import auth
 from lighthouse.rpc.address import join_host_port
 from lighthouse.rpc.decode_guard import add_servicer
 
+SERVER_OPTIONS = [
+    # Off: a second server on a port in use must fail, not share it.
+    ("grpc.so_reuseport", 0),
+    # A connection that has not finished its HTTP/2 handshake in 10 s (a port
+    # scan, a stray HTTP/1 client) is dropped, not held for gRPC's default 120 s.
+    ("grpc.server_handshake_timeout_ms", 10_000),
+    # A connection with no call for 5 minutes is closed; our clients keep a
+    # call open (the heartbeat stream) or reconnect on their next call.
+    ("grpc.max_connection_idle_ms", 300_000),
+]
+
 
 def new_server(
     add_to_server: Callable[[Any, Any], None], servicer: Any, secret: str | None, service: str
 ) -> aio.Server:
     """An aio server serving `servicer`, refusing calls without the secret
     (`service` names it in refusals) and undecodable requests."""
-    # so_reuseport off: a second server on a port in use must fail, not share it.
     server = aio.server(
-        options=[("grpc.so_reuseport", 0)],
+        options=SERVER_OPTIONS,
         interceptors=auth.server_interceptors(secret, service),
     )
     add_servicer(add_to_server, servicer, server)

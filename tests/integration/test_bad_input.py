@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import logging
 import socket
+import struct
 import threading
 import time
+import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -570,3 +572,103 @@ def test_a_connection_that_never_sends_is_dropped_and_frees_its_thread(source, m
     finally:
         for sock in silent:
             sock.close()
+
+
+# ---- connection floods (loopback, bounded) ---------------------------------------
+
+NUM_FLOOD = 200
+"""Connections per kind of flood: bounded, loopback only."""
+PROMPT_S = 3.0
+"""A normal request after (and during) a flood must be answered within this."""
+
+
+def hang_up_abruptly(port: int, request: bytes) -> None:
+    """Sends `request` and resets the connection (SO_LINGER 0: an RST, not a
+    FIN), as a client that crashed or timed out mid-request does."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+    try:
+        sock.sendall(request)
+    except OSError:
+        pass
+    sock.close()
+
+
+def flood(port: int, request: bytes) -> list[socket.socket]:
+    """NUM_FLOOD early hang-ups, then NUM_FLOOD idle connections (returned, still open)."""
+    with ThreadPoolExecutor(8) as pool:
+        list(pool.map(lambda _: hang_up_abruptly(port, request), range(NUM_FLOOD)))
+    idle = []
+    try:
+        for _ in range(NUM_FLOOD):
+            idle.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+    except BaseException:
+        for sock in idle:
+            sock.close()
+        raise
+    return idle
+
+
+def assert_no_traceback(caplog, capfd) -> None:
+    loud = [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+    assert not loud, [r.getMessage() for r in loud[:3]]
+    assert "Traceback" not in capfd.readouterr().err
+
+
+def test_a_flood_of_hang_ups_and_idle_connections_leaves_the_checkpoint_server_quiet_and_prompt(
+    caplog, capfd
+):
+    transport = HTTPTransport(timeout=T, hostname="127.0.0.1")
+    state = {"w": torch.zeros(1 << 20)}  # 4 MB: an abrupt hang-up lands mid-body
+    transport.send_checkpoint([1], STAGED_STEP, state, T)
+    port = int(transport.metadata().rsplit(":", 1)[1])
+    receiver = HTTPTransport(timeout=T, hostname="127.0.0.1")
+    try:
+        with caplog.at_level(logging.DEBUG):
+            idle = flood(port, f"GET /checkpoint/{STAGED_STEP} HTTP/1.1\r\n\r\n".encode())
+            try:
+                start = time.monotonic()
+                got = receiver.recv_checkpoint(0, transport.metadata(), STAGED_STEP, T)
+                assert time.monotonic() - start < PROMPT_S
+                assert torch.equal(got["w"], state["w"])
+            finally:
+                for sock in idle:
+                    sock.close()
+        assert_no_traceback(caplog, capfd)
+    finally:
+        receiver.shutdown()
+        transport.shutdown()
+
+
+def test_a_flood_of_hang_ups_and_idle_connections_leaves_the_status_page_quiet_and_prompt(
+    caplog, capfd
+):
+    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, http_bind="127.0.0.1:0")
+    try:
+        url = server.http_address()
+        assert url is not None
+        port = int(url.rsplit(":", 1)[1])
+        with caplog.at_level(logging.DEBUG):
+            idle = flood(port, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            try:
+                start = time.monotonic()
+                with urllib.request.urlopen(url + "/status.json", timeout=PROMPT_S) as answer:
+                    assert answer.status == 200
+                assert time.monotonic() - start < PROMPT_S
+            finally:
+                for sock in idle:
+                    sock.close()
+        assert_no_traceback(caplog, capfd)
+    finally:
+        server.shutdown()
+
+
+def test_the_http_servers_bound_their_backlog_and_idle_connections():
+    from lighthouse import status
+    from lighthouse.rpc.http_server import BACKLOG, QuietHTTPServer
+    from torchft_like.checkpointing import http_transport
+
+    assert QuietHTTPServer.request_queue_size == BACKLOG >= 128
+    assert issubclass(http_transport._Server, QuietHTTPServer)
+    assert 0 < status.HANDLER_TIMEOUT_S <= 30
+    assert 0 < http_transport._Handler.timeout <= 300

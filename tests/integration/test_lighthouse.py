@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
+import logging
 import threading
 import time
 import urllib.request
@@ -187,3 +189,61 @@ def test_a_replica_that_leaves_lets_the_others_go_on_at_once(make_server):
     quorum = join_all(server.address(), ["a"])[0]
     assert quorum.replica_ids() == ("a",)
     assert time.monotonic() - start < 2  # not the 30 s heartbeat or join timeout
+
+
+def wait_until(condition, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        time.sleep(0.01)
+
+
+def test_a_healthy_job_logs_one_line_per_quorum_change_and_a_calm_status_mid_step(
+    make_server, caplog
+):
+    """Each step one group asks before the other: that wait is ordinary, so it
+    is neither logged at INFO nor shown on the status page as an alarm."""
+    server = make_server(min_replicas=2)
+    clients = {rid: LighthouseClient(server.address(), connect_timeout=T) for rid in "ab"}
+    try:
+        for rid, client in clients.items():
+            client.heartbeat(rid)
+        with caplog.at_level(logging.INFO, logger="lighthouse.server"):
+            with ThreadPoolExecutor(1) as pool:
+                for _ in range(10):
+                    first = pool.submit(clients["a"].quorum, "a", T)
+                    wait_until(lambda: any(r["waiting"] for r in server.status()["replicas"]))
+                    summary = server.status()["summary"]
+                    assert summary.startswith("step in progress: waiting for 1 of 2"), summary
+                    assert "split brain" not in summary
+                    second = clients["b"].quorum("b", T)
+                    assert first.result(timeout=20).quorum_id == second.quorum_id
+        assert server.status()["summary"].startswith("quorum issued: ")
+        lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.INFO]
+        assert len([m for m in lines if " issued (" in m]) == 1, lines
+        assert not [m for m in lines if "quorum status" in m], lines
+    finally:
+        for client in clients.values():
+            client.close()
+
+
+def test_a_stalled_quorum_is_logged_once_with_its_reason(make_server, caplog, monkeypatch):
+    from lighthouse import server as server_module
+
+    monkeypatch.setattr(
+        server_module,
+        "waiting_report",
+        functools.partial(server_module.waiting_report, stall_after_s=0.2),
+    )
+    server = make_server(min_replicas=2, quorum_tick_ms=20)
+    client = LighthouseClient(server.address(), connect_timeout=T)
+    try:
+        client.heartbeat("b")
+        with caplog.at_level(logging.INFO, logger="lighthouse.server"):
+            with pytest.raises(QuorumTimeoutError, match="no majority|min_replicas"):
+                client.quorum("a", timedelta(seconds=1))
+        stalls = [r.getMessage() for r in caplog.records if "quorum status" in r.getMessage()]
+        assert len(stalls) == 1, stalls
+        assert "stalled for" in stalls[0]
+    finally:
+        client.close()

@@ -22,6 +22,7 @@ from lighthouse.rpc.errors import (
         (LighthouseUnavailableError("could not connect"), grpc.StatusCode.UNAVAILABLE),
         (NotServedError("rank 1 has not asked"), grpc.StatusCode.NOT_FOUND),
         (DuplicateGroupError("group 'g' is already live"), grpc.StatusCode.ALREADY_EXISTS),
+        (PermissionError("Kill needs the job's secret"), grpc.StatusCode.PERMISSION_DENIED),
         (QuorumError("replica r left"), grpc.StatusCode.ABORTED),
     ],
 )

@@ -40,7 +40,14 @@ Rank 0 appends one JSON object per line to --log-json:
   {"event": "final", "step": N, "hash": STR, "quorum_id": N} at the end
 where hash digests the model and optimizer state (groups must agree on it).
 Workers are found for kill_rank by the script's file name in their command
-line and by RANK in their environment."""
+line and by RANK in their environment.
+
+environment: the runner reads none itself; its lighthouse and groups
+inherit it (e.g. TORCHFT_SECRET_FILE turns access control on for all), and
+it sets the variables above for each group.
+
+example:
+  .venv/bin/python -m tools.chaos --groups 3 --faults 8 --kinds kill_group,stop_group --seed 1"""
 
 
 @dataclass

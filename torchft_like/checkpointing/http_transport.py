@@ -32,11 +32,13 @@ import socket
 import threading
 import time
 from datetime import timedelta
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from lighthouse.rpc import auth
+from lighthouse.rpc.address import BIND_HOST_ENV
+from lighthouse.rpc.http_server import QuietHTTPServer
 from torchft_like.checkpointing import _checksum, _format
 from torchft_like.checkpointing._http_fetch import (
     NOT_SERVING,
@@ -76,7 +78,8 @@ class _Staged:
 class HTTPTransport(CheckpointTransport[Any]):
     """Serves this rank's staged state over HTTP and fetches peers' states.
 
-    The server starts in the constructor and listens on every IPv4 interface;
+    The server starts in the constructor and listens on the address it
+    advertises (`hostname`) unless `bind_host` says otherwise;
     `metadata()` is ``http://{hostname}:{port}``.
 
     Args:
@@ -91,6 +94,10 @@ class HTTPTransport(CheckpointTransport[Any]):
             that can stall for seconds); "127.0.0.1" would only work when
             every replica shares this machine.
         port: port to listen on; 0 picks a free one.
+        bind_host: host to listen on; None: `hostname` (what peers are told),
+            so the server is not open on interfaces nobody was told of.
+            "0.0.0.0" or "::" for all interfaces (the Manager passes
+            TORCHFT_BIND_HOST here).
         secret: the job's shared secret: required of every request served,
             and sent with every fetch. None: access control off.
 
@@ -106,6 +113,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         hostname: str | None = None,
         port: int = 0,
         secret: str | None = None,
+        bind_host: str | None = None,
     ) -> None:
         if timeout <= timedelta(0):
             raise ValueError(f"timeout ({timeout}) must be positive")
@@ -122,18 +130,25 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._staged: _Staged | None = None
         self._active: set[socket.socket] = set()
         self._closed = False
+        host = hostname or socket.gethostname()
+        listen = (bind_host if bind_host is not None else host).strip("[]")
+        server_class = _Server6 if ":" in listen else _Server
         try:
-            self._server = _Server(("", port), _Handler)
-        except OSError as e:
+            self._server = server_class((listen, port), _Handler)
+        except (OSError, UnicodeError) as e:
+            why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             raise OSError(
-                e.errno, f"checkpoint server cannot listen on port {port}: {e.strerror}; "
-                "pass port=0 to pick a free one"
+                getattr(e, "errno", None), f"checkpoint server cannot listen on port "
+                f"{port} of {listen!r}: {why}; pass port=0 to pick a free one, or "
+                f"set {BIND_HOST_ENV} (bind_host) to an address of this machine"
             ) from e  # fmt: skip
         self._server.transport = self
         self._server.refusals = auth.RefusalLog()
         self._thread = threading.Thread(target=self._serve, name="checkpoint-http", daemon=True)
         self._thread.start()
-        host = hostname or socket.gethostname()
+        warning = auth.exposure_warning(secret, listen, "checkpoint server")
+        if warning:
+            logger.warning("%s", warning)
         host = f"[{host}]" if ":" in host else host
         self._url = f"http://{host}:{self._server.server_address[1]}"
 
@@ -278,14 +293,14 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._thread.join()
 
 
-class _Server(ThreadingHTTPServer):
-    daemon_threads = True
-    request_queue_size = 128  # a receiver opens num_chunks connections at once
+class _Server(QuietHTTPServer):
+    service = "checkpoint server"
     transport: HTTPTransport
     refusals: auth.RefusalLog
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        logger.exception("checkpoint server: request from %s failed", client_address)
+
+class _Server6(_Server):
+    address_family = socket.AF_INET6
 
 
 class _Handler(BaseHTTPRequestHandler):
