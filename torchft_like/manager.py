@@ -30,6 +30,7 @@ from lighthouse.rpc import auth
 from lighthouse.rpc.address import BIND_HOST_ENV, join_host_port
 from lighthouse.rpc.errors import DuplicateGroupError, QuorumError
 from torchft_like import parent_watch
+from torchft_like._state_gate import StateReadGate
 from torchft_like._work import FutureWork, completed_work
 from torchft_like.checkpointing import CheckpointTransport, HTTPTransport
 from torchft_like.fingerprint import fingerprint
@@ -207,6 +208,7 @@ class Manager:
         self._commit_hooks: list[Callable[[], None]] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_quorum")
         self._lock = threading.Lock()
+        self._state_read_gate = StateReadGate(self._timeout.total_seconds())
         self.replica_id = replica_id or "replica"
         self._logger = _ManagerLogger(logger, {"manager": self})
 
@@ -275,6 +277,38 @@ class Manager:
         if key in self._user_state:
             raise ValueError(f"state dict key {key!r} is already registered")
         self._user_state[key] = (load_state_dict, state_dict)
+
+    def set_state_dict_fns(
+        self, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
+    ) -> None:
+        """Registers the user state after construction, as training platforms
+        do once their checkpointer exists; the same as passing the functions
+        to the constructor (key "default").
+
+        Raises:
+            ValueError: state is already registered under "default".
+        """
+        self.register_state_dict_fn("default", load_state_dict, state_dict)
+
+    def allow_state_dict_read(self) -> None:
+        """Lets healing peers read our state again; idempotent."""
+        self._state_read_gate.allow()
+
+    def disallow_state_dict_read(self) -> None:
+        """Holds back reads of our state (serving it to a healing peer) while
+        the caller writes it in place, e.g. averaged weights of a LocalSGD
+        sync; waits for a read already running. Idempotent; undo with
+        `allow_state_dict_read`. A source kept disallowed longer than the
+        Manager's timeout fails that heal (the step does not commit).
+
+        Raises:
+            TimeoutError: a read still ran after the Manager's timeout.
+        """
+        self._state_read_gate.disallow()
+
+    @property
+    def _is_state_dict_read_allowed(self) -> bool:  # torchft's name, read by its tests
+        return self._state_read_gate.allowed
 
     def register_commit_hook(self, hook: Callable[[], None]) -> None:
         """Runs `hook` in should_commit, after a healed state is applied and
@@ -359,6 +393,8 @@ class Manager:
         interval = self._fingerprint_interval
         if interval is None or self._step == 0 or self._step % interval:
             return ""
+        if not self._state_read_gate.allowed:  # being written: compare another step
+            return ""
         try:
             fn = self._fingerprint_fn
             value = fingerprint(fn() if fn else self.full_state_dict()["user"])
@@ -419,11 +455,10 @@ class Manager:
             self._logger.info(
                 "serving state to replica ranks %s", list(result.recover_dst_replica_ranks)
             )
+            with self._state_read_gate.read():
+                state = self.full_state_dict()
             self._checkpoint_transport.send_checkpoint(
-                list(result.recover_dst_replica_ranks),
-                self._step,
-                self.full_state_dict(),
-                self._timeout,
+                list(result.recover_dst_replica_ranks), self._step, state, self._timeout
             )
         if allow_heal and result.heal:
             heal_start = time.monotonic()
@@ -472,13 +507,34 @@ class Manager:
     # ---- collectives -------------------------------------------------------
 
     def allreduce(
-        self, tensor: torch.Tensor, reduce_op: ReduceOp.RedOpType = ReduceOp.AVG
+        self,
+        tensor: torch.Tensor,
+        should_quantize: bool = False,
+        reduce_op: ReduceOp.RedOpType = ReduceOp.AVG,
     ) -> dist.Work:
         """Sums `tensor` over the quorum in place and, for AVG, divides by the
         number of participating replicas. A replica that is healing or a spare
         contributes zeros. Never raises: an error is recorded and the step
         will not commit.
+
+        Args:
+            tensor: reduced in place.
+            should_quantize: torchft's request to send the tensor quantized
+                (fp8, lossy), which it honours only with its Triton kernels
+                on CUDA and otherwise ignores. We have no quantized
+                collective, so the reduction is always exact: the result is
+                what torchft gives where it cannot quantize.
+            reduce_op: SUM or AVG (SUM, then divide by num_participants()).
+
+        Raises:
+            ValueError: AVG of a tensor that is not floating point (the
+                division would truncate); use ReduceOp.SUM.
         """
+        if reduce_op == ReduceOp.AVG and not torch.is_floating_point(tensor):
+            raise ValueError(
+                f"ReduceOp.AVG of a {tensor.dtype} tensor would truncate the division by "
+                "num_participants(); pass a floating point tensor or reduce_op=ReduceOp.SUM"
+            )
         if self._errored is not None:
             return completed_work(tensor)
         self.wait_quorum()

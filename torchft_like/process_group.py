@@ -471,7 +471,7 @@ class _P2PWork(dist.Work):
 
     def wait(self, timeout: timedelta | None = None) -> bool:
         try:
-            return self._work.wait()
+            return self._work.wait(timeout) if timeout else self._work.wait()
         except Exception as e:
             self._on_error(e)
             raise

@@ -97,12 +97,14 @@ class CheckpointTransportContract:
 
         assert_identical(state, receiver.recv_checkpoint(0, source.metadata(), 2, T))
 
-    def test_a_request_for_another_step_is_refused_never_served_stale(self):
+    def test_a_request_for_another_step_fails_at_once_never_served_stale(self):
         source, receiver = self.pair()
         source.send_checkpoint([1], 10, rich_state(), T)
+        start = time.monotonic()
 
-        with pytest.raises(RuntimeError, match=r"fetch step 11 .*wrong step: asked 11, serving"):
-            receiver.recv_checkpoint(0, source.metadata(), 11, SHORT)
+        with pytest.raises(RuntimeError, match=r"fetch step 11 .*serving 10 but got step=11"):
+            receiver.recv_checkpoint(0, source.metadata(), 11, timedelta(seconds=20))
+        assert time.monotonic() - start < 2, "a wrong step cannot change: no retries"
 
     def test_after_disallow_the_receiver_is_told_not_serving_and_times_out(self):
         source, receiver = self.pair()
@@ -169,6 +171,27 @@ def test_an_unreachable_source_is_a_clear_error_within_the_timeout(make):
     with pytest.raises(RuntimeError, match=rf"step 3 .*at {address} within 1 s.*ConnectionRefused"):
         make().recv_checkpoint(0, address, 3, timedelta(seconds=1))
     assert time.monotonic() - start < 3
+
+
+def test_a_wrong_step_is_torchfts_http_error_400_and_a_runtime_error(make):
+    source = make()
+    source.send_checkpoint([1], 2345, {"w": torch.ones(2)}, T)
+
+    with pytest.raises(urllib.error.HTTPError, match=r"Error 400.*serving 2345 but got step=1234"):
+        make().recv_checkpoint(0, source.metadata(), 1234, T)
+
+
+@pytest.mark.parametrize("timeout_s", [0.0, 0.2])
+def test_a_step_not_served_retries_to_the_deadline_then_is_a_timed_out_url_error(make, timeout_s):
+    source = make()  # nothing staged: 503, which staging could change
+    start = time.monotonic()
+
+    with pytest.raises(
+        urllib.error.URLError, match=r"urlopen error timed out: could not fetch step 3 "
+    ) as e:
+        make().recv_checkpoint(0, source.metadata(), 3, timedelta(seconds=timeout_s))
+    assert isinstance(e.value, RuntimeError) and isinstance(e.value, TimeoutError)
+    assert timeout_s - 0.06 <= time.monotonic() - start < timeout_s + 1  # last retry 50 ms early
 
 
 def test_malformed_metadata_is_a_value_error(make):
@@ -294,9 +317,10 @@ def test_a_peer_that_is_not_a_checkpoint_server_fails_at_once_naming_it(make):
     start = time.monotonic()
     try:
         with pytest.raises(
-            RuntimeError, match=rf"step 1 .* at {address}: .*HTTP 404: no such page"
-        ):
+            _http_fetch.FetchRefused, match=rf"step 1 .* at {address}: .*HTTP 404: no such page"
+        ) as e:
             make().recv_checkpoint(0, address, 1, T)
+        assert isinstance(e.value, RuntimeError) and e.value.code == 404
         assert time.monotonic() - start < 2
     finally:
         server.shutdown()

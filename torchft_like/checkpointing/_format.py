@@ -22,7 +22,10 @@ an object with exactly one key:
   dicts are keyed by parameter index, and JSON objects only allow str keys);
 - ``{"list": [node, ...]}`` and ``{"tuple": [node, ...]}``;
 - ``{"tensor": {"dtype": "bfloat16", "shape": [2, 3], "nbytes": 12,
-  "device": "cuda:0"}}``, a leaf whose bytes follow the header.
+  "device": "cuda:0"}}``, a leaf whose bytes follow the header;
+- ``{"dtensor": {"local": {"tensor": ...}, ...}}``, a DTensor: its local
+  shard's bytes follow the header like any tensor leaf, and its mesh,
+  placements, shape and stride are in the node (see `_dtensor`).
 
 Nothing read from the network is ever unpickled: `decode_header` accepts
 exactly this grammar and raises ValueError on anything else, so a receiver
@@ -38,6 +41,10 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
+
+from torchft_like.checkpointing import _dtensor
 
 MAGIC = b"TFLSTAT1"
 PREFIX = struct.Struct("!8sQ")
@@ -88,10 +95,15 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor]]:
     """
     tensors: list[torch.Tensor] = []
 
+    def leaf(tensor: torch.Tensor, path: str) -> Any:
+        tensors.append(tensor)
+        return {"tensor": _tensor_leaf(tensor, path)}
+
     def walk(obj: Any, path: str) -> Any:
+        if isinstance(obj, DTensor):
+            return _dtensor.encode(obj, path, leaf)
         if isinstance(obj, torch.Tensor):
-            tensors.append(obj)
-            return {"tensor": _tensor_leaf(obj, path)}
+            return leaf(obj, path)
         if isinstance(obj, dict):
             items = []
             for key, value in obj.items():
@@ -112,7 +124,10 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor]]:
 def _tensor_leaf(tensor: torch.Tensor, path: str) -> dict[str, Any]:
     dtype = str(tensor.dtype).removeprefix("torch.")
     if type(tensor) not in (torch.Tensor, torch.nn.Parameter):
-        raise TypeError(f"{path}: tensor subclass {type(tensor).__name__} cannot be sent")
+        raise TypeError(
+            f"{path}: tensor subclass {type(tensor).__name__} cannot be sent; only plain "
+            "tensors, Parameters and DTensors can (send its plain tensors instead)"
+        )
     if dtype not in DTYPES:
         raise TypeError(f"{path}: tensors of dtype {tensor.dtype} cannot be sent")
     if tensor.layout != torch.strided or tensor.device.type == "meta":
@@ -176,6 +191,11 @@ def _check_node(node: Any, specs: list[TensorSpec], path: str) -> None:
     [(kind, value)] = node.items()
     if kind == "tensor":
         specs.append(_check_spec(value, path))
+    elif kind == "dtensor":
+        local = _dtensor.check(value, path)
+        if not (isinstance(local, dict) and set(local) == {"tensor"}):
+            raise ValueError(f"{path}: a dtensor's local shard must be a tensor node")
+        _check_node(local, specs, path)
     elif kind == "dict" and isinstance(value, list):
         for item in value:
             if not (isinstance(item, list) and len(item) == 2 and type(item[0]) in (str, int)):
@@ -185,7 +205,9 @@ def _check_node(node: Any, specs: list[TensorSpec], path: str) -> None:
         for i, child in enumerate(value):
             _check_node(child, specs, f"{path}[{i}]")
     else:
-        raise ValueError(f"{path}: unknown node kind {kind!r} (want dict, list, tuple, tensor)")
+        raise ValueError(
+            f"{path}: unknown node kind {kind!r} (want dict, list, tuple, tensor, dtensor)"
+        )
 
 
 def _check_spec(leaf: Any, path: str) -> TensorSpec:
@@ -212,6 +234,7 @@ def _check_spec(leaf: Any, path: str) -> TensorSpec:
 def unflatten(tree: Any, tensors: list[torch.Tensor]) -> Any:
     """Rebuilds the state from a validated tree and its tensors, in order."""
     leaves = iter(tensors)
+    meshes: dict[str, DeviceMesh] = {}
 
     def build(node: Any) -> Any:
         if not isinstance(node, dict):
@@ -219,6 +242,8 @@ def unflatten(tree: Any, tensors: list[torch.Tensor]) -> Any:
         [(kind, value)] = node.items()
         if kind == "tensor":
             return next(leaves)
+        if kind == "dtensor":
+            return _dtensor.build(value, next(leaves), meshes)
         if kind == "dict":
             return {key: build(child) for key, child in value}
         children = [build(child) for child in value]

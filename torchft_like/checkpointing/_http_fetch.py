@@ -11,6 +11,7 @@ import queue
 import socket
 import threading
 import time
+import urllib.error
 from collections.abc import Callable
 from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from typing import Any
@@ -23,7 +24,9 @@ from torchft_like.checkpointing import _checksum, _format
 logger = logging.getLogger(__name__)
 
 NOT_SERVING = 503
-WRONG_STEP = 409
+WRONG_STEP = 400
+"""torchft's code for a request of a step other than the one served: the
+source serves one step at a time, so retrying cannot make it succeed."""
 SLICE = 8 << 20
 """Bytes per sendall / readinto call: large enough that the per-call cost
 (and the GIL hand-off) vanishes, small enough to check the deadline often."""
@@ -31,6 +34,26 @@ SLICE = 8 << 20
 
 class NotReady(Exception):
     """The source does not serve this step (yet): worth retrying."""
+
+
+class Refused(Exception):
+    """The source answered a refusal that retrying cannot change."""
+
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(f"answered HTTP {status}: {message}")
+        self.status = status
+
+
+class FetchRefused(urllib.error.HTTPError, RuntimeError):
+    """A fetch the source refused for good (wrong step, bad request, no
+    access): raised at once. An HTTPError, as torchft's receiver raises, and
+    a RuntimeError, as `CheckpointTransport.recv_checkpoint` promises."""
+
+
+class FetchTimeout(urllib.error.URLError, TimeoutError, RuntimeError):
+    """No state within the timeout (not served yet, unreachable, damaged on
+    every attempt). A URLError, as torchft's receiver raises, and a
+    RuntimeError, as `CheckpointTransport.recv_checkpoint` promises."""
 
 
 class ChecksumMismatch(Exception):
@@ -142,9 +165,9 @@ class Fetch:
         response = conn.getresponse()
         if response.status != 200:
             message = response.read(4096).decode("utf-8", "replace")
-            if response.status in (NOT_SERVING, WRONG_STEP):
+            if response.status == NOT_SERVING:
                 raise NotReady(message)
-            raise RuntimeError(f"GET {path} answered HTTP {response.status}: {message}")
+            raise Refused(response.status, message)
         header_len = _format.decode_prefix(self._read(conn, response, _format.PREFIX.size))
         return conn, response, self._read(conn, response, header_len)
 

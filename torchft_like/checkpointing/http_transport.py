@@ -10,8 +10,10 @@ its live state dict for one step; a receiver asks for exactly that step:
 A 200 body is a stream in the format of `_format` (prefix, JSON header, raw
 tensor bytes). Refusals are text/plain: 401 without the job's secret (when
 the transport has one, see lighthouse.rpc.auth), 503 "not serving" when nothing is
-staged, 409 when another step is staged (never stale weights), 404 and 400
-for requests that are not of the above shape.
+staged, 400 "wrong step" when another step is staged (never stale weights;
+torchft's code and text), 404 and 400 for requests that are not of the above
+shape. A receiver retries only 503 (and broken connections) until its
+deadline; any other refusal cannot change, so it fails at once.
 
 Speed comes from touching each byte once on either side: the source sends
 slices of the live tensors' memory with socket sendall (contiguous CPU
@@ -45,7 +47,10 @@ from torchft_like.checkpointing._http_fetch import (
     ChecksumMismatch,
     DeadlinePassed,
     Fetch,
+    FetchRefused,
+    FetchTimeout,
     NotReady,
+    Refused,
     hang_up,
 )
 from torchft_like.checkpointing.transport import CheckpointTransport
@@ -192,7 +197,14 @@ class HTTPTransport(CheckpointTransport[Any]):
             if staged is None:
                 return None, NOT_SERVING, "not serving: no state is staged on this replica now"
             if staged.step != step:
-                return None, WRONG_STEP, f"wrong step: asked {step}, serving step {staged.step}"
+                return (
+                    None,
+                    WRONG_STEP,
+                    (
+                        f"wrong step: serving {staged.step} but got step={step}; a receiver "
+                        "asks for the step its quorum names, and only that step is served"
+                    ),
+                )
             self._active.add(conn)
             return staged, 200, ""
 
@@ -210,13 +222,22 @@ class HTTPTransport(CheckpointTransport[Any]):
     # --- receiver side ------------------------------------------------------
 
     def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
-        """See base class. Retries "not serving", "wrong step", connection
-        errors (a truncated body among them) and checksum mismatches every
-        50 ms until `timeout`. The state is returned only once every tensor
-        has its announced size and checksum."""
+        """See base class. Retries "not serving", connection errors (a
+        truncated body among them) and checksum mismatches every 50 ms until
+        `timeout`. The state is returned only once every tensor has its
+        announced size and checksum.
+
+        Raises:
+            FetchRefused: (an HTTPError and a RuntimeError) the source refused
+                for good, e.g. it serves another step: raised at once.
+            FetchTimeout: (a URLError and a RuntimeError) no state within
+                `timeout`; the message says the last answer.
+            ValueError: the source sent something that is not a state stream.
+        """
         url = urlsplit(metadata)
         if url.scheme != "http" or not url.hostname or not url.port:
             raise ValueError(f"checkpoint metadata {metadata!r} is not an http://host:port URL")
+        where = f"step {step} from replica rank {src_rank} at {metadata}"
         started = time.monotonic()
         deadline = started + timeout.total_seconds()
         last, attempts = "no answer", 0
@@ -227,6 +248,11 @@ class HTTPTransport(CheckpointTransport[Any]):
                 state, nbytes = fetch.run(self._num_chunks)
             except NotReady as e:
                 last = str(e)
+            except Refused as e:
+                raise FetchRefused(
+                    f"{metadata}/checkpoint/{step}", e.status,
+                    f"could not fetch {where}: {e}", None, None,  # type: ignore[arg-type]
+                ) from None  # fmt: skip
             except ChecksumMismatch as e:  # corrupted on the way: nothing was applied
                 last = f"{type(e).__name__}: {e}"
                 logger.warning("refused step %d from %s, will retry: %s", step, metadata, e)
@@ -235,10 +261,6 @@ class HTTPTransport(CheckpointTransport[Any]):
                     last = f"{type(e).__name__}: {e}"
             except ValueError as e:
                 raise ValueError(f"{metadata} sent an invalid stream for step {step}: {e}") from e
-            except RuntimeError as e:  # a refusal that retrying cannot change
-                raise RuntimeError(
-                    f"could not fetch step {step} from replica rank {src_rank} at {metadata}: {e}"
-                ) from e
             else:
                 took = time.monotonic() - started
                 logger.info("received step %d from %s: %.1f MB in %.2f s (%.0f MB/s, %d streams)",
@@ -247,10 +269,9 @@ class HTTPTransport(CheckpointTransport[Any]):
                 return state
             remaining = deadline - time.monotonic()
             if remaining <= _RETRY_S:
-                raise RuntimeError(
-                    f"could not fetch step {step} from replica rank {src_rank} at {metadata} "
-                    f"within {timeout.total_seconds():g} s ({attempts} attempts); "
-                    f"last answer: {last}"
+                raise FetchTimeout(
+                    f"timed out: could not fetch {where} within "
+                    f"{timeout.total_seconds():g} s ({attempts} attempts); last answer: {last}"
                 )
             time.sleep(_RETRY_S)
 

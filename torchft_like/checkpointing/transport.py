@@ -72,7 +72,9 @@ class CheckpointTransport(ABC, Generic[T]):
 
         The source may not have staged `step` yet when this is called (the
         two replicas leave the quorum at slightly different times), so the
-        receiver retries until `timeout`.
+        receiver retries until `timeout`. A source that serves another step
+        can never serve this one (it stages the step of its quorum), so that
+        refusal fails at once.
 
         Args:
             src_rank: the source's replica rank (for messages and routing).
@@ -85,7 +87,8 @@ class CheckpointTransport(ABC, Generic[T]):
 
         Raises:
             RuntimeError: the source did not serve `step` within `timeout`
-                (unreachable, not serving, or another step).
+                (unreachable, not serving), or refused it for good (another
+                step); the message names the source and the last answer.
             ValueError: the source answered something that is not a valid
                 state stream.
         """
