@@ -64,7 +64,9 @@ environment (torchrun sets the first five; set the others):
   NUM_REPLICA_GROUPS          number of replica groups (default 2)
   TORCHFT_LIGHTHOUSE          lighthouse URL with its port, e.g. http://127.0.0.1:29510
   TORCHFT_MANAGER_PORT        port of rank 0's ManagerServer (default 0: any free one)
-  TORCHFT_BIND_HOST           host the servers listen on (default: this machine's name;
+  TORCHFT_HOSTNAME            how peers on other machines reach this one: the address the
+                              servers advertise (default: this machine's name)
+  TORCHFT_BIND_HOST           host the servers listen on (default: TORCHFT_HOSTNAME;
                               0.0.0.0 or :: for all interfaces)
   TORCHFT_SECRET_FILE         file holding the job's shared secret (or TORCHFT_SECRET)
   TORCHFT_TIMEOUT_SEC, TORCHFT_QUORUM_TIMEOUT_SEC, TORCHFT_CONNECT_TIMEOUT_SEC,

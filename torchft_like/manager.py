@@ -27,7 +27,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp, TCPStore
 
 from lighthouse.rpc import auth
-from lighthouse.rpc.address import BIND_HOST_ENV, join_host_port
+from lighthouse.rpc.address import BIND_HOST_ENV, HOSTNAME_ENV, join_host_port
 from lighthouse.rpc.errors import DuplicateGroupError, QuorumError
 from torchft_like import parent_watch
 from torchft_like._state_gate import StateReadGate
@@ -87,7 +87,7 @@ class Manager:
 
     Argument names follow pytorch/torchft's Manager. Unset arguments come from
     torchrun's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) and
-    TORCHFT_LIGHTHOUSE / TORCHFT_MANAGER_PORT; the servers listen on `hostname`
+    TORCHFT_LIGHTHOUSE / TORCHFT_MANAGER_PORT / TORCHFT_HOSTNAME; the servers listen on `hostname`
     (what peers are told) unless TORCHFT_BIND_HOST names another host (0.0.0.0
     or :: for all interfaces); TORCHFT_*_SEC override the
     timeouts and TORCHFT_QUORUM_RETRIES the retries; TORCHFT_SECRET_FILE or
@@ -108,6 +108,11 @@ class Manager:
         rank, world_size: this rank in its replica group, and the group size.
         replica_id: name of the replica group; a uuid is appended per start.
         port: ManagerServer port on group rank 0 (0 picks one).
+        hostname: how peers on other machines reach this rank: the address
+            the ManagerServer and the checkpoint server advertise (and
+            listen on, unless TORCHFT_BIND_HOST says otherwise). None:
+            TORCHFT_HOSTNAME, else this machine's name. Give an address
+            where the name does not resolve to one peers can reach.
         checkpoint_transport: how healing state travels (HTTPTransport).
         init_sync: at step 0 every replica copies the primary's weights.
         max_retries: raise after this many consecutive uncommitted steps.
@@ -147,7 +152,7 @@ class Manager:
         lighthouse_addr: str | None = None,
         replica_id: str | None = None,
         port: int | None = None,
-        hostname: str = socket.gethostname(),
+        hostname: str | None = None,
         heartbeat_interval: timedelta = timedelta(milliseconds=100),
         checkpoint_transport: CheckpointTransport | None = None,
         init_sync: bool = True,
@@ -231,9 +236,10 @@ class Manager:
                 "or TORCHFT_SECRET): pass HTTPTransport(..., secret=...) the same secret, or "
                 "the peers cannot fetch from each other"
             )
+        hostname = hostname or os.environ.get(HOSTNAME_ENV) or socket.gethostname()
         bind_host = os.environ.get(BIND_HOST_ENV) or None
         self._checkpoint_transport = checkpoint_transport or HTTPTransport(
-            timeout=self._timeout, secret=self._secret, bind_host=bind_host
+            timeout=self._timeout, hostname=hostname, secret=self._secret, bind_host=bind_host
         )
         self._manager_server: ManagerServer | None = None
         if self._group_rank == 0:
@@ -250,7 +256,7 @@ class Manager:
                 lighthouse_addr=lighthouse_addr,
                 hostname=hostname,
                 bind=join_host_port(bind_host or hostname, port),
-                store_addr=f"{store_addr}:{store_port}",
+                store_addr=join_host_port(store_addr, store_port),
                 world_size=self._group_world_size,
                 heartbeat_interval=heartbeat_interval,
                 connect_timeout=self._connect_timeout,

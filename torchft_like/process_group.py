@@ -10,6 +10,8 @@ from __future__ import annotations
 import functools
 import ipaddress
 import logging
+import os
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -59,6 +61,19 @@ def _is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:
         return False
+
+
+def _local_address_towards(host: str, port: int) -> str | None:
+    """The address of this machine that the kernel routes to `host` from,
+    or None when `host` does not resolve or has no route. A UDP connect
+    only looks the route up; nothing is sent."""
+    try:
+        family, kind, proto, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_DGRAM)[0]
+        with socket.socket(family, kind, proto) as probe:
+            probe.connect(sockaddr)
+            return str(probe.getsockname()[0]).split("%", 1)[0]
+    except OSError:
+        return None
 
 
 def _reduce_op(opts: Any) -> Any:
@@ -192,11 +207,22 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
     Use it through the Manager: torch gives a ProcessGroup no way to change
     its C++ size, so C++ code that reads it (torch DDP given this group
     directly) sees 1; `size()` and `rank()` from Python are right.
+
+    Args:
+        timeout: bound on joining and on every collective.
+        hostname: the address gloo listens on and tells peers. None: the
+            interfaces in GLOO_SOCKET_IFNAME when set, else this machine's
+            address on the route to the store's host (the network the
+            replicas share; a machine name that resolves to 127.0.x.x, as
+            on many Linux hosts, would be unreachable from other machines).
     """
 
-    def __init__(self, timeout: timedelta = timedelta(seconds=60)) -> None:
+    def __init__(
+        self, timeout: timedelta = timedelta(seconds=60), hostname: str | None = None
+    ) -> None:
         super().__init__(0, 1)
         self._timeout = timeout
+        self._hostname = hostname
         self._backend: Any = None
         self._error: Exception | None = None
         self._rank, self._world_size = 0, 1
@@ -219,15 +245,20 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
             host, port, is_master=False, wait_for_workers=False, timeout=self._timeout
         )
         prefixed = dist.PrefixStore(prefix, store)
-        if _is_loopback(host):
+        local = self._hostname
+        if local is None and _is_loopback(host):
             # Every peer reaches the store over loopback, so all are on this
             # host: bind gloo there too rather than depend on this machine's
             # hostname resolving (it does not in some containers).
+            local = host
+        elif local is None and not os.environ.get("GLOO_SOCKET_IFNAME"):
+            local = _local_address_towards(host, port)
+        if local is not None:
             options = dist.ProcessGroupGloo._Options()
             options._timeout = self._timeout
-            options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
+            options._devices = [dist.ProcessGroupGloo.create_device(hostname=local)]
             backend = dist.ProcessGroupGloo(prefixed, rank, world_size, options)
-        else:
+        else:  # gloo's default: GLOO_SOCKET_IFNAME, else what the hostname resolves to
             backend = dist.ProcessGroupGloo(prefixed, rank, world_size, self._timeout)
         with self._lock:
             self._backend, self._error = backend, None

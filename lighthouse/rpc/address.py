@@ -37,6 +37,12 @@ when set, e.g. 0.0.0.0 or :: for all interfaces; by default they listen on
 the address they advertise to peers."""
 
 
+HOSTNAME_ENV = "TORCHFT_HOSTNAME"
+"""How peers on other machines reach this one (a name or an address, IPv6
+without brackets), when the machine's name is not it: what the Manager's
+servers advertise when no `hostname` argument is given."""
+
+
 def is_loopback(host: str) -> bool:
     """Whether `host` (a name or an address) resolves only to loopback addresses.
 
