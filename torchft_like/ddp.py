@@ -14,6 +14,7 @@ from enum import Enum
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed import ReduceOp
 from torch.nn import parallel
@@ -24,8 +25,6 @@ from torchft_like.process_group import ProcessGroupDummy
 _REFUSED_KWARGS = {
     "process_group": "gradients must go through the Manager, not a fixed process group",
     "device_mesh": "gradients must go through the Manager, not a fixed device mesh",
-    "find_unused_parameters": "bucket layout is fixed by torchft_like (see _NoRebuildReducer)",
-    "static_graph": "bucket layout is fixed by torchft_like (see _NoRebuildReducer)",
 }
 _DDP_PARAMS = inspect.signature(parallel.DistributedDataParallel).parameters
 _HAS_BUCKET_CAP_LIST = "bucket_cap_mb_list" in _DDP_PARAMS
@@ -69,6 +68,37 @@ class _NoRebuildReducer:
         return getattr(self._reducer, name)
 
 
+class _ManagerUsedMapGroup(ProcessGroupDummy):
+    """The process group DDP is built over: absorbs everything, except that
+    once attached to a Manager its allreduce goes through the Manager.
+
+    Why: with find_unused_parameters or static_graph, DDP's reducer
+    allreduces (SUM) a map of which parameters this rank used, over its own
+    process group, to learn which were used by any rank. Over a plain dummy
+    group a replica that skipped a branch would think it unused everywhere,
+    leave its .grad untouched and diverge from a replica that used it. The
+    reducer issues it each step after the last bucket's, in the same order on
+    every replica, as the Manager needs.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.manager: Manager | None = None
+        """Set after DDP's construction, whose collectives stay absorbed."""
+
+    def allreduce(self, tensors: Any, opts: Any = None) -> dist.Work:  # type: ignore[override]
+        if self.manager is None:
+            return super().allreduce(tensors, opts)
+        op = getattr(opts, "reduceOp", ReduceOp.SUM)
+        if len(tensors) != 1 or op != ReduceOp.SUM:
+            raise RuntimeError(
+                f"fault-tolerant DDP routes only DDP's used-parameter map (one tensor, SUM) "
+                f"through the Manager; got {len(tensors)} tensors, op {op}"
+            )
+        self.num_ops += 1
+        return self.manager.allreduce(tensors[0], reduce_op=ReduceOp.SUM)
+
+
 def _comm_hook(manager, bucket):
     # Unannotated on purpose: DDP compares the annotation with dist.GradBucket,
     # and this module's postponed annotations would be strings.
@@ -85,8 +115,10 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
             name (as in `module.named_buffers()`) to BufferSync; unnamed
             buffers default to BROADCAST.
         **kwargs: passed to torch DDP, except those that would break the
-            fault-tolerance guarantees (process_group, device_mesh,
-            find_unused_parameters, static_graph), which raise ValueError.
+            fault-tolerance guarantees (process_group, device_mesh), which
+            raise ValueError. find_unused_parameters and static_graph are
+            taken: which parameters any replica used is agreed through the
+            Manager, and the bucket layout stays fixed (see _NoRebuildReducer).
     """
 
     def __init__(
@@ -118,9 +150,16 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
             # from the start (torch puts all in one bucket until its rebuild).
             cap = kwargs.pop("bucket_cap_mb", None) or 25
             kwargs.setdefault("bucket_cap_mb_list", [min(1, cap), cap])
-        else:
+        elif not kwargs.get("static_graph"):
             kwargs["find_unused_parameters"] = True  # older torch: no rebuild this way
-        super().__init__(module, process_group=ProcessGroupDummy(), **kwargs)
+        group = _ManagerUsedMapGroup()
+        super().__init__(module, process_group=group, **kwargs)
+        if kwargs.get("find_unused_parameters") and not kwargs.get("static_graph"):
+            # static_graph instead allreduces the map only in a replica's
+            # first step, which a restarted replica would take while the
+            # others do not; its contract (the same parameters used on every
+            # rank, every step) makes the local map the global one.
+            group.manager = manager
         self.register_comm_hook(manager, _comm_hook)
         if _HAS_BUCKET_CAP_LIST:
             self.reducer = _NoRebuildReducer(self.reducer)

@@ -137,7 +137,7 @@ def test_by_default_every_buffer_is_broadcast_from_the_source():
     "kwargs, message",
     [
         ({"process_group": None}, "does not take process_group"),
-        ({"find_unused_parameters": True}, "does not take find_unused_parameters"),
+        ({"device_mesh": None}, "does not take device_mesh"),
         ({"buffer_sync": {"nope": BufferSync.NONE}}, r"unknown buffers \['nope'\]"),
         ({"buffer_sync": {"1.num_batches_tracked": BufferSync.AVERAGE}}, "cannot be averaged"),
     ],
@@ -145,6 +145,50 @@ def test_by_default_every_buffer_is_broadcast_from_the_source():
 def test_kwargs_that_break_the_guarantees_are_refused(kwargs, message):
     with pytest.raises(ValueError, match=message):
         DistributedDataParallel(ManagerDouble(), bn_model(), **kwargs)
+
+
+class Branchy(nn.Module):
+    """A trunk, a branch used only when asked, and a head."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.trunk, self.branch, self.head = nn.Linear(8, 8), nn.Linear(8, 8), nn.Linear(8, 2)
+
+    def forward(self, x: torch.Tensor, use_branch: bool = True) -> torch.Tensor:
+        h = self.trunk(x).relu()
+        if use_branch:
+            h = h + self.branch(h).relu()
+        return self.head(h)
+
+
+def test_find_unused_parameters_sums_the_used_map_through_the_manager():
+    manager = ManagerDouble()
+    model = Branchy()
+    ddp = DistributedDataParallel(manager, model, find_unused_parameters=True)
+    ddp(torch.randn(4, 8), use_branch=False).sum().backward()
+    num_params = len(list(model.parameters()))
+    # The last allreduce is DDP's used map: one int per parameter, SUM.
+    assert manager.sizes[-1] == num_params and manager.ops[-1] == ReduceOp.SUM
+    # The double adds nothing, so the branch is unused everywhere: untouched.
+    assert model.branch.weight.grad is None and model.trunk.weight.grad is not None
+    ddp(torch.randn(4, 8), use_branch=True).sum().backward()
+    assert model.branch.weight.grad is not None
+
+
+def test_static_graph_issues_the_same_allreduces_in_a_first_step_as_later():
+    # A restarted replica takes its first step next to others that do not:
+    # the collectives must match, so static_graph's first-step map stays local.
+    manager = ManagerDouble()
+    ddp = DistributedDataParallel(manager, mlp(), static_graph=True, bucket_cap_mb=0.01)
+    per_step = []
+    for seed in range(3):
+        step(ddp, seed)
+        per_step.append((manager.sizes[:], manager.ops[:]))
+        manager.sizes.clear()
+        manager.ops.clear()
+    assert len(per_step[0][0]) > 1 and per_step[0] == per_step[1] == per_step[2]
+    assert set(per_step[0][1]) == {ReduceOp.AVG}
 
 
 def test_a_module_on_several_devices_is_refused():
