@@ -31,6 +31,10 @@ class QuorumMember:
     the lighthouse and on the wire; `LighthouseClient.quorum` hands it out
     decoded (a dict, or None when empty), as pytorch/torchft does."""
     commit_failures: int = 0
+    unknown_fields: bytes = b""
+    """The member's fields this lighthouse does not know (newer torchft adds
+    some, e.g. `reconfigure_handles`), serialized and opaque; put back
+    unchanged when the member is sent on."""
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,21 @@ def member_from_proto(msg: pb.QuorumMember) -> QuorumMember:
         shrink_only=msg.shrink_only,
         data=msg.data,
         commit_failures=msg.commit_failures,
+        unknown_fields=_unknown_fields(msg),
     )
+
+
+def _unknown_fields(msg: pb.QuorumMember) -> bytes:
+    """The serialized fields of `msg` that our proto does not declare.
+
+    A copy with every declared field cleared serializes to exactly its
+    unknown fields, in the order they arrived.
+    """
+    rest = pb.QuorumMember()
+    rest.CopyFrom(msg)
+    for field in rest.DESCRIPTOR.fields:
+        rest.ClearField(field.name)
+    return rest.SerializeToString()
 
 
 def encode_data(data: object) -> str:
@@ -53,7 +67,7 @@ def decode_data(text: str) -> object:
 
 
 def member_to_proto(member: QuorumMember) -> pb.QuorumMember:
-    return pb.QuorumMember(
+    msg = pb.QuorumMember(
         replica_id=member.replica_id,
         address=member.address,
         store_address=member.store_address,
@@ -63,6 +77,11 @@ def member_to_proto(member: QuorumMember) -> pb.QuorumMember:
         data=encode_data(member.data),
         commit_failures=member.commit_failures,
     )
+    if member.unknown_fields:
+        # Parsed as unknown fields again, so they serialize after ours,
+        # where a sender that numbers its fields in order put them.
+        msg.MergeFromString(member.unknown_fields)
+    return msg
 
 
 def quorum_to_proto(quorum: Quorum) -> pb.Quorum:

@@ -1,0 +1,71 @@
+"""pytorch/torchft's own Manager (the installed release, which exchanges
+`QuorumMember.reconfigure_handles` through the lighthouse) commits steps
+through our LighthouseServer: the fields we do not know travel unchanged."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from lighthouse import LighthouseServer
+
+torchft = pytest.importorskip("torchft")
+torchft_manager = pytest.importorskip("torchft.manager")
+torchft_pg = pytest.importorskip("torchft.process_group")
+
+pytestmark = pytest.mark.timeout(90)
+STEPS = 3
+T = timedelta(seconds=10)
+
+
+def torchft_group(group: int, lighthouse: str) -> tuple[int, list[float]]:
+    """One torchft replica group of one rank; its steps and allreduced values."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    if not hasattr(torchft_pg.ProcessGroup, "get_reconfigure_handle"):
+        pytest.skip("this torchft release has no reconfigure handles")
+    manager = torchft_manager.Manager(
+        pg=torchft_pg.ProcessGroupGloo(timeout=T),
+        load_state_dict=lambda _: None,
+        state_dict=lambda: {},
+        min_replica_size=2,
+        use_async_quorum=False,
+        timeout=T,
+        quorum_timeout=T,
+        connect_timeout=T,
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        lighthouse_addr=lighthouse,
+        replica_id=f"torchft_group{group}",
+        hostname="127.0.0.1",
+    )
+    values = []
+    try:
+        for _ in range(2 * STEPS):  # bounded: a step that cannot commit ends the test
+            if manager.current_step() == STEPS:
+                break
+            manager.start_quorum()
+            t = torch.tensor([float(group + 1)])
+            manager.allreduce(t).wait()
+            if manager.should_commit():
+                values.append(t.item())
+        return manager.current_step(), values
+    finally:
+        manager.shutdown()
+
+
+def test_torchft_managers_of_the_newest_release_commit_through_our_lighthouse():
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2)
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            results = list(pool.map(torchft_group, range(2), [lighthouse.address()] * 2))
+    finally:
+        lighthouse.shutdown()
+    for steps, values in results:
+        assert steps == STEPS
+        assert values == [1.5] * STEPS  # the average of 1 and 2: both groups took part
