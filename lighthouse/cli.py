@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
 import sys
 import threading
 
-from lighthouse.rpc import auth
+from lighthouse.rpc import auth, tls
 from lighthouse.server import LighthouseServer
 
 logger = logging.getLogger(__name__)
@@ -25,6 +26,10 @@ environment:
   Without either, access control is off: a lighthouse listening off loopback
   then logs a SECURITY warning. Replicas find the lighthouse through
   TORCHFT_LIGHTHOUSE=http://HOST:PORT (the port is required).
+  {tls.CERT_ENV} / {tls.KEY_ENV} / {tls.CA_ENV}
+                       PEM files, as --tls-cert / --tls-key / --tls-ca
+  {tls.CLIENT_AUTH_ENV}=1   as --tls-client-auth
+  With TLS, replicas use TORCHFT_LIGHTHOUSE=https://HOST:PORT and the same variables.
 
 example:
   {auth.SECRET_FILE_ENV}=/etc/torchft/secret torchft-lighthouse --min-replicas 2 \\
@@ -102,6 +107,29 @@ example:
     # Defined only to refuse it: without it argparse would take `--secret X`
     # as an abbreviation of --secret-file.
     p.add_argument("--secret", action=_RefuseSecretValue, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--tls-cert",
+        default=None,
+        help=f"PEM certificate (valid for the host replicas connect to) to serve TLS with; "
+        f"needs --tls-key (default: ${tls.CERT_ENV}, else plaintext)",
+    )
+    p.add_argument(
+        "--tls-key",
+        default=None,
+        help=f"PEM private key of --tls-cert (default: ${tls.KEY_ENV})",
+    )
+    p.add_argument(
+        "--tls-ca",
+        default=None,
+        help=f"PEM CA that client certificates must chain to (default: ${tls.CA_ENV})",
+    )
+    p.add_argument(
+        "--tls-client-auth",
+        action="store_true",
+        default=None,
+        help=f"require a client certificate signed by --tls-ca from every caller "
+        f"(mutual TLS; default: ${tls.CLIENT_AUTH_ENV}=1, else off)",
+    )
     p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
     return p
 
@@ -123,6 +151,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     try:
         secret = auth.load_secret(args.secret_file)
+        tls_config = tls.tls_from_env(
+            os.environ, args.tls_cert, args.tls_key, args.tls_ca, args.tls_client_auth
+        )
+        if tls_config is not None:
+            tls_config.require_server("lighthouse")
         server = LighthouseServer(
             bind=args.bind,
             min_replicas=args.min_replicas,
@@ -133,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             suspect_min_ms=args.suspect_min_ms,
             http_bind=args.http_bind or None,
             secret=secret,
+            tls=tls_config,
         )
     except (ValueError, OSError) as e:
         print(f"torchft-lighthouse: error: {e}", file=sys.stderr)

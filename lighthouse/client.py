@@ -19,18 +19,27 @@ from grpc import aio
 from lighthouse import wire
 from lighthouse.quorum import Quorum, QuorumMember
 from lighthouse.rpc.address import url_to_target
-from lighthouse.rpc.channel import aio_channel, blocking_channel, check_reachable, unreachable
+from lighthouse.rpc.channel import (
+    aio_channel,
+    blocking_channel,
+    check_reachable,
+    tls_refusal,
+    unreachable,
+)
 from lighthouse.rpc.errors import from_rpc_error
 from lighthouse.rpc.loop import wait_within
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
+from lighthouse.rpc.tls import TLSConfig, check_scheme
 
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 """Where the library's Manager finds the lighthouse (read by torchft_like.manager)."""
 
 
-def lighthouse_target(addr: str) -> str:
-    """The gRPC target of a lighthouse URL; a bad one names TORCHFT_LIGHTHOUSE and the fix."""
+def lighthouse_target(addr: str, tls: TLSConfig | None = None) -> str:
+    """The gRPC target of a lighthouse URL; a bad one (or one whose scheme
+    disagrees with `tls`) names TORCHFT_LIGHTHOUSE and the fix."""
+    check_scheme(addr, tls, f"lighthouse address ({LIGHTHOUSE_ENV} or lighthouse_addr)")
     return url_to_target(
         addr,
         f"lighthouse address ({LIGHTHOUSE_ENV} or lighthouse_addr)",
@@ -43,6 +52,7 @@ class LighthouseClient:
     """Blocking client. Quorum blocks until a quorum containing us is issued.
 
     `secret`: the job's shared secret, sent with every call (lighthouse.rpc.auth).
+    `tls`: connect over TLS (lighthouse.rpc.tls); `addr` is then https://.
     """
 
     def __init__(
@@ -50,17 +60,21 @@ class LighthouseClient:
         addr: str,
         connect_timeout: timedelta = timedelta(seconds=10),
         secret: str | None = None,
+        tls: TLSConfig | None = None,
     ) -> None:
         self.addr = addr
         self._connect_timeout = connect_timeout
-        self._target = lighthouse_target(addr)
-        self._channel = blocking_channel(self._target, secret)
+        self._tls = tls
+        self._target = lighthouse_target(addr, tls)
+        self._channel = blocking_channel(self._target, secret, tls)
         self._stub = pb_grpc.LighthouseServiceStub(self._channel)
         self._connected = False
 
     def _ensure_connected(self) -> None:
         if not self._connected:
-            check_reachable(self._target, f"lighthouse {self.addr}", self._connect_timeout)
+            check_reachable(
+                self._target, f"lighthouse {self.addr}", self._connect_timeout, self._tls
+            )
             self._connected = True
 
     def quorum(
@@ -147,10 +161,13 @@ class AsyncLighthouseClient:
         addr: str,
         connect_timeout: timedelta = timedelta(seconds=10),
         secret: str | None = None,
+        tls: TLSConfig | None = None,
     ) -> None:
         self.addr = addr
         self._connect_timeout = connect_timeout
-        self._channel = aio_channel(lighthouse_target(addr), secret)
+        self._tls = tls
+        self._target = lighthouse_target(addr, tls)
+        self._channel = aio_channel(self._target, secret, tls)
         self._stub = pb_grpc.LighthouseServiceStub(self._channel)
         self._heartbeat_call: Any = None
 
@@ -160,6 +177,11 @@ class AsyncLighthouseClient:
         if state == grpc.ChannelConnectivity.READY:
             return
         bound = min(self._connect_timeout, limit) if limit is not None else self._connect_timeout
+        if self._tls is not None:  # a failed handshake would look like a wait until `bound`
+            what, bound_s = f"lighthouse {self.addr}", bound.total_seconds()
+            refused = await asyncio.to_thread(tls_refusal, self._target, what, self._tls, bound_s)
+            if refused is not None:
+                raise refused
         await wait_within(
             self._channel.channel_ready(),
             bound.total_seconds(),

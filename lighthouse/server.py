@@ -40,6 +40,7 @@ from lighthouse.rpc.errors import DuplicateGroupError, QuorumError, QuorumTimeou
 from lighthouse.rpc.loop import BackgroundLoop, reply_budget_s, wait_within
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
+from lighthouse.rpc.tls import TLSConfig, scheme
 from lighthouse.status import StatusServer
 
 logger = logging.getLogger(__name__)
@@ -422,6 +423,7 @@ class LighthouseServer:
     milliseconds and never go below it (see `next_quorum_id`), so a restarted
     lighthouse never repeats an id without persisting any state. With a
     `secret`, every call must carry it (lighthouse.rpc.auth); None: open to all.
+    With `tls`, it serves TLS (lighthouse.rpc.tls) and its address is https://.
 
     Raises:
         ValueError: a bad option or an unparsable bind address.
@@ -439,7 +441,10 @@ class LighthouseServer:
         secret: str | None = None,
         suspect_phi: float = 8.0,
         suspect_min_ms: int = 700,
+        tls: TLSConfig | None = None,
     ) -> None:
+        if tls is not None:
+            tls.require_server("lighthouse")
         self.config = LighthouseConfig(
             min_replicas=min_replicas,
             join_timeout_ms=join_timeout_ms,
@@ -455,6 +460,7 @@ class LighthouseServer:
         self._http = None
         self._stopped = False
         self._secret = secret
+        self._tls = tls
         try:
             self._port = self._loop.run(self._start(host, port))
             self._host = advertised_host(host)
@@ -465,6 +471,7 @@ class LighthouseServer:
             raise
         logger.info("lighthouse listening on %s (gRPC, bind %s)", self.address(), bind)
         logger.info("access control: %s", "on (shared secret)" if secret else "off (no secret)")
+        logger.info("transport: %s", _describe(tls))
         warning = auth.exposure_warning(secret, host, "lighthouse")
         if warning:
             logger.warning("%s", warning)
@@ -477,7 +484,7 @@ class LighthouseServer:
             "lighthouse",
         )
         bound = serve.bind(
-            self._server, host, port, "choose another --bind port (0 picks a free one)"
+            self._server, host, port, "choose another --bind port (0 picks a free one)", self._tls
         )
         await self._server.start()
         self._ticker = asyncio.get_running_loop().create_task(self._tick_loop())
@@ -492,7 +499,7 @@ class LighthouseServer:
                 logger.exception("lighthouse tick failed; continuing")
 
     def address(self) -> str:
-        return f"http://{join_host_port(self._host, self._port)}"
+        return f"{scheme(self._tls)}://{join_host_port(self._host, self._port)}"
 
     def http_address(self) -> str | None:
         return self._http.address() if self._http else None
@@ -526,3 +533,9 @@ class LighthouseServer:
         if waiting:
             await asyncio.sleep(0.05)  # lets their handlers send the answer
         await self._server.stop(grace=None)
+
+
+def _describe(tls: TLSConfig | None) -> str:
+    if tls is None:
+        return "plaintext (no TLS)"
+    return "TLS, client certificates " + ("required" if tls.client_auth else "not required")

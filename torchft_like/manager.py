@@ -29,6 +29,7 @@ from torch.distributed import ReduceOp, TCPStore
 from lighthouse.rpc import auth
 from lighthouse.rpc.address import BIND_HOST_ENV, HOSTNAME_ENV, join_host_port
 from lighthouse.rpc.errors import DuplicateGroupError, QuorumError
+from lighthouse.rpc.tls import TLSConfig, tls_from_env
 from torchft_like import parent_watch
 from torchft_like._state_gate import StateReadGate
 from torchft_like._work import FutureWork, completed_work
@@ -91,7 +92,8 @@ class Manager:
     (what peers are told) unless TORCHFT_BIND_HOST names another host (0.0.0.0
     or :: for all interfaces); TORCHFT_*_SEC override the
     timeouts and TORCHFT_QUORUM_RETRIES the retries; TORCHFT_SECRET_FILE or
-    TORCHFT_SECRET give the job's shared secret.
+    TORCHFT_SECRET give the job's shared secret; TORCHFT_TLS_CERT / _KEY / _CA
+    (and TORCHFT_TLS_CLIENT_AUTH) turn on TLS.
 
     Args:
         pg: reconfigurable process group for the cross-replica allreduce.
@@ -129,6 +131,11 @@ class Manager:
         secret: the job's shared secret (lighthouse.rpc.auth), sent with every
             call and required by our servers; None reads TORCHFT_SECRET_FILE
             or TORCHFT_SECRET, and without either access control is off.
+        tls: TLS for every connection this Manager opens or serves (the
+            ManagerServer, the checkpoint server, the lighthouse;
+            lighthouse.rpc.tls); None reads TORCHFT_TLS_CERT, TORCHFT_TLS_KEY,
+            TORCHFT_TLS_CA and TORCHFT_TLS_CLIENT_AUTH, and without them the
+            connections are plaintext. Peers' addresses are then https://.
         exit_with_parent: end this process within about 0.1 s of its parent
             (torchrun) dying, so that `kill -9` of torchrun is a group death
             rather than an orphan that trains on (torchft_like.parent_watch).
@@ -161,6 +168,7 @@ class Manager:
         fingerprint_interval: int | None = None,
         fingerprint_fn: Callable[[], Any] | None = None,
         secret: str | None = None,
+        tls: TLSConfig | None = None,
         exit_with_parent: bool = True,
     ) -> None:
         if min_replica_size < 1:
@@ -185,6 +193,7 @@ class Manager:
         self._max_retries = max_retries
         quorum_retries = int(os.environ.get(QUORUM_RETRIES_ENV, quorum_retries))
         self._secret = secret if secret is not None else auth.load_secret()
+        self._tls = tls if tls is not None else tls_from_env(os.environ)
         self._group_rank = rank if rank is not None else int(os.environ.get("RANK", 0))
         self._group_world_size = (
             world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
@@ -236,10 +245,21 @@ class Manager:
                 "or TORCHFT_SECRET): pass HTTPTransport(..., secret=...) the same secret, or "
                 "the peers cannot fetch from each other"
             )
+        if isinstance(checkpoint_transport, HTTPTransport) and (
+            checkpoint_transport.tls != self._tls
+        ):
+            raise ValueError(
+                "checkpoint_transport's TLS configuration differs from the Manager's "
+                "(TORCHFT_TLS_*): pass HTTPTransport(..., tls=...) the same TLSConfig"
+            )
         hostname = hostname or os.environ.get(HOSTNAME_ENV) or socket.gethostname()
         bind_host = os.environ.get(BIND_HOST_ENV) or None
         self._checkpoint_transport = checkpoint_transport or HTTPTransport(
-            timeout=self._timeout, hostname=hostname, secret=self._secret, bind_host=bind_host
+            timeout=self._timeout,
+            hostname=hostname,
+            secret=self._secret,
+            bind_host=bind_host,
+            tls=self._tls,
         )
         self._manager_server: ManagerServer | None = None
         if self._group_rank == 0:
@@ -262,6 +282,7 @@ class Manager:
                 connect_timeout=self._connect_timeout,
                 quorum_retries=quorum_retries,
                 secret=self._secret,
+                tls=self._tls,
             )
             self._store.set(prefix + MANAGER_ADDR_KEY, self._manager_server.address())
             self._store.set(prefix + REPLICA_ID_KEY, full_id)
@@ -270,7 +291,7 @@ class Manager:
         self._client: ManagerClientProtocol = (
             LocalManagerClient(self._manager_server)
             if self._manager_server is not None
-            else ManagerClient(manager_addr, self._connect_timeout, self._secret)
+            else ManagerClient(manager_addr, self._connect_timeout, self._secret, self._tls)
         )
         self._logger.info("manager ready, server %s", manager_addr)
 
@@ -476,7 +497,7 @@ class Manager:
                 result.max_step,
             )
             src = ManagerClient(
-                result.recover_src_manager_address, self._connect_timeout, self._secret
+                result.recover_src_manager_address, self._connect_timeout, self._secret, self._tls
             )
             try:
                 metadata = src.checkpoint_metadata(self._group_rank, self._timeout)

@@ -18,6 +18,7 @@ from lighthouse.rpc.channel import blocking_channel, check_reachable
 from lighthouse.rpc.errors import from_rpc_error
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
+from lighthouse.rpc.tls import TLSConfig, check_scheme
 from torchft_like import wire
 from torchft_like.group_quorum import QuorumRequest
 from torchft_like.recovery import QuorumResult
@@ -60,6 +61,7 @@ class ManagerClient:
         connect_timeout: bound on the first connection (and on reconnecting
             after the server was unreachable).
         secret: the job's shared secret, sent with every call (lighthouse.rpc.auth).
+        tls: connect over TLS (lighthouse.rpc.tls); `addr` is then https://.
     """
 
     def __init__(
@@ -67,17 +69,21 @@ class ManagerClient:
         addr: str,
         connect_timeout: timedelta = timedelta(seconds=10),
         secret: str | None = None,
+        tls: TLSConfig | None = None,
     ) -> None:
         self.addr = addr
         self._connect_timeout = connect_timeout
+        self._tls = tls
+        check_scheme(addr, tls, "manager server address")
         self._target = url_to_target(addr, "manager server address")
-        self._channel = blocking_channel(self._target, secret)
+        self._channel = blocking_channel(self._target, secret, tls)
         self._stub = pb_grpc.ManagerServiceStub(self._channel)
         self._connected = False
 
     def _call(self, method: Any, request: Any, timeout: timedelta, what: str) -> Any:
         if not self._connected:
-            check_reachable(self._target, f"manager server {self.addr}", self._connect_timeout)
+            what = f"manager server {self.addr}"
+            check_reachable(self._target, what, self._connect_timeout, self._tls)
             self._connected = True
         try:
             return method(request, timeout=timeout.total_seconds())

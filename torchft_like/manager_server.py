@@ -33,6 +33,7 @@ from lighthouse.rpc.errors import (
 from lighthouse.rpc.loop import BackgroundLoop, LoopStalledError, reply_budget_s, wait_within
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
+from lighthouse.rpc.tls import TLSConfig, scheme
 from torchft_like import wire
 from torchft_like.group_quorum import QuorumRequest, merge_requests
 from torchft_like.manager_client import ManagerClient
@@ -115,6 +116,8 @@ class ManagerServer:
         quorum_retries: lighthouse quorum failures retried before the ranks see one.
         secret: the job's shared secret: required of our callers and sent to
             the lighthouse (lighthouse.rpc.auth); None: access control off.
+        tls: serve TLS and reach the lighthouse over TLS (lighthouse.rpc.tls);
+            `address()` is then https://. None: plaintext.
 
     Raises:
         ValueError: a bad option or bind address.
@@ -134,6 +137,7 @@ class ManagerServer:
         connect_timeout: timedelta = timedelta(seconds=10),
         quorum_retries: int = 0,
         secret: str | None = None,
+        tls: TLSConfig | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size ({world_size}) must be at least 1")
@@ -145,6 +149,9 @@ class ManagerServer:
         self._connect_timeout = connect_timeout
         self._quorum_retries = quorum_retries
         self._secret = secret
+        if tls is not None:
+            tls.require_server("manager server")
+        self._tls = tls
         self._checkpoint_metadata: dict[int, str] = {}
         self._quorum_round: _Round[QuorumRequest] = _Round()
         self._votes: dict[int, _Round[bool]] = {}
@@ -156,7 +163,8 @@ class ManagerServer:
         except BaseException:
             self._loop.stop()
             raise
-        self._address = f"http://{join_host_port(hostname or advertised_host(host), self._port)}"
+        host_port = join_host_port(hostname or advertised_host(host), self._port)
+        self._address = f"{scheme(tls)}://{host_port}"
         logger.info("[%s] manager server listening on %s (bind %s)", replica_id, self._address,
                     bind)  # fmt: skip
         warning = auth.exposure_warning(secret, host, "manager server")
@@ -166,7 +174,7 @@ class ManagerServer:
 
     async def _start(self, host: str, port: int) -> int:
         self._lighthouse = AsyncLighthouseClient(
-            self._lighthouse_addr, self._connect_timeout, self._secret
+            self._lighthouse_addr, self._connect_timeout, self._secret, self._tls
         )
         self._server = serve.new_server(
             pb_grpc.add_ManagerServiceServicer_to_server,
@@ -174,7 +182,9 @@ class ManagerServer:
             self._secret,
             "manager server",
         )
-        bound = serve.bind(self._server, host, port, "set TORCHFT_MANAGER_PORT to a free port or 0")
+        bound = serve.bind(
+            self._server, host, port, "set TORCHFT_MANAGER_PORT to a free port or 0", self._tls
+        )
         # Fail fast with the address when the lighthouse is not there at all.
         await self._lighthouse.heartbeat(self.replica_id, self._connect_timeout)
         await self._server.start()

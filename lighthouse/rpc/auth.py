@@ -20,12 +20,12 @@ page, which is read-only (see lighthouse.status); torch's TCPStore and the
 gloo connections of the process groups, which torch opens and we cannot
 guard; and a pytorch/torchft lighthouse, which ignores the secret.
 
-What this does not do: without TLS the secret and all traffic (weights
-included) cross the network in clear, so anyone who can watch the network
-can read the secret and replay it. It keeps out callers who cannot, e.g.
-another job or a stray script on a shared cluster, and turns a
-misconfigured peer into a clear error instead of a silent member. TLS (grpc's
-ssl credentials, an ssl-wrapped checkpoint server) is the next step.
+What this does not do: without TLS (lighthouse.rpc.tls) the secret and all
+traffic (weights included) cross the network in clear, so anyone who can
+watch the network can read the secret and replay it. Alone it keeps out
+callers who cannot, e.g. another job or a stray script on a shared cluster,
+and turns a misconfigured peer into a clear error instead of a silent
+member; with TLS the secret travels encrypted and still authenticates callers.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Client channels of the project's gRPC services: options, auth, reachability."""
+"""Client channels of the project's gRPC services: options, auth, TLS, reachability."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from grpc import aio
 from lighthouse.rpc import auth
 from lighthouse.rpc.address import parse_bind
 from lighthouse.rpc.errors import LighthouseUnavailableError
+from lighthouse.rpc.tls import FIX, TLSConfig, probe
 
 CHANNEL_OPTIONS = [
     ("grpc.max_receive_message_length", 64 * 1024 * 1024),
@@ -26,16 +27,38 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def blocking_channel(target: str, secret: str | None) -> grpc.Channel:
-    """A channel to `target` (`host:port`) whose every call carries the secret."""
-    return auth.intercept_channel(grpc.insecure_channel(target, options=CHANNEL_OPTIONS), secret)
+def blocking_channel(target: str, secret: str | None, tls: TLSConfig | None = None) -> grpc.Channel:
+    """A channel to `target` (`host:port`) whose every call carries the
+    secret; TLS with `tls` (the server's certificate must be valid for the
+    host of `target`), plaintext without."""
+    if tls is None:
+        channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
+    else:
+        channel = grpc.secure_channel(target, tls.channel_credentials(), options=CHANNEL_OPTIONS)
+    return auth.intercept_channel(channel, secret)
 
 
-def aio_channel(target: str, secret: str | None) -> aio.Channel:
+def aio_channel(target: str, secret: str | None, tls: TLSConfig | None = None) -> aio.Channel:
     """asyncio twin of `blocking_channel`."""
-    return aio.insecure_channel(
-        target, options=CHANNEL_OPTIONS, interceptors=auth.aio_client_interceptors(secret)
+    interceptors = auth.aio_client_interceptors(secret)
+    if tls is None:
+        return aio.insecure_channel(target, options=CHANNEL_OPTIONS, interceptors=interceptors)
+    return aio.secure_channel(
+        target, tls.channel_credentials(), options=CHANNEL_OPTIONS, interceptors=interceptors
     )
+
+
+def tls_refusal(target: str, what: str, tls: TLSConfig, timeout_s: float) -> Exception | None:
+    """The error for a TLS handshake with `target` that fails, or None if it works.
+
+    gRPC reports a failed handshake as a connection that never becomes ready
+    (UNAVAILABLE, or a wait until the connect timeout); this names the cause.
+    """
+    host, port = parse_bind(target)
+    why = probe(host, port, tls, timeout_s)
+    if why is None:
+        return None
+    return LighthouseUnavailableError(f"cannot connect to {what} over TLS: {why}; {FIX}")
 
 
 def unreachable(
@@ -48,8 +71,11 @@ def unreachable(
     )
 
 
-def check_reachable(target: str, what: str, connect_timeout: timedelta) -> None:
-    """Connects to `target` with plain TCP, retrying until `connect_timeout`.
+def check_reachable(
+    target: str, what: str, connect_timeout: timedelta, tls: TLSConfig | None = None
+) -> None:
+    """Connects to `target` with plain TCP, retrying until `connect_timeout`;
+    with `tls`, then checks that a TLS handshake succeeds (`tls_refusal`).
 
     Retried because a refused connection fails at once, and a lighthouse
     started a few seconds after its replicas must not fail them. A plain
@@ -57,7 +83,8 @@ def check_reachable(target: str, what: str, connect_timeout: timedelta) -> None:
     connectivity-polling thread that can deadlock a later channel.close().
 
     Raises:
-        LighthouseUnavailableError: nothing accepted the connection in time.
+        LighthouseUnavailableError: nothing accepted the connection in time,
+            or the TLS handshake failed (the text says why and what to set).
     """
     host, port = parse_bind(target)
     deadline = time.monotonic() + connect_timeout.total_seconds()
@@ -66,10 +93,14 @@ def check_reachable(target: str, what: str, connect_timeout: timedelta) -> None:
         left_s = deadline - time.monotonic()
         try:
             socket.create_connection((host, port), timeout=max(left_s, 0.001)).close()
-            return
+            break
         except OSError as e:
             left_s = deadline - time.monotonic()
             if left_s <= 0:
                 raise unreachable(what, connect_timeout, e) from None
             time.sleep(min(backoff_s, left_s))
             backoff_s = min(backoff_s * 2, 0.5)
+    if tls is not None:
+        refused = tls_refusal(target, what, tls, max(deadline - time.monotonic(), 1.0))
+        if refused is not None:
+            raise refused

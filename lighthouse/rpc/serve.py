@@ -1,4 +1,4 @@
-"""Starting the project's asyncio gRPC servers: auth, guarded decoding, a port or an explanation."""
+"""Starting the project's asyncio gRPC servers: auth, TLS, guarded decoding, the bound port."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from grpc import aio
 from lighthouse.rpc import auth
 from lighthouse.rpc.address import join_host_port
 from lighthouse.rpc.decode_guard import add_servicer
+from lighthouse.rpc.tls import TLSConfig
 
 SERVER_OPTIONS = [
     # Off: a second server on a port in use must fail, not share it.
@@ -36,16 +37,21 @@ def new_server(
     return server
 
 
-def bind(server: aio.Server, host: str, port: int, fix: str) -> int:
-    """Adds the listening port; returns the port bound (port 0 picks one).
+def bind(server: aio.Server, host: str, port: int, fix: str, tls: TLSConfig | None = None) -> int:
+    """Adds the listening port, TLS with `tls`, plaintext without; returns
+    the port bound (port 0 picks one).
 
     Raises:
         OSError: the port is in use or the address not available; the text
             ends with `fix`, which names the flag or variable to change.
     """
     address = join_host_port(host, port)
+    credentials = tls.server_credentials() if tls is not None else None
     try:
-        bound = server.add_insecure_port(address)
+        if credentials is not None:
+            bound = server.add_secure_port(address, credentials)
+        else:
+            bound = server.add_insecure_port(address)
     except RuntimeError:
         bound = 0
     if bound == 0:

@@ -9,6 +9,7 @@ import itertools
 import logging
 import queue
 import socket
+import ssl
 import threading
 import time
 import urllib.error
@@ -56,6 +57,11 @@ class FetchTimeout(urllib.error.URLError, TimeoutError, RuntimeError):
     RuntimeError, as `CheckpointTransport.recv_checkpoint` promises."""
 
 
+class FetchTLSError(urllib.error.URLError, RuntimeError):
+    """The TLS handshake with the source failed for good (its certificate
+    not trusted, or ours refused): raised at once."""
+
+
 class ChecksumMismatch(Exception):
     """Received bytes differ from what the source sent: worth retrying."""
 
@@ -68,9 +74,17 @@ class Fetch:
     """One attempt to fetch a step over one or more connections."""
 
     def __init__(
-        self, host: str, port: int, step: int, deadline: float, secret: str | None = None
+        self,
+        host: str,
+        port: int,
+        step: int,
+        deadline: float,
+        secret: str | None = None,
+        context: ssl.SSLContext | None = None,
     ) -> None:
+        """`context`: fetch over HTTPS with it; None: plain HTTP."""
         self._host, self._port, self._step, self._deadline = host, port, step, deadline
+        self._context = context
         self._headers = auth.http_headers(secret)
         self._conns: list[http.client.HTTPConnection] = []
         self._aborted = False
@@ -158,7 +172,12 @@ class Fetch:
     def _open(
         self, chunk: int, of: int
     ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, bytes]:
-        conn = http.client.HTTPConnection(self._host, self._port, timeout=self._remaining())
+        if self._context is None:
+            conn = http.client.HTTPConnection(self._host, self._port, timeout=self._remaining())
+        else:
+            conn = http.client.HTTPSConnection(
+                self._host, self._port, timeout=self._remaining(), context=self._context
+            )
         self._conns.append(conn)
         path = f"/checkpoint/{self._step}" + (f"?chunk={chunk}&of={of}" if of > 1 else "")
         conn.request("GET", path, headers=self._headers)

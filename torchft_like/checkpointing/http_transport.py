@@ -29,6 +29,7 @@ import http.client
 import logging
 import re
 import socket
+import ssl
 import threading
 import time
 from datetime import timedelta
@@ -39,6 +40,7 @@ from urllib.parse import parse_qs, urlsplit
 from lighthouse.rpc import auth
 from lighthouse.rpc.address import BIND_HOST_ENV
 from lighthouse.rpc.http_server import QuietHTTPServer
+from lighthouse.rpc.tls import FIX, TLSConfig, check_scheme, is_refusal, scheme
 from torchft_like.checkpointing import _checksum, _format
 from torchft_like.checkpointing._http_fetch import (
     NOT_SERVING,
@@ -49,6 +51,7 @@ from torchft_like.checkpointing._http_fetch import (
     Fetch,
     FetchRefused,
     FetchTimeout,
+    FetchTLSError,
     NotReady,
     Refused,
     hang_up,
@@ -100,6 +103,9 @@ class HTTPTransport(CheckpointTransport[Any]):
             TORCHFT_BIND_HOST here).
         secret: the job's shared secret: required of every request served,
             and sent with every fetch. None: access control off.
+        tls: serve HTTPS and fetch over HTTPS (lighthouse.rpc.tls), with
+            client certificates when `tls.client_auth`; `metadata()` is then
+            ``https://...``. None: plain HTTP.
 
     Raises:
         ValueError: a negative num_chunks or timeout, or a port out of range.
@@ -114,6 +120,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         port: int = 0,
         secret: str | None = None,
         bind_host: str | None = None,
+        tls: TLSConfig | None = None,
     ) -> None:
         if timeout <= timedelta(0):
             raise ValueError(f"timeout ({timeout}) must be positive")
@@ -126,6 +133,8 @@ class HTTPTransport(CheckpointTransport[Any]):
         if secret is not None:
             auth.validate_secret(secret, "HTTPTransport's `secret` argument")
         self.secret = secret
+        self.tls = tls
+        self._client_context = tls.client_context() if tls is not None else None
         self._cond = threading.Condition()
         self._staged: _Staged | None = None
         self._active: set[socket.socket] = set()
@@ -143,6 +152,8 @@ class HTTPTransport(CheckpointTransport[Any]):
                 f"set {BIND_HOST_ENV} (bind_host) to an address of this machine"
             ) from e  # fmt: skip
         self._server.transport = self
+        if tls is not None:
+            self._server.ssl_context = tls.server_context()
         self._server.refusals = auth.RefusalLog()
         self._thread = threading.Thread(target=self._serve, name="checkpoint-http", daemon=True)
         self._thread.start()
@@ -150,7 +161,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         if warning:
             logger.warning("%s", warning)
         host = f"[{host}]" if ":" in host else host
-        self._url = f"http://{host}:{self._server.server_address[1]}"
+        self._url = f"{scheme(tls)}://{host}:{self._server.server_address[1]}"
 
     def metadata(self) -> str:
         """See base class."""
@@ -230,13 +241,18 @@ class HTTPTransport(CheckpointTransport[Any]):
         Raises:
             FetchRefused: (an HTTPError and a RuntimeError) the source refused
                 for good, e.g. it serves another step: raised at once.
+            FetchTLSError: (a URLError and a RuntimeError) the TLS handshake
+                failed for good (a certificate refused on either side).
             FetchTimeout: (a URLError and a RuntimeError) no state within
                 `timeout`; the message says the last answer.
             ValueError: the source sent something that is not a state stream.
         """
+        check_scheme(metadata, self.tls, "checkpoint server address")
         url = urlsplit(metadata)
-        if url.scheme != "http" or not url.hostname or not url.port:
-            raise ValueError(f"checkpoint metadata {metadata!r} is not an http://host:port URL")
+        if url.scheme != scheme(self.tls) or not url.hostname or not url.port:
+            raise ValueError(
+                f"checkpoint metadata {metadata!r} is not an {scheme(self.tls)}://host:port URL"
+            )
         where = f"step {step} from replica rank {src_rank} at {metadata}"
         started = time.monotonic()
         deadline = started + timeout.total_seconds()
@@ -244,7 +260,9 @@ class HTTPTransport(CheckpointTransport[Any]):
         while True:
             attempts += 1
             try:
-                fetch = Fetch(url.hostname, url.port, step, deadline, self.secret)
+                fetch = Fetch(
+                    url.hostname, url.port, step, deadline, self.secret, self._client_context
+                )
                 state, nbytes = fetch.run(self._num_chunks)
             except NotReady as e:
                 last = str(e)
@@ -253,6 +271,11 @@ class HTTPTransport(CheckpointTransport[Any]):
                     f"{metadata}/checkpoint/{step}", e.status,
                     f"could not fetch {where}: {e}", None, None,  # type: ignore[arg-type]
                 ) from None  # fmt: skip
+            except ssl.SSLError as e:
+                if not is_refusal(e):  # e.g. a hang-up mid-transfer: worth retrying
+                    last = f"{type(e).__name__}: {e}"
+                else:  # a certificate the other side refuses: retrying cannot help
+                    raise FetchTLSError(f"could not fetch {where} over TLS: {e}; {FIX}") from None
             except ChecksumMismatch as e:  # corrupted on the way: nothing was applied
                 last = f"{type(e).__name__}: {e}"
                 logger.warning("refused step %d from %s, will retry: %s", step, metadata, e)
