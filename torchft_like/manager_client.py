@@ -82,8 +82,8 @@ class ManagerClient:
 
     def _call(self, method: Any, request: Any, timeout: timedelta, what: str) -> Any:
         if not self._connected:
-            what = f"manager server {self.addr}"
-            check_reachable(self._target, what, self._connect_timeout, self._tls)
+            peer = f"manager server {self.addr}"
+            check_reachable(self._target, peer, self._connect_timeout, self._tls)
             self._connected = True
         try:
             return method(request, timeout=timeout.total_seconds())
