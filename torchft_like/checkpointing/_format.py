@@ -37,14 +37,11 @@ from __future__ import annotations
 import ctypes
 import json
 import struct
+import sys
 from dataclasses import dataclass
 from typing import Any
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
-
-from torchft_like.checkpointing import _dtensor
 
 MAGIC = b"TFLSTAT1"
 PREFIX = struct.Struct("!8sQ")
@@ -100,7 +97,9 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor]]:
         return {"tensor": _tensor_leaf(tensor, path)}
 
     def walk(obj: Any, path: str) -> Any:
-        if isinstance(obj, DTensor):
+        if _is_dtensor(obj):
+            from torchft_like.checkpointing import _dtensor
+
             return _dtensor.encode(obj, path, leaf)
         if isinstance(obj, torch.Tensor):
             return leaf(obj, path)
@@ -192,6 +191,8 @@ def _check_node(node: Any, specs: list[TensorSpec], path: str) -> None:
     if kind == "tensor":
         specs.append(_check_spec(value, path))
     elif kind == "dtensor":
+        from torchft_like.checkpointing import _dtensor
+
         local = _dtensor.check(value, path)
         if not (isinstance(local, dict) and set(local) == {"tensor"}):
             raise ValueError(f"{path}: a dtensor's local shard must be a tensor node")
@@ -231,10 +232,18 @@ def _check_spec(leaf: Any, path: str) -> TensorSpec:
     return TensorSpec(dtype, tuple(shape), nbytes, device, path)
 
 
+def _is_dtensor(obj: Any) -> bool:
+    """Whether `obj` is a DTensor, without importing torch.distributed.tensor:
+    that import costs every worker start 0.5-1.7 s, and no DTensor exists
+    unless something imported it already. _dtensor is imported on first use."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(obj, module.DTensor)
+
+
 def unflatten(tree: Any, tensors: list[torch.Tensor]) -> Any:
     """Rebuilds the state from a validated tree and its tensors, in order."""
     leaves = iter(tensors)
-    meshes: dict[str, DeviceMesh] = {}
+    meshes: dict[str, Any] = {}  # mesh description -> DeviceMesh, shared by DTensor leaves
 
     def build(node: Any) -> Any:
         if not isinstance(node, dict):
@@ -243,6 +252,8 @@ def unflatten(tree: Any, tensors: list[torch.Tensor]) -> Any:
         if kind == "tensor":
             return next(leaves)
         if kind == "dtensor":
+            from torchft_like.checkpointing import _dtensor
+
             return _dtensor.build(value, next(leaves), meshes)
         if kind == "dict":
             return {key: build(child) for key, child in value}
