@@ -27,7 +27,12 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp, TCPStore
 
 from lighthouse.rpc import auth
-from lighthouse.rpc.address import BIND_HOST_ENV, HOSTNAME_ENV, join_host_port
+from lighthouse.rpc.address import (
+    BIND_HOST_ENV,
+    HOSTNAME_ENV,
+    join_host_port,
+    loopback_advertisement_warning,
+)
 from lighthouse.rpc.errors import DuplicateGroupError, QuorumError
 from lighthouse.rpc.tls import TLSConfig, tls_from_env
 from torchft_like import parent_watch
@@ -269,6 +274,9 @@ class Manager:
                     f"no lighthouse address: pass lighthouse_addr or set {LIGHTHOUSE_ENV}, "
                     "e.g. http://localhost:29510"
                 )
+            warning = loopback_advertisement_warning(hostname, lighthouse_addr)
+            if warning:
+                self._logger.warning("%s", warning)
             full_id = f"{self.replica_id}:{uuid.uuid4()}"
             port = port if port is not None else int(os.environ.get(MANAGER_PORT_ENV, 0))
             self._manager_server = ManagerServer(
