@@ -77,12 +77,17 @@ def why_absent(
     return "healthy but did not ask in time (join timeout, or a shrink_only quorum)"
 
 
-def why_joined(replica_id: str, prev_ids: tuple[str, ...], ever_in_quorum: set[str]) -> str:
-    """Why a replica is in the next quorum and was not in the previous one."""
+def why_joined(replica_id: str, ever_in_quorum: set[str], names_in_quorum: set[str]) -> str:
+    """Why a replica is in the next quorum and was not in the previous one.
+
+    Args:
+        ever_in_quorum: replica ids seen in an earlier quorum.
+        names_in_quorum: group names (lighthouse.quorum.group_name) seen in one.
+    """
     if replica_id in ever_in_quorum:
         return "back after missing a quorum"
     name = group_name(replica_id)
-    if name != replica_id and any(group_name(p) == name for p in prev_ids):
+    if name != replica_id and name in names_in_quorum:
         return f"new process of group {name!r} (restarted)"
     return "new"
 
@@ -95,13 +100,16 @@ def quorum_entry(
     reason: str,
     absent_why: Mapping[str, str],
     ever_in_quorum: set[str],
+    names_in_quorum: set[str],
 ) -> HistoryEntry:
     """The entry of a new quorum; `absent_why` holds `why_absent` for each
-    previous member not in `members`."""
+    previous member not in `members` (see why_joined for the sets)."""
     new = set(members)
     old = set(prev_ids)
     joined = tuple(
-        Change(rid, why_joined(rid, prev_ids, ever_in_quorum)) for rid in members if rid not in old
+        Change(rid, why_joined(rid, ever_in_quorum, names_in_quorum))
+        for rid in members
+        if rid not in old
     )
     left = tuple(
         Change(rid, absent_why.get(rid, "not in the quorum")) for rid in prev_ids if rid not in new

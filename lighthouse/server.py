@@ -15,6 +15,7 @@ from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any
 
+import grpc
 from grpc import aio
 
 from lighthouse import wire
@@ -53,6 +54,7 @@ logger = logging.getLogger(__name__)
 HEALS_KEPT = 50
 """Heal events the status page keeps (newest first)."""
 KILL_TIMEOUT_S = 5.0
+MAX_NAMES_KEPT = 100_000
 DECIDE_COST_FACTOR = 10
 """A call-triggered decision waits for 10x the previous one's cost (see decide_soon)."""
 
@@ -101,6 +103,8 @@ class _Coordinator:
         self.heals: list[HealEvent] = []
         self.progress = Progress()
         self.ever_in_quorum: set[str] = set()
+        self.names_in_quorum: set[str] = set()
+        """Group names seen in a quorum (at most MAX_NAMES_KEPT), to tell a restart."""
         self.departed: dict[str, str] = {}
         """Members of the last quorum dropped since (Leave, forgotten) -> why."""
 
@@ -255,11 +259,20 @@ class _Coordinator:
             }
             self.history.appendleft(
                 quorum_entry(
-                    quorum.created, quorum.quorum_id, prev, ids, reason, absent, self.ever_in_quorum
+                    quorum.created,
+                    quorum.quorum_id,
+                    prev,
+                    ids,
+                    reason,
+                    absent,
+                    self.ever_in_quorum,
+                    self.names_in_quorum,
                 )
             )
             self.departed.clear()
             self.ever_in_quorum.update(ids)
+            if len(self.names_in_quorum) < MAX_NAMES_KEPT:
+                self.names_in_quorum.update(group_name(rid) for rid in ids)
         seen = {(h.replica_id, h.step) for h in self.heals}
         for event in heals_in_quorum(quorum.quorum_id, quorum.participants, quorum.created):
             if (event.replica_id, event.step) not in seen:
@@ -670,7 +683,8 @@ class LighthouseServer:
                 timeout=KILL_TIMEOUT_S,
             )
         except Exception as e:
-            return 502, f"kill of {replica_id} at {member.address} failed: {e}"
+            why = e.details() if isinstance(e, grpc.RpcError) else str(e)
+            return 502, f"kill of {replica_id} at {member.address} failed: {why}"
         finally:
             ch.close()
         return 200, f"Kill sent to {replica_id} at {member.address}"
