@@ -12,8 +12,11 @@ possible = (the most groups ever in one quorum) x (steps the job advanced
 since the lighthouse first heard of it). 1.0 means every group trained every
 step; a group that was down, healing or failing to commit lowers it.
 
-Pure: times are passed in. Memory is bounded: MAX_GROUPS groups, MAX_POINTS
-chart points each (halved in resolution when full, so the whole run stays).
+Pure: times are passed in. Memory is bounded: MAX_GROUPS groups with
+MAX_RECENT commit times each, and chart points (MAX_POINTS, halved in
+resolution when full, so the whole run stays) for the first MAX_CHARTED
+groups only. Each observation costs O(1): a job of thousands of groups pays
+about a microsecond per Quorum call.
 """
 
 from __future__ import annotations
@@ -21,10 +24,14 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-MAX_GROUPS = 256
+MAX_GROUPS = 4096
 """Groups tracked; the one heard from least recently is dropped beyond."""
 MAX_POINTS = 240
 """Chart points per group; when full, every other one is dropped."""
+MAX_CHARTED = 16
+"""Groups with chart points (the first seen; the chart draws as many)."""
+MAX_RECENT = 256
+"""Commit times kept per group for its step rate."""
 RATE_WINDOW_S = 30.0
 """Step rates are taken over this many recent seconds."""
 
@@ -38,10 +45,12 @@ class GroupProgress:
     """Monotonic seconds of the last observation."""
     committed: int = 0
     """Steps committed (grown by exactly one) while the lighthouse watched."""
-    points: list[tuple[float, int]] = field(default_factory=list)
-    """(wall-clock seconds, step) for the chart, thinned when full."""
-    recent: deque[tuple[float, int]] = field(default_factory=lambda: deque(maxlen=4096))
-    """(monotonic seconds, 1 if that observation was a commit else 0) in the rate window."""
+    first_seen: float = 0.0
+    """Monotonic seconds of the first observation."""
+    points: list[tuple[float, int]] | None = None
+    """(wall-clock seconds, step) for the chart, thinned when full; None: not charted."""
+    commits: deque[float] = field(default_factory=lambda: deque(maxlen=MAX_RECENT))
+    """Monotonic seconds of its latest commits, for its step rate."""
 
 
 def add_point(points: list[tuple[float, int]], point: tuple[float, int], limit: int) -> None:
@@ -52,14 +61,18 @@ def add_point(points: list[tuple[float, int]], point: tuple[float, int], limit: 
     points.append(point)
 
 
-def step_rate(recent: deque[tuple[float, int]], now: float, window_s: float) -> float:
-    """Committed steps per second over the last `window_s` (0 with fewer than two observations)."""
-    while recent and recent[0][0] < now - window_s:
-        recent.popleft()
-    if len(recent) < 2:
+def step_rate(commits: deque[float], first_seen: float, now: float, window_s: float) -> float:
+    """Commits per second over the last `window_s` (or since `first_seen`, if
+    later). When `commits` is full (a fast group), over the span it holds."""
+    while commits and commits[0] < now - window_s:
+        commits.popleft()
+    if not commits:
         return 0.0
-    span = now - recent[0][0]
-    return sum(c for _, c in list(recent)[1:]) / span if span > 0 else 0.0
+    count, start = len(commits), max(now - window_s, first_seen)
+    if count == commits.maxlen:
+        count, start = count - 1, commits[0]
+    span = now - start
+    return count / span if span > 0 else 0.0
 
 
 def goodput(committed: int, max_groups: int, steps_advanced: int) -> float | None:
@@ -77,38 +90,51 @@ class Progress:
         self.groups: OrderedDict[str, GroupProgress] = OrderedDict()
         self.max_groups_in_quorum = 0
         self.job_first_step: int | None = None
+        self.top_step = 0
+        self.num_charted = 0
+        """The furthest step any group reported."""
         self.committed_dropped = 0
         """Commits of groups dropped beyond MAX_GROUPS (still count in goodput)."""
 
     def observe(self, name: str, step: int, wall: float, now: float) -> None:
         """Group `name` asked for a quorum at `step` (wall and monotonic seconds)."""
         if self.job_first_step is None:
-            self.job_first_step = step
+            self.job_first_step = self.top_step = step
         group = self.groups.get(name)
         if group is None:
-            base = max([g.last_step for g in self.groups.values()] + [step])
-            group = GroupProgress(base_step=base, last_step=step, last_seen=now)
+            charted = self.num_charted < MAX_CHARTED
+            self.num_charted += charted
+            group = GroupProgress(
+                base_step=max(self.top_step, step),
+                last_step=step,
+                last_seen=now,
+                first_seen=now,
+                points=[] if charted else None,
+            )
             self.groups[name] = group
             if len(self.groups) > MAX_GROUPS:
                 _, dropped = self.groups.popitem(last=False)
                 self.committed_dropped += dropped.committed
+                self.num_charted -= dropped.points is not None
         else:
             self.groups.move_to_end(name)
-        commit = 1 if step == group.last_step + 1 else 0
-        group.committed += commit
+        if step == group.last_step + 1:
+            group.committed += 1
+            group.commits.append(now)
         group.last_step = step
         group.last_seen = now
-        group.recent.append((now, commit))
-        if not group.points or group.points[-1][1] != step:
-            add_point(group.points, (wall, step), MAX_POINTS)
+        self.top_step = max(self.top_step, step)
+        points = group.points
+        if points is not None and (not points or points[-1][1] != step):
+            add_point(points, (wall, step), MAX_POINTS)
 
     def on_quorum(self, num_members: int) -> None:
         self.max_groups_in_quorum = max(self.max_groups_in_quorum, num_members)
 
     def steps_advanced(self) -> int:
-        if self.job_first_step is None or not self.groups:
+        if self.job_first_step is None:
             return 0
-        return max(g.last_step for g in self.groups.values()) - self.job_first_step
+        return self.top_step - self.job_first_step
 
     def job_goodput(self) -> float | None:
         committed = self.committed_dropped + sum(g.committed for g in self.groups.values())
@@ -117,5 +143,4 @@ class Progress:
     def group_goodput(self, name: str) -> float | None:
         """The group's commits / the steps the job advanced since it was first seen."""
         group = self.groups[name]
-        top = max(g.last_step for g in self.groups.values())
-        return goodput(group.committed, 1, top - group.base_step)
+        return goodput(group.committed, 1, self.top_step - group.base_step)

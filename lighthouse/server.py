@@ -385,7 +385,7 @@ class _Coordinator:
         in_quorum = set(self.prev_quorum.replica_ids()) if self.prev_quorum else set()
         replicas = []
         rates = {
-            name: step_rate(g.recent, now, RATE_WINDOW_S)
+            name: step_rate(g.commits, g.first_seen, now, RATE_WINDOW_S)
             for name, g in self.progress.groups.items()
         }
         for rid in sorted(self.heartbeats):
@@ -411,7 +411,7 @@ class _Coordinator:
                 "step_rate": round(rates[name], 3),
                 "goodput": self.progress.group_goodput(name),
                 "last_seen": wall - (now - g.last_seen),
-                "points": [[round(t, 3), s] for t, s in g.points],
+                "points": [[round(t, 3), s] for t, s in g.points or ()],
             }
             for name, g in self.progress.groups.items()
         ]

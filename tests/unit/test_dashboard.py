@@ -20,7 +20,7 @@ from lighthouse.heals import (
     report_of,
 )
 from lighthouse.history import quorum_entry, why_absent, why_joined
-from lighthouse.progress import Progress, add_point, goodput, step_rate
+from lighthouse.progress import MAX_CHARTED, Progress, add_point, goodput, step_rate
 from lighthouse.quorum import ArrivalStats, LighthouseConfig, QuorumMember
 from torchft_like.metrics import metrics_port_from_env
 
@@ -152,18 +152,19 @@ def test_a_report_fills_its_heal_once_and_adds_one_the_lighthouse_did_not_see():
 
 
 @pytest.mark.parametrize(
-    "samples, now, expected",
+    "commits, first_seen, now, expected",
     [
-        ([], 10.0, 0.0),
-        ([(9.0, 1)], 10.0, 0.0),
-        ([(0.0, 0), (1.0, 1), (2.0, 1), (3.0, 1), (4.0, 1)], 4.0, 1.0),
-        ([(0.0, 0), (1.0, 1), (2.0, 0), (3.0, 1), (4.0, 0)], 4.0, 0.5),
-        # Observations older than the window no longer count.
-        ([(0.0, 0), (1.0, 1), (50.0, 0), (55.0, 1)], 60.0, 0.1),
+        ([], 0.0, 10.0, 0.0),
+        ([1.0, 2.0, 3.0, 4.0], 0.0, 4.0, 1.0),
+        ([2.0, 4.0], 0.0, 4.0, 0.5),
+        ([9.0, 9.5], 8.0, 10.0, 1.0),  # seen for 2 s only: over those 2 s
+        ([1.0, 50.0, 55.0], 0.0, 60.0, 2 / 30),  # commits older than the window do not count
+        ([20.0 + i / 10 for i in range(8)], 0.0, 21.0, 7.0),  # full: over the span held
     ],
 )
-def test_step_rate_counts_commits_in_the_window(samples, now, expected):
-    assert step_rate(deque(samples), now, 30.0) == pytest.approx(expected)
+def test_step_rate_counts_commits_in_the_window(commits, first_seen, now, expected):
+    held = deque(commits, maxlen=8)
+    assert step_rate(held, first_seen, now, 30.0) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(
@@ -200,6 +201,14 @@ def test_a_late_group_is_measured_from_the_step_the_job_was_at_when_it_came():
     p.observe("b", 12, 0.0, 0.0)
     assert p.groups["b"].base_step == 10
     assert p.group_goodput("b") == pytest.approx(1 / 2)
+
+
+def test_only_the_first_groups_keep_chart_points():
+    p = Progress()
+    for i in range(MAX_CHARTED + 3):
+        p.observe(f"g{i}", 0, 0.0, 0.0)
+    charted = [name for name, g in p.groups.items() if g.points is not None]
+    assert charted == [f"g{i}" for i in range(MAX_CHARTED)]
 
 
 def test_the_chart_points_thin_out_but_keep_the_whole_run():
