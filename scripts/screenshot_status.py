@@ -25,7 +25,7 @@ sys.path.insert(0, str(REPO))
 from tools.chromium import CHROMIUM_ENV, screenshot  # noqa: E402
 
 
-def demo(out: Path) -> None:
+def demo(out: Path, width: int, height: int) -> None:
     from tools.demo_job import DemoJob  # imports torch: only for --demo
 
     job = DemoJob(num_groups=2)
@@ -33,7 +33,7 @@ def demo(out: Path) -> None:
         job.wait_steps(15)
         job.restart_group(1)
         job.wait_steps(30)
-        screenshot(job.page_url(), out)
+        screenshot(job.page_url(), out, width, height)
     finally:
         job.stop()
 
@@ -46,12 +46,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("url", nargs="?", help="the status page, e.g. http://127.0.0.1:29511/")
     p.add_argument("--demo", action="store_true", help="screenshot a small job started here")
     p.add_argument("-o", "--output", default="status.png", help="PNG to write (status.png)")
+    p.add_argument("--size", default="1280x1600", help="window WIDTHxHEIGHT (1280x1600)")
     args = p.parse_args(argv)
     if bool(args.url) == args.demo:
         p.error("give either a URL or --demo")
     out = Path(args.output)
     try:
-        demo(out) if args.demo else screenshot(args.url, out)
+        width, height = (int(v) for v in args.size.lower().split("x"))
+    except ValueError:
+        p.error(f"--size {args.size!r} is not WIDTHxHEIGHT, e.g. 1280x1600")
+    try:
+        demo(out, width, height) if args.demo else screenshot(args.url, out, width, height)
     except (FileNotFoundError, RuntimeError, subprocess.TimeoutExpired) as e:
         print(f"screenshot_status: error: {e}", file=sys.stderr)
         return 2

@@ -275,11 +275,6 @@ class Manager:
             bind_host=bind_host,
             tls=self._tls,
         )
-        self._metrics_server = (
-            self.metrics.serve(bind_host or hostname, metrics_port)
-            if metrics_port is not None
-            else None
-        )
         self._manager_server: ManagerServer | None = None
         if self._group_rank == 0:
             lighthouse_addr = lighthouse_addr or os.environ.get(LIGHTHOUSE_ENV)
@@ -311,6 +306,12 @@ class Manager:
             LocalManagerClient(self._manager_server)
             if self._manager_server is not None
             else ManagerClient(manager_addr, self._connect_timeout, self._secret, self._tls)
+        )
+        # Last, so a failed start leaves no server behind.
+        self._metrics_server = (
+            self.metrics.serve(bind_host or hostname, metrics_port)
+            if metrics_port is not None
+            else None
         )
         self._logger.info("manager ready, server %s", manager_addr)
 

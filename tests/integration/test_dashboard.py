@@ -323,3 +323,15 @@ def test_a_headless_browser_renders_history_chart_and_replica_rows(demo_job):
     assert sorted(dom.chart_lines) == ["group0", "group1"]
     assert dom.ids["goodput"].endswith("%")
     assert dom.ids["quorum-id"].isdigit()
+
+
+def test_the_lighthouse_cli_refuses_a_kill_button_without_a_secret(monkeypatch, capsys):
+    from lighthouse import cli
+
+    for name in ("TORCHFT_SECRET", "TORCHFT_SECRET_FILE"):
+        monkeypatch.delenv(name, raising=False)
+    argv = ["--min-replicas", "1", "--bind", "127.0.0.1:0", "--http-bind", "", "--kill-button"]
+    assert cli.main(argv) == 2
+    assert (
+        "--kill-button needs the job's secret: set TORCHFT_SECRET_FILE" in capsys.readouterr().err
+    )
