@@ -230,28 +230,30 @@ def test_every_manager_serves_its_metrics_and_the_page_gets_its_heal(demo_job):
     samples = scrape(address)
     summary = {k: v for k, v in samples.items() if "_bucket" not in k}
     print("group1's metrics:", summary)  # shown when an assertion below fails
-    assert value(samples, "torchft_manager_heals_total", "group1") == 1
-    assert value(samples, "torchft_manager_heal_bytes_total", "group1") > 10_000
-    assert value(samples, "torchft_manager_heal_seconds_count", "group1") == 1
+    # Once on restart; again only if a step failed to commit on a loaded machine.
+    heals = value(samples, "torchft_manager_heals_total", "group1")
+    heal_bytes = value(samples, "torchft_manager_heal_bytes_total", "group1")
+    assert heals >= 1 and heal_bytes / heals > 10_000 and heal_bytes % heals == 0
+    assert value(samples, "torchft_manager_heal_seconds_count", "group1") == heals
     # Restarted near step 5, healed, then trained on to step 12 at least.
     assert value(samples, "torchft_manager_committed_steps_total", "group1") >= 3
     assert value(samples, "torchft_manager_step", "group1") >= 12
     assert value(samples, "torchft_manager_step_seconds_count", "group1") >= 3
     assert value(samples, "torchft_manager_quorum_seconds_count", "group1") >= 3
     assert value(samples, "torchft_manager_commit_failures_total", "group1") >= 0
-    assert value(samples, "torchft_manager_participants", "group1") == 2
+    assert value(samples, "torchft_manager_participants", "group1") in (1, 2)
     assert value(samples, "torchft_manager_quorum_id", "group1") > 0
     other = scrape(demo_job.groups[0].manager.metrics_address())
     assert value(other, "torchft_manager_heals_total", "group0") == 0
     # The heal's numbers reached the lighthouse through the next quorum request.
     deadline = time.monotonic() + 10
     while True:
-        heals = [h for h in demo_job.lighthouse.status()["heals"] if h["bytes"]]
-        if heals or time.monotonic() > deadline:
+        reported = [h for h in demo_job.lighthouse.status()["heals"] if h["bytes"]]
+        if reported or time.monotonic() > deadline:
             break
         time.sleep(0.05)
-    assert heals and heals[0]["replica_id"].startswith("group1:")
-    assert heals[0]["bytes"] == value(samples, "torchft_manager_heal_bytes_total", "group1")
+    assert reported and reported[0]["replica_id"].startswith("group1:")
+    assert reported[0]["bytes"] == heal_bytes / heals
 
 
 # ---- in a real browser -----------------------------------------------------------
