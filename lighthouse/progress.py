@@ -93,8 +93,8 @@ class Progress:
         self.top_step = 0
         self.num_charted = 0
         """The furthest step any group reported."""
-        self.committed_dropped = 0
-        """Commits of groups dropped beyond MAX_GROUPS (still count in goodput)."""
+        self.committed_total = 0
+        """Commits of every group, also of groups dropped beyond MAX_GROUPS."""
 
     def observe(self, name: str, step: int, wall: float, now: float) -> None:
         """Group `name` asked for a quorum at `step` (wall and monotonic seconds)."""
@@ -114,12 +114,12 @@ class Progress:
             self.groups[name] = group
             if len(self.groups) > MAX_GROUPS:
                 _, dropped = self.groups.popitem(last=False)
-                self.committed_dropped += dropped.committed
                 self.num_charted -= dropped.points is not None
         else:
             self.groups.move_to_end(name)
         if step == group.last_step + 1:
             group.committed += 1
+            self.committed_total += 1
             group.commits.append(now)
         group.last_step = step
         group.last_seen = now
@@ -137,8 +137,7 @@ class Progress:
         return self.top_step - self.job_first_step
 
     def job_goodput(self) -> float | None:
-        committed = self.committed_dropped + sum(g.committed for g in self.groups.values())
-        return goodput(committed, self.max_groups_in_quorum, self.steps_advanced())
+        return goodput(self.committed_total, self.max_groups_in_quorum, self.steps_advanced())
 
     def group_goodput(self, name: str) -> float | None:
         """The group's commits / the steps the job advanced since it was first seen."""

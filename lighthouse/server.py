@@ -241,6 +241,9 @@ class _Coordinator:
     def _record_quorum(self, quorum: Quorum, changed: bool, reason: str, now: float) -> None:
         """The status page's side of an issued quorum: history, heals, progress."""
         self.progress.on_quorum(len(quorum.participants))
+        goodput = self.progress.job_goodput()
+        if goodput is not None:
+            self.metrics.goodput.set(goodput)
         ids = quorum.replica_ids()
         if changed:
             prev = self.prev_quorum.replica_ids() if self.prev_quorum else ()
