@@ -27,7 +27,7 @@ _STYLE = (
     "text-align:left;vertical-align:top}th{background:#eee}table{border-collapse:collapse;"
     "margin-bottom:1em}tr:nth-child(even){background:#f7f7f7}.bad{color:#b00}.ok{color:#070}"
     ".note{color:#555;font-size:90%}h2{margin-top:1.2em;font-size:120%}"
-    "form{display:inline;margin:0}input{width:9em}"
+    "form{display:inline;margin:0;white-space:nowrap}input{width:9em}"
 )
 
 _RELOAD = (

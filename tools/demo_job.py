@@ -26,8 +26,11 @@ TIMEOUT = timedelta(seconds=10)
 class _Group:
     """One replica group of one rank, training in a thread until stopped."""
 
-    def __init__(self, index: int, lighthouse_addr: str, step_sleep_s: float) -> None:
+    def __init__(
+        self, index: int, lighthouse_addr: str, step_sleep_s: float, secret: str | None
+    ) -> None:
         self.index = index
+        self._secret = secret
         self.stop = threading.Event()
         self.error: BaseException | None = None
         self.manager: Manager | None = None
@@ -68,6 +71,7 @@ class _Group:
                 hostname="127.0.0.1",
                 exit_with_parent=False,
                 metrics_port=0,
+                secret=self._secret,
             )
             self.manager = manager
         except BaseException as e:
@@ -116,10 +120,11 @@ class DemoJob:
             kill_button=kill_button,
         )
         self._step_sleep_s = step_sleep_s
+        self._secret = secret
         self.groups: list[_Group] = []
         try:
             for i in range(num_groups):
-                self.groups.append(_Group(i, self.lighthouse.address(), step_sleep_s))
+                self.groups.append(self._start(i))
         except BaseException:
             self.stop()
             raise
@@ -146,7 +151,10 @@ class DemoJob:
     def restart_group(self, index: int) -> None:
         """Stops group `index` and starts a new process of it, which heals."""
         self.groups[index].shutdown()
-        self.groups[index] = _Group(index, self.lighthouse.address(), self._step_sleep_s)
+        self.groups[index] = self._start(index)
+
+    def _start(self, index: int) -> _Group:
+        return _Group(index, self.lighthouse.address(), self._step_sleep_s, self._secret)
 
     def stop(self) -> None:
         for group in self.groups:
