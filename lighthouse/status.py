@@ -10,8 +10,8 @@ layout is not to be seen.
 
 Its one action, the kill button (`POST /kill`), is off unless the lighthouse
 runs with `--kill-button` and a secret, and each kill needs the secret typed
-into the form (the browser has no token to send). GET never changes state;
-every other method and path is refused with 405.
+into the form (the browser has no token to send). GET never changes state
+(GET /kill is a 404); other methods and paths are refused with 405.
 """
 
 from __future__ import annotations
