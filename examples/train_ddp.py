@@ -69,6 +69,8 @@ environment (torchrun sets the first five; set the others):
   TORCHFT_BIND_HOST           host the servers listen on (default: TORCHFT_HOSTNAME;
                               0.0.0.0 or :: for all interfaces)
   TORCHFT_SECRET_FILE         file holding the job's shared secret (or TORCHFT_SECRET)
+  TORCHFT_METRICS_PORT        serve Prometheus /metrics: local rank r on this port + r
+                              (0: any free port, logged; default: off)
   TORCHFT_TIMEOUT_SEC, TORCHFT_QUORUM_TIMEOUT_SEC, TORCHFT_CONNECT_TIMEOUT_SEC,
   TORCHFT_QUORUM_RETRIES      override the Manager's timeouts and retries
 
