@@ -41,7 +41,7 @@ from lighthouse.rpc.loop import BackgroundLoop, reply_budget_s, wait_within
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.rpc.tls import TLSConfig, scheme
-from lighthouse.spares import Assignment, SpareRequest, assign_groups
+from lighthouse.spares import SpareRequest, assign_groups
 from lighthouse.status import StatusServer
 
 logger = logging.getLogger(__name__)
@@ -92,8 +92,10 @@ class _Coordinator:
         self._logged_status: tuple[str, int] | None = None
         self.spares: list[_SpareWaiter] = []
         """Waiting TakeReplicaGroup calls, oldest first (lighthouse.spares)."""
-        self.assigned: dict[str, Assignment] = {}
-        """spare_id -> the group it was handed, so each of its ranks gets the same."""
+        self.held: dict[str, tuple[str, float]] = {}
+        """spare_id -> (group it was handed, when), so each of its ranks gets the same."""
+        self.reserved: dict[str, float] = {}
+        """group -> when it was handed out, until a replica of it is live."""
         self._decide_soon = False
         self._decided_at = 0.0
         """perf_counter seconds when the last call-triggered decision ended."""
@@ -136,6 +138,7 @@ class _Coordinator:
                 logger.warning("refused: %s", reason)
             raise DuplicateGroupError(reason)
         self.by_name.setdefault(name, set()).add(replica_id)
+        self.reserved.pop(name, None)  # whoever it was handed to is here
 
     def stream_opened(self, replica_id: str) -> None:
         self.open_streams[replica_id] = self.open_streams.get(replica_id, 0) + 1
@@ -231,27 +234,27 @@ class _Coordinator:
         """Answers every waiting spare that can take a group now (lighthouse.spares)."""
         now = time.monotonic()
         remember_s = self.config.forget_after_s
-        for sid in [sid for sid, a in self.assigned.items() if now - a.at >= remember_s]:
-            del self.assigned[sid]
+        for sid in [sid for sid, (_, at) in self.held.items() if now - at >= remember_s]:
+            del self.held[sid]
         if not self.spares:
             return
-        live = {group_name(rid) for rid in self._healthy(now)}
         placed = assign_groups(
             now,
             [w.request for w in self.spares],
             self.by_name.keys(),
-            live,
-            self.assigned,
+            {group_name(rid) for rid in self._healthy(now)},
+            {sid: group for sid, (group, _) in self.held.items()},
+            self.reserved,
             reserve_s=max(5.0, 2 * self.config.heartbeat_timeout_ms / 1000),
-            remember_s=remember_s,
         )
         for waiter in list(self.spares):
             sid, wanted = waiter.request.spare_id, waiter.request.wanted
             group = placed.get(sid)
             if group is None:
                 continue
-            if sid not in self.assigned:
-                self.assigned[sid] = Assignment(group, now)
+            if sid not in self.held:
+                self.held[sid] = (group, now)
+                self.reserved[group] = now
                 if group != wanted:
                     self.metrics.spare_promotions.inc()
                 logger.info(

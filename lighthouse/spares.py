@@ -28,44 +28,35 @@ class SpareRequest:
     """Monotonic seconds when it started waiting."""
 
 
-@dataclass(frozen=True)
-class Assignment:
-    group: str
-    at: float
-    """Monotonic seconds when the group was handed out."""
-
-
 def assign_groups(
     now: float,
     waiting: Sequence[SpareRequest],
     known_groups: Iterable[str],
     live_groups: set[str],
-    assigned: Mapping[str, Assignment],
+    held: Mapping[str, str],
+    reserved: Mapping[str, float],
     reserve_s: float,
-    remember_s: float,
 ) -> dict[str, str]:
     """spare_id -> the group name each waiting spare trains as from now.
 
     In this order:
       1. a spare handed a group already (another of its ranks asked first)
-         gets that group again, for `remember_s`;
-      2. a spare wanting a group that is neither live nor handed out gets it
+         gets that group again;
+      2. a spare wanting a group that is neither live nor reserved gets it
          (a group's first start, or its own restart);
       3. the groups known to have lived that have no live replica and are
-         not handed out go, sorted by name, to the spares that waited
-         longest.
-    A group handed out counts as taken until it is live or `reserve_s` has
-    passed (the spare died before it joined), so no group goes to two spares.
+         not reserved go, sorted by name, to the spares that waited longest.
+    A group handed out is reserved until a replica of it is live (the caller
+    drops the reservation then) or `reserve_s` has passed (the spare died
+    before it joined), so no group goes to two spares.
 
     Args:
         known_groups: names of every group the lighthouse knows a replica of.
         live_groups: names with a healthy replica.
-        assigned: spare_id -> what it was handed earlier.
+        held: spare_id -> the group it was handed earlier.
+        reserved: group -> monotonic seconds when it was handed out.
     """
-    held = {sid: a.group for sid, a in assigned.items() if now - a.at < remember_s}
-    taken = set(live_groups) | {
-        a.group for a in assigned.values() if now - a.at < reserve_s and a.group not in live_groups
-    }
+    taken = set(live_groups) | {g for g, at in reserved.items() if now - at < reserve_s}
     out: dict[str, str] = {}
     unplaced: list[str] = []
     for request in sorted(waiting, key=lambda r: (r.since, r.spare_id)):

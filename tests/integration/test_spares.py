@@ -67,14 +67,25 @@ def test_a_restart_gets_its_own_name_back_unless_a_spare_took_it(lighthouse):
     client = LighthouseClient(lighthouse.address())
     # A group's first start: its name is free.
     assert client.take_replica_group("run-a", "g0", timeout=timedelta(seconds=5)) == "g0"
-    client.heartbeat("g0:first")
+    alive = threading.Event()
+    alive.set()
+
+    def heartbeats() -> None:
+        while alive.is_set():
+            client.heartbeat("g0:first")
+            time.sleep(0.05)
+
+    threading.Thread(target=heartbeats, daemon=True).start()
+    time.sleep(0.1)
     # A second process wanting the live name waits as a spare...
     with pytest.raises(QuorumTimeoutError, match="no replica group"):
-        client.take_replica_group("run-b", "g0", timeout=timedelta(seconds=0.5))
+        client.take_replica_group("run-b", "g0", timeout=timedelta(seconds=1))
     waiting = take_in_thread(client, "run-b", "g0")
     time.sleep(0.2)
     assert [s["spare_id"] for s in lighthouse.status()["spares"]] == ["run-b"]
+    assert "group" not in waiting
     # ...and takes the name once its holder is dead.
+    alive.clear()
     waiting["thread"].join(5)
     assert waiting.get("group") == "g0", waiting
 
