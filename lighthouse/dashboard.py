@@ -160,6 +160,14 @@ def render_page(status: dict[str, Any]) -> str:
         ]
         for h in status.get("heals", [])
     ]
+    spares = [
+        [
+            html.escape(sp["spare_id"]),
+            html.escape(sp["wanted"]) or "any",
+            f"{sp['waiting_s']:.1f} s",
+        ]
+        for sp in status.get("spares", [])
+    ]
     chart = render_chart({n: [tuple(p) for p in g["points"]] for n, g in groups.items()}, now)
     goodput = status.get("goodput", {})
     quorum_id = status["quorum_id"]
@@ -191,6 +199,16 @@ def render_page(status: dict[str, Any]) -> str:
         )
     }
 <p class="note">{_kill_note(kill)}</p>
+<h2>Spares</h2>
+{
+        _table(
+            "spares",
+            ["spare", "wants", "waiting"],
+            spares,
+            "no spare waiting (start one with --spare: it takes the place of the next group "
+            "that dies)",
+        )
+    }
 <h2>Committed steps over time</h2>
 {chart}
 {

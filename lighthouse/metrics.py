@@ -35,6 +35,14 @@ class LighthouseMetrics:
             registry=r,
         )
         self.goodput.set(float("nan"))
+        self.spares_waiting = Gauge(
+            "torchft_lighthouse_spares_waiting", "Hot spares waiting for a group", registry=r
+        )
+        self.spare_promotions = Counter(
+            "torchft_lighthouse_spare_promotions",
+            "Spares handed the name of a group that died",
+            registry=r,
+        )
         self.quorum_latency = Histogram(
             "torchft_lighthouse_quorum_call_seconds",
             "Time a Quorum call waited for its quorum",

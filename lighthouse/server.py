@@ -47,6 +47,7 @@ from lighthouse.rpc.loop import BackgroundLoop, reply_budget_s, wait_within
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.rpc.tls import TLSConfig, scheme
+from lighthouse.spares import SpareRequest, assign_groups
 from lighthouse.status import StatusServer
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,12 @@ DECIDE_COST_FACTOR = 10
 class _Waiter:
     participant: Participant
     future: asyncio.Future[Quorum]
+
+
+@dataclass
+class _SpareWaiter:
+    request: SpareRequest
+    future: asyncio.Future[str]
 
 
 class _Coordinator:
@@ -93,6 +100,12 @@ class _Coordinator:
         """The status page's line: the last issued quorum's reason, a calm
         count mid-step, or the reason of a stall (lighthouse.quorum_log)."""
         self._logged_status: tuple[str, int] | None = None
+        self.spares: list[_SpareWaiter] = []
+        """Waiting TakeReplicaGroup calls, oldest first (lighthouse.spares)."""
+        self.held: dict[str, tuple[str, float]] = {}
+        """spare_id -> (group it was handed, when), so each of its ranks gets the same."""
+        self.reserved: dict[str, float] = {}
+        """group -> when it was handed out, until a replica of it is live."""
         self._decide_soon = False
         self._decided_at = 0.0
         """perf_counter seconds when the last call-triggered decision ended."""
@@ -147,6 +160,7 @@ class _Coordinator:
                 )
             raise DuplicateGroupError(reason)
         self.by_name.setdefault(name, set()).add(replica_id)
+        self.reserved.pop(name, None)  # whoever it was handed to is here
 
     def stream_opened(self, replica_id: str) -> None:
         self.open_streams[replica_id] = self.open_streams.get(replica_id, 0) + 1
@@ -169,6 +183,7 @@ class _Coordinator:
             replica_id,
         )
         self.streams_closed[replica_id] = time.monotonic()
+        self.place_spares()  # a death frees its group's name for a spare, now
         if self.waiters:
             self.decide_soon()
 
@@ -282,6 +297,63 @@ class _Coordinator:
                 self.heals.insert(0, event)
         del self.heals[HEALS_KEPT:]
 
+    async def take_replica_group(self, spare_id: str, wanted: str) -> str:
+        """Waits until the caller may train as a replica group; returns its name."""
+        if not spare_id:
+            raise ValueError("spare_id must be a non-empty string")
+        waiter = _SpareWaiter(
+            SpareRequest(spare_id, wanted, time.monotonic()),
+            asyncio.get_running_loop().create_future(),
+        )
+        self.spares.append(waiter)
+        self.metrics.spares_waiting.set(len({w.request.spare_id for w in self.spares}))
+        self.place_spares()
+        try:
+            return await asyncio.shield(waiter.future)
+        finally:
+            if waiter in self.spares:
+                self.spares.remove(waiter)
+                self.metrics.spares_waiting.set(len({w.request.spare_id for w in self.spares}))
+
+    def place_spares(self) -> None:
+        """Answers every waiting spare that can take a group now (lighthouse.spares)."""
+        now = time.monotonic()
+        remember_s = self.config.forget_after_s
+        for sid in [sid for sid, (_, at) in self.held.items() if now - at >= remember_s]:
+            del self.held[sid]
+        if not self.spares:
+            return
+        placed = assign_groups(
+            now,
+            [w.request for w in self.spares],
+            self.by_name.keys(),
+            {group_name(rid) for rid in self._healthy(now)},
+            {sid: group for sid, (group, _) in self.held.items()},
+            self.reserved,
+            reserve_s=max(5.0, 2 * self.config.heartbeat_timeout_ms / 1000),
+        )
+        for waiter in list(self.spares):
+            sid, wanted = waiter.request.spare_id, waiter.request.wanted
+            group = placed.get(sid)
+            if group is None:
+                continue
+            if sid not in self.held:
+                self.held[sid] = (group, now)
+                self.reserved[group] = now
+                if group != wanted:
+                    self.metrics.spare_promotions.inc()
+                logger.info(
+                    "%s %s trains as replica group %s%s",
+                    "spare" if group != wanted else "process",
+                    sid,
+                    group,
+                    " (its replicas died)" if group != wanted else "",
+                )
+            self.spares.remove(waiter)
+            if not waiter.future.done():
+                waiter.future.set_result(group)
+        self.metrics.spares_waiting.set(len({w.request.spare_id for w in self.spares}))
+
     def decide_soon(self) -> None:
         """Decides once for all the calls that arrive meanwhile. A decision
         costs O(replicas), so deciding per call is O(replicas^2) a step; the
@@ -358,6 +430,7 @@ class _Coordinator:
                 self._departed(rid, f"forgotten: silent over {self.config.forget_after_s:.0f} s")
         if self.waiters:
             self.decide()
+        self.place_spares()  # groups silent past the heartbeat timeout are free now
         self.metrics.healthy_replicas.set(len(self._healthy(now)))
 
     def _healthy(self, now: float) -> set[str]:
@@ -456,6 +529,17 @@ class _Coordinator:
                 }
                 for h in self.heals
             ],
+            "spares": sorted(
+                {
+                    w.request.spare_id: {
+                        "spare_id": w.request.spare_id,
+                        "wanted": w.request.wanted,
+                        "waiting_s": round(now - w.request.since, 3),
+                    }
+                    for w in self.spares
+                }.values(),
+                key=lambda spare: -spare["waiting_s"],
+            ),
         }
 
 
@@ -541,6 +625,23 @@ class _LighthouseServicer:
             if replica_id:
                 self._coord.stream_ended(replica_id)
         return pb.LighthouseHeartbeatResponse()
+
+    async def TakeReplicaGroup(
+        self, request: pb.TakeReplicaGroupRequest, context: aio.ServicerContext[Any, Any]
+    ) -> pb.TakeReplicaGroupResponse:
+        """The group to train as, or "" when the call's deadline comes first
+        (the caller asks again: a spare may wait for hours)."""
+        try:
+            group = await wait_within(
+                self._coord.take_replica_group(request.spare_id, request.wanted),
+                reply_budget_s(context.time_remaining()),
+                lambda: QuorumTimeoutError("no group yet"),
+            )
+        except QuorumTimeoutError:
+            group = ""
+        except Exception as e:
+            await errors.abort(context, e)
+        return pb.TakeReplicaGroupResponse(replica_group=group)
 
     async def Leave(
         self, request: pb.LighthouseLeaveRequest, context: aio.ServicerContext[Any, Any]
@@ -711,9 +812,15 @@ class LighthouseServer:
             self._ticker.cancel()
         # Answer waiting Quorum calls before the server cancels their handlers
         # (a cancelled handler is logged by grpc as an unhandled error).
-        waiting = [w.future for w in self._coord.waiters.values() if not w.future.done()]
+        waiting: list[asyncio.Future[Any]] = [
+            w.future for w in self._coord.waiters.values() if not w.future.done()
+        ]
         for future in waiting:
             future.set_exception(QuorumError("the lighthouse is shutting down"))
+        spares = [w.future for w in self._coord.spares if not w.future.done()]
+        for spare in spares:
+            spare.set_result("")  # "ask again": a spare outlives a lighthouse restart
+        waiting += spares
         if waiting:
             await asyncio.sleep(0.05)  # lets their handlers send the answer
         await self._server.stop(grace=None)

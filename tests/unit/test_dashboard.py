@@ -313,6 +313,7 @@ STATUS = {
         },  # fmt: skip
     ],
     "kill": {"enabled": True, "secret_set": True},
+    "spares": [{"spare_id": "run-7/0", "wanted": "", "waiting_s": 12.5}],
 }
 
 
@@ -327,7 +328,8 @@ STATUS = {
 def test_the_page_shows_every_section_and_a_kill_form_only_with_secret_and_flag(kill, form, note):
     page = render_page({**STATUS, "kill": kill})
     for text in ("50.0%", "steps/s", "heartbeat lost", "twin refused: x", "2.5 MB", "0.50 s",
-                 '<svg id="steps-chart"', "Goodput: committed replica-steps"):  # fmt: skip
+                 '<svg id="steps-chart"', "Goodput: committed replica-steps",
+                 "run-7/0", "12.5 s"):  # fmt: skip
         assert text in page
     assert ('action="/kill"' in page) == form
     assert note in page
@@ -344,7 +346,7 @@ def test_the_page_of_a_fresh_lighthouse_says_nothing_happened_yet():
         }  # fmt: skip
     )
     for text in ("no replica has been heard from yet", "no steps yet", "no heal yet",
-                 "no quorum yet", "n/a (no step yet)"):  # fmt: skip
+                 "no quorum yet", "n/a (no step yet)", "no spare waiting"):  # fmt: skip
         assert text in page
 
 

@@ -71,6 +71,20 @@ class LighthouseLeaveResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class TakeReplicaGroupRequest(_message.Message):
+    __slots__ = ("spare_id", "wanted")
+    SPARE_ID_FIELD_NUMBER: _ClassVar[int]
+    WANTED_FIELD_NUMBER: _ClassVar[int]
+    spare_id: str
+    wanted: str
+    def __init__(self, spare_id: _Optional[str] = ..., wanted: _Optional[str] = ...) -> None: ...
+
+class TakeReplicaGroupResponse(_message.Message):
+    __slots__ = ("replica_group",)
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
+    replica_group: str
+    def __init__(self, replica_group: _Optional[str] = ...) -> None: ...
+
 class ManagerQuorumRequest(_message.Message):
     __slots__ = ("group_rank", "step", "checkpoint_metadata", "shrink_only", "init_sync", "commit_failures", "fingerprint", "heal_report")
     GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
