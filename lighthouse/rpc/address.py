@@ -70,7 +70,10 @@ def loopback_advertisement_warning(hostname: str, lighthouse_url: str) -> str | 
     (Debian's default), so peers on other machines would be told to reach
     this group at their own loopback, and quorums or healing would fail.
     """
-    lighthouse_host = url_to_target(lighthouse_url).rpartition(":")[0]
+    try:
+        lighthouse_host = url_to_target(lighthouse_url).rpartition(":")[0]
+    except ValueError:
+        return None  # a bad URL: the client's own check says so, naming the variable
     if not is_loopback(hostname) or is_loopback(lighthouse_host):
         return None
     return (

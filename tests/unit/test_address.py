@@ -63,6 +63,7 @@ def test_only_a_server_without_a_secret_off_loopback_warns():
         ("localhost", "http://127.0.0.1:29510", False),  # a one-machine job
         ("10.1.2.4", "http://10.1.2.3:29510", False),
         ("10.1.2.4", "http://localhost:29510", False),
+        ("localhost", "http://10.1.2.3", False),  # no port: left to the client's own error
     ],
 )
 def test_a_loopback_name_is_flagged_only_in_a_job_that_spans_machines(hostname, lighthouse, warned):
