@@ -464,7 +464,7 @@ class Manager:
             self.report_error(e)
 
     def _apply_quorum(self, result: QuorumResult, allow_heal: bool) -> None:
-        self._set_participation(result)
+        self._set_participation(result, allow_heal)
         if result.quorum_id != self._quorum_id:
             store = f"{result.store_address}/torchft/{result.quorum_id}/{self._group_rank}"
             self._logger.info(
@@ -509,12 +509,17 @@ class Manager:
             )
             self._timings["heal_recv_s"] = time.monotonic() - heal_start
 
-    def _set_participation(self, result: QuorumResult) -> None:
+    def _set_participation(self, result: QuorumResult, allow_heal: bool) -> None:
         """Replicas at max_step count; every replica derives the same count
         from the quorum. One behind heals this step and contributes zeros (at
         max_step 0 the init_sync healing is applied before the forward pass,
-        see start_quorum, so those replicas count)."""
-        count, rank = result.max_world_size, result.max_replica_rank
+        see start_quorum, so those replicas count). With a synchronous quorum
+        every replica of the quorum counts, as in torchft: a replica that
+        heals has its state before the forward pass (start_quorum)."""
+        if self._use_async_quorum or not allow_heal:
+            count, rank = result.max_world_size, result.max_replica_rank
+        else:
+            count, rank = result.replica_world_size, result.replica_rank
         if self._world_size_mode == WorldSizeMode.FIXED_WITH_SPARES:
             count = min(count, self._min_replica_size)
             if rank is not None and rank >= count:
