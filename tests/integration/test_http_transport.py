@@ -344,7 +344,7 @@ def test_a_peer_that_is_not_a_checkpoint_server_fails_at_once_naming_it(make):
 def test_a_bad_request_gets_a_clear_4xx(make, path, code, message):
     source = make()
     source.send_checkpoint([1], 1, {"w": torch.zeros(1)}, T)
-    origin = "http://{0.netloc}".format(urlsplit(source.metadata()))
+    origin = f"http://{urlsplit(source.metadata()).netloc}"
     with pytest.raises(urllib.error.HTTPError) as e:
         urllib.request.urlopen(origin + path, timeout=5)
     assert e.value.code == code
