@@ -352,12 +352,15 @@ class Manager:
         self._batches_committed = state_dict["batches_committed"]
 
     def load_full_state_dict(self, state: dict[str, Any]) -> None:
-        """Loads a `full_state_dict()`, e.g. from a durable checkpoint."""
+        """Loads a `full_state_dict()`, e.g. from a durable checkpoint or a
+        healing source (torchft's or ours)."""
         missing = sorted(set(self._user_state) - set(state["user"]))
         if missing:
             raise ValueError(
                 f"the state has no {missing} (registered with register_state_dict_fn; it "
-                f"holds {sorted(state['user'])}): register the same keys as when it was saved"
+                f"holds {sorted(state['user'])}): register the same keys on every replica and "
+                "as when it was saved (torchft's set_state_dict_fns names its state "
+                "'set_state_dict_fns'; ours and both Manager constructors: 'default')"
             )
         for key, (load, _) in self._user_state.items():
             load(state["user"][key])
@@ -530,9 +533,7 @@ class Manager:
     def _apply_pending_state_dict(self) -> None:
         assert self._pending_state_dict is not None, "healing without a received state"
         state, self._pending_state_dict = self._pending_state_dict, None
-        for key, (load, _) in self._user_state.items():
-            load(state["user"][key])
-        self.load_state_dict(state["torchft"])
+        self.load_full_state_dict(state)  # a key the source lacks: a ValueError naming it
         self._healing = False
         self._logger.info("healed: loaded the live state at step %d", self._step)
 

@@ -76,8 +76,8 @@ def make():
         return transport
 
     yield make_one
-    for transport in made:
-        transport.shutdown()
+    for transport in made:  # torchft's waits up to 0.5 s for its server's poll
+        transport.shutdown(wait=isinstance(transport, HTTPTransport))
 
 
 def test_a_torchft_receiver_gets_the_staged_step_in_torchs_streaming_format(make):

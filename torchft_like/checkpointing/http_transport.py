@@ -463,6 +463,10 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError as e:
             logger.warning("transfer of step %d to %s (torchft's format) ended early: %s",
                            staged.step, self.client_address[0], e)  # fmt: skip
+        except Exception as e:  # e.g. a value torch.save cannot pickle: the body stops short
+            self.close_connection = True
+            logger.error("cannot send step %d to %s in torchft's format: %s: %s", staged.step,
+                         self.client_address[0], type(e).__name__, e)  # fmt: skip
         finally:
             transport._end(self.connection)
 
