@@ -4,6 +4,7 @@ and read it: bit-exact, decoded weights_only, refused when cut or unsafe."""
 from __future__ import annotations
 
 import io
+import pickle
 from collections import OrderedDict
 
 import pytest
@@ -132,6 +133,20 @@ def test_bytes_after_the_last_record_or_garbage_are_not_a_state():
         tf.decode(io.BytesIO(b"\x80\x02garbage that is no pickle"), "peer")
     with pytest.raises(ValueError):
         tf.decode(io.BytesIO(b"PK\x03\x04 not a zip"), "peer")
+
+
+def test_a_storage_of_another_size_than_the_pickle_names_is_refused():
+    from torch.distributed._serialization import _PseudoZipFile
+    from torch.serialization import _save
+
+    records = _PseudoZipFile()
+    _save({"w": torch.ones(4)}, records, pickle, 2, False)
+    [key] = [k for k, (d, _) in records.records.items() if isinstance(d, torch.UntypedStorage)]
+    records.records[key] = (torch.UntypedStorage(8), 8)  # 8 bytes where the pickle says 16
+    out = io.BytesIO()
+    records.write_to(out)
+    with pytest.raises(ValueError, match="has 8 bytes, the pickle says 16"):
+        tf.decode(io.BytesIO(out.getvalue()), "peer")
 
 
 @pytest.mark.parametrize(

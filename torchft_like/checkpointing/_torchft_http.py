@@ -30,11 +30,11 @@ add_safe_globals` here for a class one trusts.
 
 Integrity, plainly: the format has no checksum. Checked are that every record
 arrives whole (a body cut short is refused, and the fetch retried), that the
-record list and pickle are well formed, that tensors fit the sizes the pickle
-names (torch checks) and that nothing follows the last record. Not checked is
-the tensor data itself: a bit flipped on the way that TCP's own checksum
-misses is applied. Transfers between torchft_like peers use our own format,
-which checksums every byte.
+record list and pickle are well formed, that every storage has the size the
+pickle names and that nothing follows the last record. Not checked is the
+tensor data itself: a bit flipped on the way that TCP's own checksum misses
+is applied. Transfers between torchft_like peers use our own format, which
+checksums every byte.
 """
 
 from __future__ import annotations
@@ -49,12 +49,13 @@ from urllib.parse import urlsplit
 
 import torch
 
+from torchft_like.checkpointing import _format
 from torchft_like.checkpointing._http_fetch import SLICE, DeadlinePassed, NotReady, Refused
 
 try:
-    from torch.distributed._serialization import _streaming_load, _streaming_save
+    from torch.distributed._serialization import _streaming_save
 except ImportError:  # torch < 2.7 or no torch.distributed: torchft sends torch.save's zip
-    _streaming_load = _streaming_save = None  # type: ignore[assignment]
+    _streaming_save = None  # type: ignore[assignment]
 
 TORCHFT_PATH = "/checkpoint/"
 """The path of a torchft HTTPTransport's metadata."""
@@ -63,6 +64,9 @@ OWN_PATH = "/torchft_like/checkpoint/"
 KEY = "full"
 """The one key of torchft's URL scheme that we serve and fetch."""
 ZIP_MAGIC = b"PK\x03\x04"
+_BUFFER = 64 << 10
+"""Bytes read ahead for the unpickler's small reads; larger records are
+read straight into their memory."""
 
 
 class UnsafeStateError(ValueError):
@@ -118,9 +122,7 @@ def decode(stream: Any, where: str) -> Any:
         if reader.peek(len(ZIP_MAGIC)) == ZIP_MAGIC:
             return torch.load(io.BytesIO(reader.read_rest()), map_location=location,
                               weights_only=True)  # fmt: skip
-        if _streaming_load is None:
-            raise ValueError("torch streaming format, which this torch cannot read (needs 2.7+)")
-        state = _streaming_load(reader, map_location=location, weights_only=True)  # type: ignore[arg-type]
+        state = _load_streaming(reader, location)
         if reader.peek(1):
             raise ValueError("bytes follow the last record")
         return state
@@ -142,64 +144,142 @@ def decode(stream: Any, where: str) -> Any:
         raise ValueError(f"the body is not a torch state: {type(e).__name__}: {e}") from e
 
 
+def _load_streaming(reader: _ExactReader, location: str | None) -> Any:
+    """torch's streaming format, read weights_only into memory we own.
+
+    The body is a pickled list of records (name, is it a storage, length),
+    then each record's bytes. torch's own reader keeps each storage in the
+    immutable bytes object it was read into, and the loaded tensors share
+    that memory; here each storage is read straight into a fresh tensor's
+    memory (one pass, writable), its length checked against what the pickle
+    of the state says, and then torch's loader builds the state with its
+    weights_only unpickler.
+    """
+    from torch import _weights_only_unpickler
+
+    if _streaming_save is None:  # the module below registers the record type as safe
+        raise ValueError("torch streaming format, which this torch cannot read (needs 2.7+)")
+    entries = _weights_only_unpickler.load(reader)
+    if not isinstance(entries, list):
+        raise ValueError(f"its record list is a {type(entries).__name__}")
+    records = _Records()
+    for entry in entries:
+        key, is_storage, length = entry.key, entry.is_storage, entry.length
+        if not (isinstance(key, str) and isinstance(length, int) and length >= 0):
+            raise ValueError(f"bad record entry {entry!r}")
+        if is_storage:
+            tensor = torch.empty(length, dtype=torch.uint8)
+            reader.read_exactly_into(_format.memview(tensor))
+            records.records[key] = tensor.untyped_storage()
+        else:
+            records.records[key] = bytes(reader.read(length))
+    return torch.serialization._load(records, location, _weights_only_unpickler, encoding="utf-8")
+
+
+class _Records:
+    """The records of one streaming body, in the interface torch's loader
+    reads a checkpoint's zip file through."""
+
+    def __init__(self) -> None:
+        self.records: dict[str, bytes | torch.UntypedStorage] = {}
+
+    def has_record(self, key: str) -> bool:
+        return key in self.records
+
+    def get_record(self, key: str) -> bytes:
+        record = self.records[key]
+        if not isinstance(record, bytes):
+            raise ValueError(f"record {key!r} is a storage, not the bytes the loader wants")
+        return record
+
+    def get_storage_from_record(self, key: str, nbytes: int, _type: Any) -> torch.Tensor:
+        storage = self.records.get(key)
+        if not isinstance(storage, torch.UntypedStorage):
+            raise ValueError(f"the pickle names storage {key!r}, which the body does not hold")
+        if storage.nbytes() != nbytes:
+            raise ValueError(
+                f"storage {key!r} has {storage.nbytes()} bytes, the pickle says {nbytes}"
+            )
+        return torch.empty(0, dtype=torch.uint8).set_(storage)
+
+    def serialization_id(self) -> str:
+        return "torchft"
+
+
 class _ExactReader:
-    """A reader that returns exactly the bytes asked for or raises
-    ConnectionError: torch's loader takes a short read for a short record."""
+    """A buffered reader that returns exactly the bytes asked for or raises
+    ConnectionError (torch's loader would take a short read for a short
+    record). Buffered because the unpickler reads a few bytes at a time."""
 
     def __init__(self, raw: Any) -> None:
         self._raw = raw
-        self._pending = b""
+        self._read1 = getattr(raw, "read1", raw.read)
+        self._buf = b""
+        self._pos = 0
         self.received = 0
 
-    def _raw_read(self, n: int) -> bytes:
-        data = self._raw.read(n)
-        self.received += len(data)
-        return bytes(data)
-
-    def peek(self, n: int) -> bytes:
-        while len(self._pending) < n:
-            data = self._raw_read(n - len(self._pending))
+    def _fill(self, want: int) -> int:
+        """Buffers at least `want` bytes unless the body ends; returns how many are."""
+        while (have := len(self._buf) - self._pos) < want:
+            data = self._read1(max(_BUFFER, want - have))
             if not data:
                 break
-            self._pending += data
-        return self._pending[:n]
+            self.received += len(data)
+            self._buf = self._buf[self._pos :] + bytes(data)
+            self._pos = 0
+        return len(self._buf) - self._pos
 
-    def read(self, n: int = -1) -> bytearray:
-        if n is None or n < 0:
-            return self.read_rest()
-        out = bytearray(self._pending[:n])  # writable, so torch need not copy or warn
-        self._pending = self._pending[len(out) :]
-        while len(out) < n:
-            data = self._raw_read(min(SLICE, n - len(out)))
-            if not data:
-                raise ConnectionError(
-                    f"the body ended early: {self.received} bytes in, a record wanted "
-                    f"{n - len(out)} more"
-                )
-            out += data
+    def _take(self, n: int) -> bytes:
+        out = self._buf[self._pos : self._pos + n]
+        self._pos += len(out)
         return out
 
+    def _short(self, missing: int) -> ConnectionError:
+        return ConnectionError(
+            f"the body ended early: {self.received} bytes in, a record wanted {missing} more"
+        )
+
+    def peek(self, n: int) -> bytes:
+        self._fill(n)
+        return self._buf[self._pos : self._pos + n]
+
+    def read(self, n: int = -1) -> bytes | bytearray:
+        """Exactly `n` bytes: the unpickler's reads and the small records."""
+        if n is None or n < 0:
+            return self.read_rest()
+        if n <= _BUFFER:
+            if self._fill(n) < n:
+                raise self._short(n - (len(self._buf) - self._pos))
+            return self._take(n)
+        out = bytearray(n)
+        with memoryview(out) as view:
+            self.read_exactly_into(view)
+        return out
+
+    def read_exactly_into(self, view: memoryview) -> None:
+        n = len(view)
+        got = len(head := self._take(n))
+        view[:got] = head
+        while got < n:
+            k = self._raw.readinto(view[got : min(n, got + SLICE)])
+            if not k:
+                raise self._short(n - got)
+            self.received += k
+            got += k
+
     def read_rest(self) -> bytearray:
-        out = bytearray(self._pending)
-        self._pending = b""
-        while data := self._raw_read(SLICE):
+        out = bytearray(self._take(len(self._buf)))
+        while data := self._raw.read(SLICE):
+            self.received += len(data)
             out += data
         return out
 
     def readline(self) -> bytes:
-        line = bytearray()
-        while True:
-            if not self._pending:
-                self._pending = self._raw_read(1)
-                if not self._pending:
-                    return bytes(line)
-            cut = self._pending.find(b"\n")
-            if cut >= 0:
-                line += self._pending[: cut + 1]
-                self._pending = self._pending[cut + 1 :]
-                return bytes(line)
-            line += self._pending
-            self._pending = b""
+        while (cut := self._buf.find(b"\n", self._pos)) < 0:
+            have = len(self._buf) - self._pos
+            if self._fill(have + 1) == have:  # the body ended without a newline
+                return self._take(have)
+        return self._take(cut + 1 - self._pos)
 
 
 class _DeadlineReader:
@@ -209,15 +289,30 @@ class _DeadlineReader:
         self._conn, self._response, self._deadline = conn, response, deadline
         self.received = 0
 
-    def read(self, n: int) -> bytes:
+    def _bound(self) -> None:
         remaining = self._deadline - time.monotonic()
         if remaining <= 0:
             raise DeadlinePassed("the deadline passed during the transfer")
         if self._conn.sock is not None:
             self._conn.sock.settimeout(remaining)
+
+    def read(self, n: int) -> bytes:
+        self._bound()
         data = bytes(self._response.read(n))
         self.received += len(data)
         return data
+
+    def read1(self, n: int) -> bytes:
+        self._bound()
+        data = bytes(self._response.read1(n))
+        self.received += len(data)
+        return data
+
+    def readinto(self, view: memoryview) -> int:
+        self._bound()
+        k = int(self._response.readinto(view))
+        self.received += k
+        return k
 
 
 def fetch(metadata: str, step: int, deadline: float, where: str) -> tuple[Any, int]:
