@@ -115,6 +115,8 @@ def test_our_receiver_fetches_a_peer_at_torchfts_path_in_torchfts_format(make, c
     with caplog.at_level("INFO", logger="torchft_like.checkpointing.http_transport"):
         assert_identical(sent, receiver.recv_checkpoint(0, torchft_style, 4, T))
     assert "torchft's format" in caplog.text
+    # An older torchft_like peer advertises the bare origin: still our own format.
+    assert_identical(sent, receiver.recv_checkpoint(0, origin, 4, T))
     started = time.monotonic()
     with pytest.raises(FetchRefused, match="from torchft replica rank 0 .* wrong step"):
         receiver.recv_checkpoint(0, torchft_style, 3, T)

@@ -21,9 +21,11 @@ Our own metadata is ``http://{host}:{port}/torchft_like/checkpoint/``: a
 torchft receiver appends ``{step}/full`` to it like to its own, and our
 receiver tells the two kinds of peer apart by that path.
 
-Fetching is safe: the body is decoded only by torch's weights_only
-unpickler, which builds tensors, numbers, strings and containers and refuses
-every other global, so a peer cannot make us run code. A state that needs
+Fetching is safe: both pickles of the body (the record list and the state)
+are read only by torch's weights_only unpickler, which builds tensors,
+numbers, strings and containers and refuses every other global, and the
+tensor bytes are read raw into tensors (`_load_streaming`), so a peer cannot
+make us run code. A state that needs
 more (a class of the user's, say) is refused with `UnsafeStateError`; the
 fix is on the sending side, or an explicit `torch.serialization.
 add_safe_globals` here for a class one trusts.
