@@ -8,6 +8,9 @@ ranks each); group 1's whole process tree is SIGKILLed at --kill-at-step and
 restarted --restart-after seconds later: cold (torchft_like, torchft: a new
 torchrun) or by handing its id to a warm standby started with the others
 (standby: examples/train_ddp.py --standby-file; its start-up is not counted).
+spare: no restart at all; every group runs with --spare, one more process
+waits as a spare, and the lighthouse hands it the dead group's place (its
+"restart" is the kill itself).
 Reported per contender (medians over the repeats, contenders interleaved):
 restart -> first committed step of the restarted group, split into start-up
 (launch -> python, -> torch imported, -> Manager ready -> model wrapped; also
@@ -46,13 +49,20 @@ CONTENDERS = {
     # The same script kept as a warm standby (started with the others, before
     # the kill): the "restart" writes the dead group's id into its file.
     "standby": "examples/train_ddp.py",
+    # Every group started with --spare, plus one spare: the lighthouse hands
+    # the dead group's place to the spare, no operator, no restart.
+    "spare": "examples/train_ddp.py",
     "torchft": "bench/_recovery_torchft.py",
 }
+REPLACEMENT = {"standby": "standby", "spare": "spare"}
+"""Contenders whose replacement is a process started before the kill: its log name."""
 
 parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
 add_common_args(parser)  # --smoke: tiny model, 1 repeat, short run
 parser.add_argument("--repeats", type=int, default=3, help="runs per contender, interleaved")
-parser.add_argument("--contenders", default="torchft_like,standby,torchft", help="comma-separated")
+parser.add_argument(
+    "--contenders", default="torchft_like,standby,spare,torchft", help="comma-separated"
+)
 parser.add_argument("--hidden", type=int, default=2000, help="MLP width (2000: ~8.1M params)")
 parser.add_argument("--layers", type=int, default=3, help="hidden layers of the MLP")
 parser.add_argument("--nproc-per-group", type=int, default=1, help="ranks per replica group")
@@ -132,11 +142,15 @@ def run_once(contender: str, args: argparse.Namespace, out: Path) -> dict[str, A
             if group == "standby":
                 cmd += ["--standby-file", str(out / "standby")]
             else:
-                env["REPLICA_GROUP_ID"] = str(group)
+                if group != "spare":
+                    env["REPLICA_GROUP_ID"] = str(group)
+                if contender == "spare":
+                    cmd += ["--spare"]
             return start(cmd, f"group{group}.log", env)
 
         groups = {0: launch(0), 1: launch(1)}
-        standby = launch("standby") if contender == "standby" else None
+        replacement = REPLACEMENT.get(contender)
+        standby = launch(replacement) if replacement else None
         events: dict[str, float] = {}
         deadline = time.monotonic() + args.run_timeout
         while time.monotonic() < deadline:
@@ -148,13 +162,18 @@ def run_once(contender: str, args: argparse.Namespace, out: Path) -> dict[str, A
                     for g in (0, 1)
                 ]  # fmt: skip
                 waiting = (
-                    standby is None or b"standby: ready" in (out / "groupstandby.log").read_bytes()
+                    standby is None
+                    or f"{replacement}: ready".encode()
+                    in (out / f"group{replacement}.log").read_bytes()
                 )
                 if min(reached) >= args.kill_at_step and waiting:
                     cpu_at_kill = (cpu_seconds(groups[0].pid), cpu_seconds(lighthouse.pid))
                     events["kill"] = time.time()
                     kill_tree(groups[1].pid)
                     groups[1].wait()
+                    if contender == "spare":  # nobody restarts anything: the lighthouse acts
+                        events["restart"] = events["kill"]
+                        groups[1] = standby
             elif "restart" not in events and time.time() - events["kill"] >= args.restart_after:
                 if standby is None:
                     events["restart"] = time.time()
@@ -167,7 +186,7 @@ def run_once(contender: str, args: argparse.Namespace, out: Path) -> dict[str, A
             elif "restart" in events and "rejoin" not in events:
                 rejoin = [
                     r["step"]
-                    for r in read_jsonl(out / ("groupstandby.jsonl" if standby else "group1.jsonl"))
+                    for r in read_jsonl(out / f"group{replacement or 1}.jsonl")
                     if r["event"] == "step" and r["t"] >= events["restart"] and r["committed"]
                 ]
                 if rejoin:
@@ -216,8 +235,8 @@ def figures(contender: str, out: Path, events: dict[str, float]) -> dict[str, An
     """The figures of one run, from both groups' JSON lines and the events."""
     survivor, victim = (read_jsonl(out / f"group{g}.jsonl") for g in (0, 1))
     restart, kill = events["restart"], events["kill"]
-    if contender == "standby":
-        victim = read_jsonl(out / "groupstandby.jsonl")
+    if contender in REPLACEMENT:
+        victim = read_jsonl(out / f"group{REPLACEMENT[contender]}.jsonl")
         start = next(r for r in victim if r["event"] == "start")
         # Its start-up ran before the kill; what counts is from the takeover.
         start = {**start, "t": restart, "torch_imported": restart, "cpu_ready": None,

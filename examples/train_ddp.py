@@ -12,9 +12,12 @@ Kill either group (Ctrl-C or kill -9) and start it again: it copies the live
 weights from the other group and rejoins; the other never stops.
 
 A restart spends seconds starting up before it heals. To skip that, keep a
-warm standby: one more torchrun of this script with --standby-file FILE (and
-no REPLICA_GROUP_ID); when a group dies, write its id there instead of
-restarting it (echo 1 > FILE.tmp && mv FILE.tmp FILE), then start a new standby.
+hot spare: start every group with --spare, and one more torchrun of this
+script with --spare and no REPLICA_GROUP_ID. When a group dies, the
+lighthouse hands its place to the spare at once; the dead group's restart
+finds its place taken and becomes the next spare. (Without the lighthouse's
+help: --standby-file FILE, and write the dead group's id there yourself:
+echo 1 > FILE.tmp && mv FILE.tmp FILE.)
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ from torchft_like import (  # noqa: E402
     StepBatches,
 )
 from torchft_like.checkpointing.durable import DurableCheckpointer  # noqa: E402
-from torchft_like.standby import wait_for_replica_group  # noqa: E402
+from torchft_like.standby import take_replica_group, wait_for_replica_group  # noqa: E402
 
 # --- arguments --------------------------------------------------------------
 
@@ -69,6 +72,8 @@ environment (torchrun sets the first five; set the others):
   TORCHFT_BIND_HOST           host the servers listen on (default: TORCHFT_HOSTNAME;
                               0.0.0.0 or :: for all interfaces)
   TORCHFT_SECRET_FILE         file holding the job's shared secret (or TORCHFT_SECRET)
+  TORCHFT_METRICS_PORT        serve Prometheus /metrics: local rank r on this port + r
+                              (0: any free port, logged; default: off)
   TORCHFT_TIMEOUT_SEC, TORCHFT_QUORUM_TIMEOUT_SEC, TORCHFT_CONNECT_TIMEOUT_SEC,
   TORCHFT_QUORUM_RETRIES      override the Manager's timeouts and retries
 
@@ -112,6 +117,13 @@ parser.add_argument(
     "(REPLICA_GROUP_ID is then ignored)",
 )
 parser.add_argument(
+    "--spare",
+    action="store_true",
+    help="start as a hot spare managed by the lighthouse: do all of start-up, then train as "
+    "REPLICA_GROUP_ID if that group has no live replica, else (or without REPLICA_GROUP_ID) "
+    "wait until a group dies and the lighthouse hands this process its place",
+)
+parser.add_argument(
     "--checkpoint-dir",
     default=None,
     help="durable checkpoints here (shared by every group); a start resumes from the newest "
@@ -153,7 +165,10 @@ def log_as(group: str) -> None:
     )
 
 
-log_as("standby" if args.standby_file else os.environ.get(REPLICA_GROUP_ID_ENV, "?"))
+if args.spare and REPLICA_GROUP_ID_ENV not in os.environ:
+    log_as("spare")
+else:
+    log_as("standby" if args.standby_file else os.environ.get(REPLICA_GROUP_ID_ENV, "?"))
 log = logging.getLogger("train_ddp")
 
 # --- data: a fixed random teacher network labels random inputs --------------
@@ -186,8 +201,54 @@ def state_dict() -> dict:
     return {"model": model.state_dict(), "optim": inner_optimizer.state_dict()}
 
 
+def group_from_env() -> int:
+    """REPLICA_GROUP_ID, checked: no default, since a forgotten variable would
+    silently make a second group 0, training group 0's data shard twice."""
+    try:
+        group = int(os.environ[REPLICA_GROUP_ID_ENV])
+    except (KeyError, ValueError):
+        log.error(
+            "%s=%r: it must be set to this replica group's id, an integer in "
+            "[0, NUM_REPLICA_GROUPS), different for every group; e.g. %s=0 torchrun ... "
+            "(or start a spare with --spare, or a warm standby with --standby-file)",
+            REPLICA_GROUP_ID_ENV,
+            os.environ.get(REPLICA_GROUP_ID_ENV),
+            REPLICA_GROUP_ID_ENV,
+        )
+        sys.exit(2)
+    if not 0 <= group < NUM_REPLICA_GROUPS:
+        log.error(
+            "%s=%d must be in [0, NUM_REPLICA_GROUPS=%d): each group trains its own shard; "
+            "set NUM_REPLICA_GROUPS to the number of groups",
+            REPLICA_GROUP_ID_ENV,
+            group,
+            NUM_REPLICA_GROUPS,
+        )
+        sys.exit(2)
+    return group
+
+
+GROUP_NAME = "train_ddp_{}"  # the Manager's replica_id: the lighthouse's name of a group
+
 assigned_time = None
-if args.standby_file:
+if args.spare:
+    wanted = GROUP_NAME.format(group_from_env()) if REPLICA_GROUP_ID_ENV in os.environ else ""
+    log.info(
+        "spare: ready in %.2f s, asking the lighthouse for %s",
+        time.time() - START_TIME,
+        wanted or "the place of the next group that dies",
+    )
+    try:
+        name = take_replica_group(wanted)
+        REPLICA_GROUP_ID = int(name.removeprefix(GROUP_NAME.format("")))
+    except (QuorumError, ValueError) as e:  # no spares served, refused, or a foreign name
+        log.error("spare: %s", e)
+        sys.exit(2)
+    if name != wanted:
+        assigned_time = time.time()
+        log.info("spare: taking the place of replica group %d", REPLICA_GROUP_ID)
+    log_as(str(REPLICA_GROUP_ID))
+elif args.standby_file:
     log.info("standby: ready in %.2f s, waiting on %s", time.time() - START_TIME, args.standby_file)
     try:
         REPLICA_GROUP_ID = wait_for_replica_group(args.standby_file)
@@ -198,29 +259,7 @@ if args.standby_file:
     log_as(str(REPLICA_GROUP_ID))
     log.info("standby: replacing replica group %d", REPLICA_GROUP_ID)
 else:
-    # No default: a forgotten variable would silently make a second group 0,
-    # training group 0's data shard twice.
-    try:
-        REPLICA_GROUP_ID = int(os.environ[REPLICA_GROUP_ID_ENV])
-    except (KeyError, ValueError):
-        log.error(
-            "%s=%r: it must be set to this replica group's id, an integer in "
-            "[0, NUM_REPLICA_GROUPS), different for every group; e.g. %s=0 torchrun ... "
-            "(or start a warm standby with --standby-file)",
-            REPLICA_GROUP_ID_ENV,
-            os.environ.get(REPLICA_GROUP_ID_ENV),
-            REPLICA_GROUP_ID_ENV,
-        )
-        sys.exit(2)
-    if not 0 <= REPLICA_GROUP_ID < NUM_REPLICA_GROUPS:
-        log.error(
-            "%s=%d must be in [0, NUM_REPLICA_GROUPS=%d): each group trains its own shard; "
-            "set NUM_REPLICA_GROUPS to the number of groups",
-            REPLICA_GROUP_ID_ENV,
-            REPLICA_GROUP_ID,
-            NUM_REPLICA_GROUPS,
-        )
-        sys.exit(2)
+    REPLICA_GROUP_ID = group_from_env()
 sampler = DistributedSampler(
     dataset, replica_rank=REPLICA_GROUP_ID, num_replica_groups=NUM_REPLICA_GROUPS, seed=args.seed
 )
@@ -232,7 +271,7 @@ try:
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         min_replica_size=1,
-        replica_id=f"train_ddp_{REPLICA_GROUP_ID}",
+        replica_id=GROUP_NAME.format(REPLICA_GROUP_ID),
         timeout=timeout,
         quorum_timeout=timedelta(seconds=60),
         connect_timeout=timedelta(seconds=10),

@@ -104,6 +104,12 @@ example:
         help=f"file holding the job's shared secret; every call must then carry it "
         f"(default: ${auth.SECRET_FILE_ENV}, else ${auth.SECRET_ENV}, else no access control)",
     )
+    p.add_argument(
+        "--kill-button",
+        action="store_true",
+        help="put a kill form on the status page: POST /kill sends Kill to a replica group's "
+        "ManagerServer once the operator types the job's secret (needs a secret; default off)",
+    )
     # Defined only to refuse it: without it argparse would take `--secret X`
     # as an abbreviation of --secret-file.
     p.add_argument("--secret", action=_RefuseSecretValue, help=argparse.SUPPRESS)
@@ -156,6 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         if tls_config is not None:
             tls_config.require_server("lighthouse")
+        if args.kill_button and secret is None:
+            raise ValueError(
+                f"--kill-button needs the job's secret: set {auth.SECRET_FILE_ENV} (or pass "
+                "--secret-file) to a file holding it; without one no kill can be checked"
+            )
         server = LighthouseServer(
             bind=args.bind,
             min_replicas=args.min_replicas,
@@ -167,6 +178,7 @@ def main(argv: list[str] | None = None) -> int:
             http_bind=args.http_bind or None,
             secret=secret,
             tls=tls_config,
+            kill_button=args.kill_button,
         )
     except (ValueError, OSError) as e:
         print(f"torchft-lighthouse: error: {e}", file=sys.stderr)

@@ -26,7 +26,7 @@ from lighthouse.rpc.channel import (
     tls_refusal,
     unreachable,
 )
-from lighthouse.rpc.errors import from_rpc_error
+from lighthouse.rpc.errors import QuorumError, QuorumTimeoutError, from_rpc_error
 from lighthouse.rpc.loop import wait_within
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
@@ -148,6 +148,54 @@ class LighthouseClient:
         except grpc.RpcError as e:
             if e.code() != grpc.StatusCode.UNIMPLEMENTED:
                 raise from_rpc_error(e, f"lighthouse {self.addr}", "Leave") from None
+
+    def take_replica_group(
+        self,
+        spare_id: str,
+        wanted: str = "",
+        timeout: timedelta | None = None,
+        poll: timedelta = timedelta(seconds=30),
+    ) -> str:
+        """Blocks until the lighthouse lets us train as a replica group and
+        returns its name: `wanted` if no live replica has it, else (as a hot
+        spare) the name of the next group that dies. Every rank of one spare
+        passes the same `spare_id` and gets the same name. A lighthouse
+        restart or a network blip is waited out, up to `timeout` (None: for ever).
+
+        Raises:
+            QuorumTimeoutError: no group within `timeout`.
+            QuorumError: the lighthouse does not serve spares (pytorch/torchft's).
+            ValueError, PermissionError: the lighthouse refused the request.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
+        retried = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                   grpc.StatusCode.ABORTED)  # fmt: skip
+        while True:
+            left_s = poll.total_seconds()
+            if deadline is not None:
+                left_s = min(left_s, deadline - time.monotonic())
+                if left_s <= 0:
+                    raise QuorumTimeoutError(
+                        f"lighthouse {self.addr} gave spare {spare_id} no replica group "
+                        f"within {timeout}: no group died (and {wanted or 'no group'} was wanted)"
+                    )
+            try:
+                response = self._stub.TakeReplicaGroup(
+                    pb.TakeReplicaGroupRequest(spare_id=spare_id, wanted=wanted), timeout=left_s
+                )
+            except grpc.RpcError as e:
+                if e.code() == grpc.StatusCode.UNIMPLEMENTED:
+                    raise QuorumError(
+                        f"lighthouse {self.addr} does not serve hot spares (TakeReplicaGroup; "
+                        "pytorch/torchft's lighthouse does not): run torchft_like's lighthouse, "
+                        "or start this group without asking for a spare's place"
+                    ) from None
+                if e.code() not in retried:
+                    raise from_rpc_error(e, f"lighthouse {self.addr}", "TakeReplicaGroup") from None
+                time.sleep(0.1)  # the lighthouse is restarting, or the network blinked
+                continue
+            if response.replica_group:
+                return str(response.replica_group)
 
     def close(self) -> None:
         self._channel.close()

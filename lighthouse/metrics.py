@@ -28,6 +28,21 @@ class LighthouseMetrics:
         self.heartbeats = Counter(
             "torchft_lighthouse_heartbeats", "Heartbeats received", registry=r
         )
+        self.goodput = Gauge(
+            "torchft_lighthouse_goodput",
+            "Committed replica-steps / possible ones since this lighthouse started "
+            "(see the status page); NaN before the first step",
+            registry=r,
+        )
+        self.goodput.set(float("nan"))
+        self.spares_waiting = Gauge(
+            "torchft_lighthouse_spares_waiting", "Hot spares waiting for a group", registry=r
+        )
+        self.spare_promotions = Counter(
+            "torchft_lighthouse_spare_promotions",
+            "Spares handed the name of a group that died",
+            registry=r,
+        )
         self.quorum_latency = Histogram(
             "torchft_lighthouse_quorum_call_seconds",
             "Time a Quorum call waited for its quorum",

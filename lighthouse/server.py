@@ -8,15 +8,21 @@ an issued quorum answers every waiter it contains.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
+from collections import deque
 from dataclasses import dataclass, replace
 from typing import Any
 
+import grpc
 from grpc import aio
 
 from lighthouse import wire
+from lighthouse.heals import HEAL_KEY, HealEvent, apply_report, heals_in_quorum, report_of
+from lighthouse.history import HISTORY_LENGTH, HistoryEntry, quorum_entry, why_absent
 from lighthouse.metrics import LighthouseMetrics
+from lighthouse.progress import RATE_WINDOW_S, Progress, step_rate
 from lighthouse.quorum import (
     ArrivalStats,
     LighthouseConfig,
@@ -34,17 +40,22 @@ from lighthouse.quorum import (
     twin_refusal,
 )
 from lighthouse.quorum_log import waiting_report
-from lighthouse.rpc import auth, errors, serve
+from lighthouse.rpc import auth, channel, errors, serve
 from lighthouse.rpc.address import advertised_host, join_host_port, parse_bind
 from lighthouse.rpc.errors import DuplicateGroupError, QuorumError, QuorumTimeoutError
 from lighthouse.rpc.loop import BackgroundLoop, reply_budget_s, wait_within
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.rpc.tls import TLSConfig, scheme
+from lighthouse.spares import SpareRequest, assign_groups
 from lighthouse.status import StatusServer
 
 logger = logging.getLogger(__name__)
 
+HEALS_KEPT = 50
+"""Heal events the status page keeps (newest first)."""
+KILL_TIMEOUT_S = 5.0
+MAX_NAMES_KEPT = 100_000
 DECIDE_COST_FACTOR = 10
 """A call-triggered decision waits for 10x the previous one's cost (see decide_soon)."""
 
@@ -53,6 +64,12 @@ DECIDE_COST_FACTOR = 10
 class _Waiter:
     participant: Participant
     future: asyncio.Future[Quorum]
+
+
+@dataclass
+class _SpareWaiter:
+    request: SpareRequest
+    future: asyncio.Future[str]
 
 
 class _Coordinator:
@@ -83,11 +100,26 @@ class _Coordinator:
         """The status page's line: the last issued quorum's reason, a calm
         count mid-step, or the reason of a stall (lighthouse.quorum_log)."""
         self._logged_status: tuple[str, int] | None = None
+        self.spares: list[_SpareWaiter] = []
+        """Waiting TakeReplicaGroup calls, oldest first (lighthouse.spares)."""
+        self.held: dict[str, tuple[str, float]] = {}
+        """spare_id -> (group it was handed, when), so each of its ranks gets the same."""
+        self.reserved: dict[str, float] = {}
+        """group -> when it was handed out, until a replica of it is live."""
         self._decide_soon = False
         self._decided_at = 0.0
         """perf_counter seconds when the last call-triggered decision ended."""
         self._decide_cost_s = 0.0
         """How long that decision took."""
+        # The status page's memory, each bounded (lighthouse.history, .heals, .progress).
+        self.history: deque[HistoryEntry] = deque(maxlen=HISTORY_LENGTH)
+        self.heals: list[HealEvent] = []
+        self.progress = Progress()
+        self.ever_in_quorum: set[str] = set()
+        self.names_in_quorum: set[str] = set()
+        """Group names seen in a quorum (at most MAX_NAMES_KEPT), to tell a restart."""
+        self.departed: dict[str, str] = {}
+        """Members of the last quorum dropped since (Leave, forgotten) -> why."""
 
     def heartbeat(self, replica_id: str) -> None:
         """Raises DuplicateGroupError for a second live replica of one group."""
@@ -123,8 +155,12 @@ class _Coordinator:
             if replica_id not in self._refusals_logged and len(self._refusals_logged) < 10_000:
                 self._refusals_logged.add(replica_id)
                 logger.warning("refused: %s", reason)
+                self.history.appendleft(
+                    HistoryEntry(time.time(), None, note=f"twin refused: {reason.split(';')[0]}")
+                )
             raise DuplicateGroupError(reason)
         self.by_name.setdefault(name, set()).add(replica_id)
+        self.reserved.pop(name, None)  # whoever it was handed to is here
 
     def stream_opened(self, replica_id: str) -> None:
         self.open_streams[replica_id] = self.open_streams.get(replica_id, 0) + 1
@@ -147,6 +183,7 @@ class _Coordinator:
             replica_id,
         )
         self.streams_closed[replica_id] = time.monotonic()
+        self.place_spares()  # a death frees its group's name for a spare, now
         if self.waiters:
             self.decide_soon()
 
@@ -158,6 +195,7 @@ class _Coordinator:
             if not same:
                 del self.by_name[name]
         self._refusals_logged.discard(replica_id)
+        self.ever_in_quorum.discard(replica_id)
         self.heartbeats.pop(replica_id, None)
         self.arrivals.pop(replica_id, None)
         self.members.pop(replica_id, None)
@@ -167,6 +205,7 @@ class _Coordinator:
         """Forgets a replica that stops on purpose, and re-decides at once."""
         logger.info("replica %s left", replica_id)
         self._forget(replica_id)
+        self._departed(replica_id, "left on purpose (Leave)")
         waiter = self.waiters.pop(replica_id, None)
         if waiter is not None and not waiter.future.done():
             waiter.future.set_exception(QuorumError(f"replica {replica_id} left"))
@@ -179,6 +218,7 @@ class _Coordinator:
         self._admit(member.replica_id, now)
         self._heard(member.replica_id, now)
         self.members[member.replica_id] = member
+        self._observe(member, now)
         old = self.waiters.pop(member.replica_id, None)
         if old is not None and not old.future.done():
             old.future.set_exception(
@@ -196,6 +236,123 @@ class _Coordinator:
             # quorum it will never hear of.
             if self.waiters.get(member.replica_id) is waiter:
                 del self.waiters[member.replica_id]
+
+    def _departed(self, replica_id: str, why: str) -> None:
+        if self.prev_quorum is not None and replica_id in self.prev_quorum.replica_ids():
+            self.departed[replica_id] = why
+
+    def _observe(self, member: QuorumMember, now: float) -> None:
+        """Records the step of a Quorum call and any heal report it carries."""
+        wall = time.time()
+        self.progress.observe(group_name(member.replica_id), member.step, wall, now)
+        if isinstance(member.data, str) and HEAL_KEY not in member.data:
+            return  # the usual case: no JSON to parse
+        report = report_of(member)
+        if report is not None:
+            by_address = {m.address: rid for rid, m in self.members.items() if m.address}
+            if apply_report(self.heals, member.replica_id, report, wall, by_address):
+                del self.heals[HEALS_KEPT:]
+
+    def _record_quorum(self, quorum: Quorum, changed: bool, reason: str, now: float) -> None:
+        """The status page's side of an issued quorum: history, heals, progress."""
+        self.progress.on_quorum(len(quorum.participants))
+        goodput = self.progress.job_goodput()
+        if goodput is not None:
+            self.metrics.goodput.set(goodput)
+        ids = quorum.replica_ids()
+        if changed:
+            prev = self.prev_quorum.replica_ids() if self.prev_quorum else ()
+            absent = {
+                rid: why_absent(
+                    now,
+                    rid,
+                    self.heartbeats,
+                    self.streams_closed,
+                    self.arrivals,
+                    self.config,
+                    self.departed,
+                )
+                for rid in prev
+                if rid not in ids
+            }
+            self.history.appendleft(
+                quorum_entry(
+                    quorum.created,
+                    quorum.quorum_id,
+                    prev,
+                    ids,
+                    reason,
+                    absent,
+                    self.ever_in_quorum,
+                    self.names_in_quorum,
+                )
+            )
+            self.departed.clear()
+            self.ever_in_quorum.update(ids)
+            if len(self.names_in_quorum) < MAX_NAMES_KEPT:
+                self.names_in_quorum.update(group_name(rid) for rid in ids)
+        seen = {(h.replica_id, h.step) for h in self.heals}
+        for event in heals_in_quorum(quorum.quorum_id, quorum.participants, quorum.created):
+            if (event.replica_id, event.step) not in seen:
+                self.heals.insert(0, event)
+        del self.heals[HEALS_KEPT:]
+
+    async def take_replica_group(self, spare_id: str, wanted: str) -> str:
+        """Waits until the caller may train as a replica group; returns its name."""
+        if not spare_id:
+            raise ValueError("spare_id must be a non-empty string")
+        waiter = _SpareWaiter(
+            SpareRequest(spare_id, wanted, time.monotonic()),
+            asyncio.get_running_loop().create_future(),
+        )
+        self.spares.append(waiter)
+        self.metrics.spares_waiting.set(len({w.request.spare_id for w in self.spares}))
+        self.place_spares()
+        try:
+            return await asyncio.shield(waiter.future)
+        finally:
+            if waiter in self.spares:
+                self.spares.remove(waiter)
+                self.metrics.spares_waiting.set(len({w.request.spare_id for w in self.spares}))
+
+    def place_spares(self) -> None:
+        """Answers every waiting spare that can take a group now (lighthouse.spares)."""
+        now = time.monotonic()
+        remember_s = self.config.forget_after_s
+        for sid in [sid for sid, (_, at) in self.held.items() if now - at >= remember_s]:
+            del self.held[sid]
+        if not self.spares:
+            return
+        placed = assign_groups(
+            now,
+            [w.request for w in self.spares],
+            self.by_name.keys(),
+            {group_name(rid) for rid in self._healthy(now)},
+            {sid: group for sid, (group, _) in self.held.items()},
+            self.reserved,
+            reserve_s=max(5.0, 2 * self.config.heartbeat_timeout_ms / 1000),
+        )
+        for waiter in list(self.spares):
+            sid, wanted = waiter.request.spare_id, waiter.request.wanted
+            group = placed.get(sid)
+            if group is None:
+                continue
+            if sid not in self.held:
+                self.held[sid] = (group, now)
+                self.reserved[group] = now
+                if group != wanted:
+                    self.metrics.spare_promotions.inc()
+                logger.info(
+                    "%s %s trains as replica group %s%s",
+                    "spare" if group != wanted else "process",
+                    sid,
+                    group,
+                    " (its replicas died)" if group != wanted else "",
+                )
+            self.spares.remove(waiter)
+            if not waiter.future.done():
+                waiter.future.set_result(group)
+        self.metrics.spares_waiting.set(len({w.request.spare_id for w in self.spares}))
 
     def decide_soon(self) -> None:
         """Decides once for all the calls that arrive meanwhile. A decision
@@ -242,6 +399,7 @@ class _Coordinator:
         if changed:
             self.quorum_id = next_quorum_id(self.quorum_id, int(time.time() * 1000))
         quorum = Quorum(self.quorum_id, decision.members, time.time())
+        self._record_quorum(quorum, changed, decision.reason, now)
         self.prev_quorum = quorum
         self.metrics.on_quorum(quorum)
         # A new quorum is news, and so is the end of a logged stall; the
@@ -269,8 +427,10 @@ class _Coordinator:
                     "forgetting replica %s: silent for over %.0f s", rid, self.config.forget_after_s
                 )
                 self._forget(rid)
+                self._departed(rid, f"forgotten: silent over {self.config.forget_after_s:.0f} s")
         if self.waiters:
             self.decide()
+        self.place_spares()  # groups silent past the heartbeat timeout are free now
         self.metrics.healthy_replicas.set(len(self._healthy(now)))
 
     def _healthy(self, now: float) -> set[str]:
@@ -300,12 +460,17 @@ class _Coordinator:
         healthy = self._healthy(now)
         in_quorum = set(self.prev_quorum.replica_ids()) if self.prev_quorum else set()
         replicas = []
+        rates = {
+            name: step_rate(g.commits, g.first_seen, now, RATE_WINDOW_S)
+            for name, g in self.progress.groups.items()
+        }
         for rid in sorted(self.heartbeats):
             member = self.members.get(rid, QuorumMember(replica_id=rid))
             replicas.append(
                 {
                     "replica_id": rid,
                     "step": member.step,
+                    "step_rate": round(rates.get(group_name(rid), 0.0), 3),
                     "address": member.address,
                     "heartbeat_age_s": round(now - self.heartbeats[rid], 3),
                     "healthy": rid in healthy,
@@ -313,13 +478,68 @@ class _Coordinator:
                     "in_quorum": rid in in_quorum,
                 }
             )
+        wall = time.time()
+        groups = [
+            {
+                "name": name,
+                "step": g.last_step,
+                "committed": g.committed,
+                "step_rate": round(rates[name], 3),
+                "goodput": self.progress.group_goodput(name),
+                "last_seen": wall - (now - g.last_seen),
+                "points": [[round(t, 3), s] for t, s in g.points or ()],
+            }
+            for name, g in self.progress.groups.items()
+        ]
         return {
+            "now": wall,
             "quorum_id": self.prev_quorum.quorum_id if self.prev_quorum else None,
             "quorum_members": sorted(in_quorum),
             "reason": self.reason,
             "summary": self.summary,
             "min_replicas": self.config.min_replicas,
             "replicas": replicas,
+            "groups": groups,
+            "rate_window_s": RATE_WINDOW_S,
+            "goodput": {
+                "value": self.progress.job_goodput(),
+                "max_groups_in_quorum": self.progress.max_groups_in_quorum,
+                "steps_advanced": self.progress.steps_advanced(),
+            },
+            "history": [
+                {
+                    "time": e.time,
+                    "quorum_id": e.quorum_id,
+                    "members": list(e.members),
+                    "joined": [{"replica_id": c.replica_id, "why": c.why} for c in e.joined],
+                    "left": [{"replica_id": c.replica_id, "why": c.why} for c in e.left],
+                    "note": e.note,
+                }
+                for e in self.history
+            ],
+            "heals": [
+                {
+                    "time": h.time,
+                    "replica_id": h.replica_id,
+                    "sources": list(h.sources),
+                    "step": h.step,
+                    "quorum_id": h.quorum_id,
+                    "seconds": h.seconds,
+                    "bytes": h.num_bytes,
+                }
+                for h in self.heals
+            ],
+            "spares": sorted(
+                {
+                    w.request.spare_id: {
+                        "spare_id": w.request.spare_id,
+                        "wanted": w.request.wanted,
+                        "waiting_s": round(now - w.request.since, 3),
+                    }
+                    for w in self.spares
+                }.values(),
+                key=lambda spare: -spare["waiting_s"],
+            ),
         }
 
 
@@ -406,6 +626,23 @@ class _LighthouseServicer:
                 self._coord.stream_ended(replica_id)
         return pb.LighthouseHeartbeatResponse()
 
+    async def TakeReplicaGroup(
+        self, request: pb.TakeReplicaGroupRequest, context: aio.ServicerContext[Any, Any]
+    ) -> pb.TakeReplicaGroupResponse:
+        """The group to train as, or "" when the call's deadline comes first
+        (the caller asks again: a spare may wait for hours)."""
+        try:
+            group = await wait_within(
+                self._coord.take_replica_group(request.spare_id, request.wanted),
+                reply_budget_s(context.time_remaining()),
+                lambda: QuorumTimeoutError("no group yet"),
+            )
+        except QuorumTimeoutError:
+            group = ""
+        except Exception as e:
+            await errors.abort(context, e)
+        return pb.TakeReplicaGroupResponse(replica_group=group)
+
     async def Leave(
         self, request: pb.LighthouseLeaveRequest, context: aio.ServicerContext[Any, Any]
     ) -> pb.LighthouseLeaveResponse:
@@ -424,6 +661,8 @@ class LighthouseServer:
     lighthouse never repeats an id without persisting any state. With a
     `secret`, every call must carry it (lighthouse.rpc.auth); None: open to all.
     With `tls`, it serves TLS (lighthouse.rpc.tls) and its address is https://.
+    With `kill_button` (and a secret), the status page has a kill form per
+    replica (see `kill`); off by default, as the page is open to all readers.
 
     Raises:
         ValueError: a bad option or an unparsable bind address.
@@ -442,6 +681,7 @@ class LighthouseServer:
         suspect_phi: float = 8.0,
         suspect_min_ms: int = 700,
         tls: TLSConfig | None = None,
+        kill_button: bool = False,
     ) -> None:
         if tls is not None:
             tls.require_server("lighthouse")
@@ -461,11 +701,12 @@ class LighthouseServer:
         self._stopped = False
         self._secret = secret
         self._tls = tls
+        self._kill_button = kill_button
         try:
             self._port = self._loop.run(self._start(host, port))
             self._host = advertised_host(host)
             if http_bind is not None:
-                self._http = StatusServer(http_bind, self.status, self.metrics.render)
+                self._http = StatusServer(http_bind, self.status, self.metrics.render, self.kill)
         except BaseException:
             self.shutdown()
             raise
@@ -506,7 +747,51 @@ class LighthouseServer:
 
     def status(self) -> dict[str, Any]:
         """The status page's data (thread-safe: read on the server's loop)."""
-        return self._loop.run(self._async(self._coord.snapshot), timeout=5)
+        snapshot: dict[str, Any] = self._loop.run(self._async(self._coord.snapshot), timeout=5)
+        snapshot["kill"] = {"enabled": self._kill_button, "secret_set": self._secret is not None}
+        return snapshot
+
+    def kill(self, replica_id: str, typed_secret: str, peer: str) -> tuple[int, str]:
+        """The status page's kill button: sends Kill to `replica_id`'s
+        ManagerServer, with the job's secret, if `typed_secret` is that secret.
+
+        Refused (403) when the button is off, when the job has no secret (the
+        ManagerServer would refuse a Kill without one too: with no secret
+        nothing tells who asks) and when the typed secret is wrong (compared
+        in constant time). Returns (HTTP status, message for the operator).
+        """
+        if self._secret is None:
+            return 403, (
+                "kill refused: this job has no shared secret, so nothing can tell who asks "
+                "(the ManagerServers refuse Kill without one too); start the lighthouse and "
+                f"every replica group with {auth.SECRET_FILE_ENV} set to a file holding the "
+                "secret, and the lighthouse with --kill-button"
+            )
+        if not self._kill_button:
+            return 403, (
+                "kill refused: the kill button is off; start the lighthouse with --kill-button"
+            )
+        if not hmac.compare_digest(typed_secret.encode(), self._secret.encode()):
+            logger.warning("status page: kill of %s refused to %s: wrong secret", replica_id, peer)
+            return 403, "kill refused: that is not the job's secret"
+        member = self._loop.run(self._async(lambda: self._coord.members.get(replica_id)), 5)
+        if member is None or not member.address:
+            return 404, f"kill refused: no replica {replica_id!r} with a known address"
+        target = member.address.split("://", 1)[-1]
+        logger.warning("status page: %s asked to kill %s (%s)", peer, replica_id, target)
+        ch = channel.blocking_channel(target, self._secret, self._tls)
+        try:
+            stub = pb_grpc.ManagerServiceStub(ch)
+            stub.Kill(
+                pb.KillRequest(msg=f"killed from the lighthouse status page by {peer}"),
+                timeout=KILL_TIMEOUT_S,
+            )
+        except Exception as e:
+            why = e.details() if isinstance(e, grpc.RpcError) else str(e)
+            return 502, f"kill of {replica_id} at {member.address} failed: {why}"
+        finally:
+            ch.close()
+        return 200, f"Kill sent to {replica_id} at {member.address}"
 
     @staticmethod
     async def _async(fn: Any) -> Any:
@@ -527,9 +812,15 @@ class LighthouseServer:
             self._ticker.cancel()
         # Answer waiting Quorum calls before the server cancels their handlers
         # (a cancelled handler is logged by grpc as an unhandled error).
-        waiting = [w.future for w in self._coord.waiters.values() if not w.future.done()]
+        waiting: list[asyncio.Future[Any]] = [
+            w.future for w in self._coord.waiters.values() if not w.future.done()
+        ]
         for future in waiting:
             future.set_exception(QuorumError("the lighthouse is shutting down"))
+        spares = [w.future for w in self._coord.spares if not w.future.done()]
+        for spare in spares:
+            spare.set_result("")  # "ask again": a spare outlives a lighthouse restart
+        waiting += spares
         if waiting:
             await asyncio.sleep(0.05)  # lets their handlers send the answer
         await self._server.stop(grace=None)

@@ -1,15 +1,17 @@
 """The lighthouse's HTTP status page, JSON status and Prometheus metrics.
 
-Access: the page is read-only and stays open when the job has a secret
-(lighthouse.rpc.auth). It shows replica ids, steps, heartbeat ages and the
+Access: reading stays open when the job has a secret (lighthouse.rpc.auth).
+The page shows replica ids, steps, heartbeat ages, heals and the
 ManagerServer addresses; no secret, no weights, nothing that lets a reader
 act (every address it lists refuses calls without the secret). Keeping it
 open lets a browser and a Prometheus scraper read it without a token. Bind
 it to 127.0.0.1 (`--http-bind`) or turn it off (empty) where even the job's
-layout is not to be seen. It has no action that changes state (no kill
-button): any method but GET is refused with 405, so one cannot be reached
-by accident; one added later must be off unless a flag enables it, and
-require the secret (`auth.http_refusal`).
+layout is not to be seen.
+
+Its one action, the kill button (`POST /kill`), is off unless the lighthouse
+runs with `--kill-button` and a secret, and each kill needs the secret typed
+into the form (the browser has no token to send). GET never changes state
+(GET /kill is a 404); other methods and paths are refused with 405.
 """
 
 from __future__ import annotations
@@ -21,55 +23,19 @@ import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler
 from typing import Any
+from urllib.parse import parse_qs
 
+from lighthouse.dashboard import render_page
 from lighthouse.rpc.address import advertised_host, join_host_port, parse_bind
 from lighthouse.rpc.http_server import server_class
 
+MAX_FORM_BYTES = 4096
+"""Largest kill form body read; a larger one is refused unread."""
 HANDLER_TIMEOUT_S = 10.0
 """Seconds a connection may stay silent before it is dropped: an idle or
 slow client holds a server thread this long at most."""
 
 logger = logging.getLogger(__name__)
-
-_PAGE = """<!doctype html>
-<html><head><meta charset="utf-8"><meta http-equiv="refresh" content="1">
-<title>torchft_like lighthouse</title>
-<style>body{{font-family:sans-serif;margin:2em}}td,th{{padding:2px 10px;text-align:left}}
-.bad{{color:#b00}}.ok{{color:#070}}</style></head><body>
-<h1>Lighthouse</h1>
-<p>Quorum id: <b>{quorum_id}</b> &middot; members: {num_members}
-&middot; min_replicas: {min_replicas}</p>
-<p>Status: {summary}</p>
-<table><tr><th>replica id</th><th>step</th><th>address</th><th>heartbeat age</th>
-<th>health</th><th>in quorum</th><th>waiting</th></tr>
-{rows}
-</table></body></html>
-"""
-
-
-def render_page(status: dict[str, Any]) -> str:
-    rows = []
-    for r in status["replicas"]:
-        health = (
-            '<span class="ok">healthy</span>' if r["healthy"] else '<span class="bad">silent</span>'
-        )
-        cells = [
-            html.escape(r["replica_id"]),
-            str(r["step"]),
-            html.escape(r["address"]),
-            f"{r['heartbeat_age_s']:.1f} s",
-            health,
-            "yes" if r["in_quorum"] else "",
-            "yes" if r["waiting"] else "",
-        ]
-        rows.append("<tr>" + "".join(f"<td>{c}</td>" for c in cells) + "</tr>")
-    return _PAGE.format(
-        quorum_id=status["quorum_id"],
-        num_members=len(status["quorum_members"]),
-        min_replicas=status["min_replicas"],
-        summary=html.escape(status["summary"]),
-        rows="\n".join(rows),
-    )
 
 
 class StatusServer:
@@ -79,10 +45,16 @@ class StatusServer:
         bind: `host:port` to listen on (port 0 picks one).
         status: returns the status as a JSON-able dict (see render_page).
         metrics: returns the Prometheus text exposition.
+        kill: the kill button, `kill(replica_id, typed_secret, peer_host)` ->
+            (HTTP status, message); None: POST /kill is refused with 405.
     """
 
     def __init__(
-        self, bind: str, status: Callable[[], dict[str, Any]], metrics: Callable[[], bytes]
+        self,
+        bind: str,
+        status: Callable[[], dict[str, Any]],
+        metrics: Callable[[], bytes],
+        kill: Callable[[str, str, str], tuple[int, str]] | None = None,
     ) -> None:
         host, port = parse_bind(bind)
 
@@ -104,11 +76,41 @@ class StatusServer:
                 self._send(
                     405,
                     "text/plain",
-                    b"the status page is read-only; use GET on /, /status.json or /metrics\n",
+                    b"the status page is read-only but for POST /kill (the kill button); use "
+                    b"GET on /, /status.json or /metrics\n",
                     ("Allow", "GET"),
+                    ("Connection", "close"),  # a request body, if any, stays unread
                 )
 
-            do_POST = do_PUT = do_DELETE = do_PATCH = _read_only  # noqa: N815
+            def do_POST(self) -> None:  # noqa: N802 (http.server's name)
+                if self.path.split("?", 1)[0] != "/kill" or kill is None:
+                    return self._read_only()
+                try:
+                    length = int(self.headers.get("Content-Length") or 0)
+                except ValueError:
+                    length = -1
+                if not 0 <= length <= MAX_FORM_BYTES:
+                    self.close_connection = True
+                    return self._answer(400, f"a kill form of 0 to {MAX_FORM_BYTES} bytes, please")
+                form = parse_qs(self.rfile.read(length).decode("utf-8", "replace"))
+                replica_id = form.get("replica_id", [""])[0]
+                if not replica_id:
+                    return self._answer(400, "the kill form needs a replica_id")
+                code, message = kill(
+                    replica_id, form.get("secret", [""])[0], self.client_address[0]
+                )
+                self._answer(code, message)
+
+            def _answer(self, code: int, message: str) -> None:
+                """A small page with the kill's outcome and a link back."""
+                body = (
+                    '<!doctype html><html><head><meta charset="utf-8"><title>kill</title>'
+                    f'</head><body><p id="outcome">{html.escape(message)}</p>'
+                    '<p><a href="/">back to the status page</a></p></body></html>'
+                )
+                self._send(code, "text/html; charset=utf-8", body.encode())
+
+            do_PUT = do_DELETE = do_PATCH = _read_only  # noqa: N815
 
             def _send(
                 self, code: int, content_type: str, body: bytes, *headers: tuple[str, str]

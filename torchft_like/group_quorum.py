@@ -10,6 +10,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from lighthouse.heals import HEAL_KEY, merge_rank_reports
 from lighthouse.quorum import QuorumMember
 from torchft_like.recovery import fingerprint_data
 
@@ -29,6 +30,8 @@ class QuorumRequest:
     """Steps in a row this rank failed to commit."""
     fingerprint: str = ""
     """State fingerprint after `step` commits, or empty (see Manager fingerprint_interval)."""
+    heal_report: str = ""
+    """JSON of the heal this rank finished last step, or empty (lighthouse.heals)."""
 
     def check(self, world_size: int) -> None:
         """Raises ValueError naming the first field out of range for a group of `world_size`."""
@@ -61,7 +64,8 @@ def merge_requests(
     asking shrink_only or init_sync asks it for the group; the group reports
     its worst commit_failures, so a failure on any rank moves the quorum id
     on; fingerprints travel only from the ranks at the group's step, since
-    only those compare with other groups' states.
+    only those compare with other groups' states; the ranks' heal reports
+    travel merged (lighthouse.heals.merge_rank_reports) for the status page.
 
     Raises:
         ValueError: `requests` is empty.
@@ -70,7 +74,10 @@ def merge_requests(
         raise ValueError("a group request needs at least one rank's request")
     step = max(r.step for r in requests.values())
     fingerprints = {g: r.fingerprint for g, r in requests.items() if r.step == step}
-    data = fingerprint_data(step, fingerprints, world_size)
+    data: dict[str, object] = dict(fingerprint_data(step, fingerprints, world_size))
+    heal = merge_rank_reports(r.heal_report for r in requests.values())
+    if heal is not None:
+        data[HEAL_KEY] = heal
     member = QuorumMember(
         replica_id=replica_id,
         address=address,

@@ -10,6 +10,7 @@ step become no-ops and the group votes no.
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import socket
@@ -27,7 +28,12 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp, TCPStore
 
 from lighthouse.rpc import auth
-from lighthouse.rpc.address import BIND_HOST_ENV, HOSTNAME_ENV, join_host_port
+from lighthouse.rpc.address import (
+    BIND_HOST_ENV,
+    HOSTNAME_ENV,
+    join_host_port,
+    loopback_advertisement_warning,
+)
 from lighthouse.rpc.errors import DuplicateGroupError, QuorumError
 from lighthouse.rpc.tls import TLSConfig, tls_from_env
 from torchft_like import parent_watch
@@ -38,6 +44,7 @@ from torchft_like.fingerprint import fingerprint
 from torchft_like.group_quorum import QuorumRequest
 from torchft_like.manager_client import ManagerClient, ManagerClientProtocol
 from torchft_like.manager_server import LocalManagerClient, ManagerServer
+from torchft_like.metrics import ManagerMetrics, metrics_port_from_env
 from torchft_like.recovery import QuorumResult
 
 logger = logging.getLogger(__name__)
@@ -139,6 +146,10 @@ class Manager:
         exit_with_parent: end this process within about 0.1 s of its parent
             (torchrun) dying, so that `kill -9` of torchrun is a group death
             rather than an orphan that trains on (torchft_like.parent_watch).
+        metrics_port: serve this rank's Prometheus metrics at
+            http://{host}:{port}/metrics (0 picks a free port, logged); None
+            reads TORCHFT_METRICS_PORT (torchft_like.metrics), unset: off.
+            `metrics` holds them either way.
     """
 
     def __init__(
@@ -170,6 +181,7 @@ class Manager:
         secret: str | None = None,
         tls: TLSConfig | None = None,
         exit_with_parent: bool = True,
+        metrics_port: int | None = None,
     ) -> None:
         if min_replica_size < 1:
             raise ValueError(f"min_replica_size ({min_replica_size}) must be at least 1")
@@ -219,12 +231,19 @@ class Manager:
         self._pending_work: list[dist.Work] = []
         self._healed = False
         self._timings: dict[str, float] = {}
+        self._step_started = 0.0
+        self._heal_report = ""
+        """JSON of the last heal, sent with the next quorum request (lighthouse.heals)."""
         self._commit_hooks: list[Callable[[], None]] = []
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_quorum")
         self._lock = threading.Lock()
         self._state_read_gate = StateReadGate(self._timeout.total_seconds())
         self.replica_id = replica_id or "replica"
         self._logger = _ManagerLogger(logger, {"manager": self})
+        self.metrics = ManagerMetrics(self.replica_id, self._group_rank)
+        """This rank's Prometheus metrics (torchft_like.metrics)."""
+        if metrics_port is None:
+            metrics_port = metrics_port_from_env(os.environ)
 
         store_addr = store_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
         store_port = store_port if store_port is not None else int(os.environ["MASTER_PORT"])
@@ -269,6 +288,9 @@ class Manager:
                     f"no lighthouse address: pass lighthouse_addr or set {LIGHTHOUSE_ENV}, "
                     "e.g. http://localhost:29510"
                 )
+            warning = loopback_advertisement_warning(hostname, lighthouse_addr)
+            if warning:
+                self._logger.warning("%s", warning)
             full_id = f"{self.replica_id}:{uuid.uuid4()}"
             port = port if port is not None else int(os.environ.get(MANAGER_PORT_ENV, 0))
             self._manager_server = ManagerServer(
@@ -292,6 +314,12 @@ class Manager:
             LocalManagerClient(self._manager_server)
             if self._manager_server is not None
             else ManagerClient(manager_addr, self._connect_timeout, self._secret, self._tls)
+        )
+        # Last, so a failed start leaves no server behind.
+        self._metrics_server = (
+            self.metrics.serve(bind_host or hostname, metrics_port)
+            if metrics_port is not None
+            else None
         )
         self._logger.info("manager ready, server %s", manager_addr)
 
@@ -388,6 +416,7 @@ class Manager:
         self._healing = False
         self._healed = False
         self._pending_work = []
+        self._step_started = time.monotonic()
         state_fingerprint = self._take_fingerprint()
         self._quorum_future = self._executor.submit(
             self._async_quorum,
@@ -449,9 +478,12 @@ class Manager:
                 init_sync=self._init_sync,
                 commit_failures=self._commit_failures,
                 fingerprint=state_fingerprint,
+                heal_report=self._heal_report,
             )
             result = self._client.quorum(request, timeout)
+            self._heal_report = ""
             self._timings["quorum_s"] = time.monotonic() - start
+            self.metrics.quorum_seconds.observe(self._timings["quorum_s"])
             self._apply_quorum(result, allow_heal)
         except DuplicateGroupError as e:
             self._logger.error("quorum refused, stopping: %s", e)
@@ -468,6 +500,8 @@ class Manager:
 
     def _apply_quorum(self, result: QuorumResult, allow_heal: bool) -> None:
         self._set_participation(result, allow_heal)
+        self.metrics.quorum_id.set(result.quorum_id)
+        self.metrics.participants.set(self._num_participants)
         if result.quorum_id != self._quorum_id:
             store = f"{result.store_address}/torchft/{result.quorum_id}/{self._group_rank}"
             self._logger.info(
@@ -510,7 +544,19 @@ class Manager:
             self._pending_state_dict = self._checkpoint_transport.recv_checkpoint(
                 result.recover_src_replica_rank, metadata, result.max_step, self._timeout
             )
-            self._timings["heal_recv_s"] = time.monotonic() - heal_start
+            self._timings["heal_recv_s"] = took = time.monotonic() - heal_start
+            num_bytes = _tensor_bytes(self._pending_state_dict)
+            self.metrics.heals.inc()
+            self.metrics.heal_bytes.inc(num_bytes)
+            self.metrics.heal_seconds.observe(took)
+            self._heal_report = json.dumps(
+                {
+                    "step": result.max_step,
+                    "seconds": round(took, 4),
+                    "bytes": num_bytes,
+                    "source": result.recover_src_manager_address,
+                }
+            )
 
     def _set_participation(self, result: QuorumResult, allow_heal: bool) -> None:
         """Replicas at max_step count; every replica derives the same count
@@ -680,12 +726,16 @@ class Manager:
         except Exception as e:
             self.report_error(e)
             decision, vote_error = False, e
+        self.metrics.step_seconds.observe(time.monotonic() - self._step_started)
         if decision:
             self._step += 1
             self._batches_committed += self._num_participants
             self._commit_failures = 0
+            self.metrics.committed_steps.inc()
+            self.metrics.step.set(self._step)
         else:
             self._commit_failures += 1
+            self.metrics.commit_failures.inc()
             self._logger.info("step not committed (%d in a row)", self._commit_failures)
             if vote_error is not None and not self._use_async_quorum:
                 raise vote_error  # synchronous callers get it, as from torchft
@@ -722,6 +772,10 @@ class Manager:
         """Whether this step's quorum made us copy the state from a peer."""
         return self._healed
 
+    def metrics_address(self) -> str | None:
+        """`http://host:port/metrics` of this rank's metrics, or None when not served."""
+        return self._metrics_server.address() if self._metrics_server else None
+
     def timings(self) -> dict[str, float]:
         """Seconds spent on this step's quorum (`quorum_s`), and on receiving a
         healing state (`heal_recv_s`) when there was one."""
@@ -730,9 +784,22 @@ class Manager:
     def shutdown(self, wait: bool = True) -> None:
         """Stops the servers and unblocks every background wait."""
         self._client.close()
+        if self._metrics_server is not None:
+            self._metrics_server.shutdown()
         if self._manager_server is not None:
             self._manager_server.shutdown()
         self._checkpoint_transport.shutdown(wait=wait)
         self._executor.shutdown(wait=wait, cancel_futures=True)
         if hasattr(self._pg, "shutdown"):
             self._pg.shutdown()
+
+
+def _tensor_bytes(tree: Any) -> int:
+    """Bytes of the tensors in a state tree (dicts, lists, tuples), the size of a heal."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(_tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(_tensor_bytes(v) for v in tree)
+    return 0

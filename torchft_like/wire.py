@@ -21,6 +21,7 @@ def quorum_request_to_proto(r: QuorumRequest) -> pb.ManagerQuorumRequest:
         init_sync=r.init_sync,
         commit_failures=r.commit_failures,
         fingerprint=r.fingerprint,
+        heal_report=r.heal_report,
     )
 
 
@@ -33,6 +34,7 @@ def quorum_request_from_proto(m: pb.ManagerQuorumRequest) -> QuorumRequest:
         init_sync=m.init_sync,
         commit_failures=m.commit_failures,
         fingerprint=m.fingerprint,
+        heal_report=m.heal_report,
     )
 
 

@@ -62,6 +62,25 @@ def is_loopback(host: str) -> bool:
     )
 
 
+def loopback_advertisement_warning(hostname: str, lighthouse_url: str) -> str | None:
+    """A warning when this machine advertises a loopback-only name to a job
+    that spans machines (its lighthouse is not on loopback), else None.
+
+    The usual cause: /etc/hosts maps the machine's name to 127.0.1.1
+    (Debian's default), so peers on other machines would be told to reach
+    this group at their own loopback, and quorums or healing would fail.
+    """
+    lighthouse_host = url_to_target(lighthouse_url).rpartition(":")[0]
+    if not is_loopback(hostname) or is_loopback(lighthouse_host):
+        return None
+    return (
+        f"this replica group advertises {hostname!r}, which resolves only to loopback, "
+        f"but the lighthouse ({lighthouse_url}) is not on loopback: groups on other "
+        f"machines cannot reach this one. Set {HOSTNAME_ENV} to this machine's address "
+        "as the others see it (e.g. its IP), or fix the name in /etc/hosts"
+    )
+
+
 def url_to_target(url: str, what: str = "address", fix: str = "") -> str:
     """`http://host:port` (or bare `host:port`) to a gRPC target `host:port`.
 

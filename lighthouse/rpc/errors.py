@@ -22,8 +22,19 @@ class QuorumError(RuntimeError):
     """A quorum (or a commit vote, or a call serving one) could not be obtained."""
 
 
+TORCHFT_TIMEOUT_TEXT = 'status: Cancelled, message: "Timeout expired"'
+"""What pytorch/torchft's timeouts say (its Rust gRPC text). Code written for
+torchft matches on it, so ours carry it too, after our own reason."""
+
+
 class QuorumTimeoutError(QuorumError, TimeoutError):
-    """Nothing was decided before the deadline; the text says who was missing and why."""
+    """Nothing was decided before the deadline; the text says who was missing
+    and why, then torchft's timeout text (once, however many hops it crossed)."""
+
+    def __init__(self, reason: str = "") -> None:
+        if TORCHFT_TIMEOUT_TEXT not in reason:
+            reason = f"{reason} ({TORCHFT_TIMEOUT_TEXT})"
+        super().__init__(reason)
 
 
 class LighthouseUnavailableError(QuorumError, ConnectionError):

@@ -6,7 +6,7 @@ import pytest
 
 from lighthouse.client import lighthouse_target
 from lighthouse.rpc import auth
-from lighthouse.rpc.address import is_loopback, url_to_target
+from lighthouse.rpc.address import is_loopback, loopback_advertisement_warning, url_to_target
 
 
 @pytest.mark.parametrize(
@@ -53,3 +53,20 @@ def test_only_a_server_without_a_secret_off_loopback_warns():
     assert text is not None
     assert "manager server listens on all interfaces without a shared secret" in text
     assert "TORCHFT_SECRET_FILE" in text
+
+
+@pytest.mark.parametrize(
+    "hostname, lighthouse, warned",
+    [
+        ("localhost", "http://10.1.2.3:29510", True),  # peers elsewhere told "localhost"
+        ("127.0.1.1", "http://[2001:db8::1]:29510", True),
+        ("localhost", "http://127.0.0.1:29510", False),  # a one-machine job
+        ("10.1.2.4", "http://10.1.2.3:29510", False),
+        ("10.1.2.4", "http://localhost:29510", False),
+    ],
+)
+def test_a_loopback_name_is_flagged_only_in_a_job_that_spans_machines(hostname, lighthouse, warned):
+    warning = loopback_advertisement_warning(hostname, lighthouse)
+    assert (warning is not None) is warned
+    if warned:
+        assert "TORCHFT_HOSTNAME" in warning and hostname in warning

@@ -1,10 +1,16 @@
-"""The chaos runner's exactly-once data check: pure, records in, problems out."""
+"""The chaos runner's pure end checks: exactly-once data, and no healthy group left out as hung."""
 
 from __future__ import annotations
 
 import pytest
 
-from tools.chaos.checks import BatchRecord, data_exactly_once
+from tools.chaos.checks import (
+    BatchRecord,
+    FaultWindow,
+    Suspicion,
+    data_exactly_once,
+    false_suspicions,
+)
 
 
 def b(group: int, step: int, epoch: int, *ids: int) -> BatchRecord:
@@ -48,3 +54,21 @@ def b(group: int, step: int, epoch: int, *ids: int) -> BatchRecord:
 )  # fmt: skip
 def test_each_batch_is_trained_once_by_the_commit_its_step_calls_for(batches, problems):
     assert data_exactly_once(batches) == problems
+
+
+@pytest.mark.parametrize(
+    "suspicions, faults, flagged",
+    [
+        ([], [], 0),
+        # A stopped group suspected while stopped: right.
+        ([Suspicion(10.5, 1)], [FaultWindow(1, 10.0, 12.0)], 0),
+        # Within the margin after it settled (the log line came a tick late): right.
+        ([Suspicion(12.8, 1)], [FaultWindow(1, 10.0, 12.0)], 0),
+        # A fault on another group does not excuse it.
+        ([Suspicion(10.5, 2)], [FaultWindow(1, 10.0, 12.0)], 1),
+        # Long after its own fault: a healthy group left out.
+        ([Suspicion(30.0, 1)], [FaultWindow(1, 10.0, 12.0)], 1),
+    ],
+)
+def test_a_healthy_group_left_out_as_hung_fails_the_run(suspicions, faults, flagged):
+    assert len(false_suspicions(suspicions, faults)) == flagged

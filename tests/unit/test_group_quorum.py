@@ -4,6 +4,7 @@ import json
 
 import pytest
 
+from lighthouse.heals import report_of
 from torchft_like.group_quorum import QuorumRequest, merge_requests
 from torchft_like.recovery import FINGERPRINT_KEY
 
@@ -73,6 +74,18 @@ def test_fingerprints_travel_only_from_ranks_at_the_group_step(requests, values)
         assert json.loads(data)[FINGERPRINT_KEY] == {"step": 4, "values": values}
 
 
+def test_the_ranks_heal_reports_travel_merged_beside_the_fingerprints():
+    report = '{{"step": 9, "seconds": {s}, "bytes": {b}, "source": "http://src:1"}}'
+    member = merge(
+        QuorumRequest(0, 10, fingerprint="a", heal_report=report.format(s=0.5, b=100)),
+        QuorumRequest(1, 10, heal_report=report.format(s=0.75, b=60)),
+    ).member
+    data = json.loads(member.data)
+    assert data["heal"] == {"step": 9, "seconds": 0.75, "bytes": 160, "sources": ["http://src:1"]}
+    assert data[FINGERPRINT_KEY]["values"] == ["a", ""]
+    assert report_of(member) is not None
+
+
 def test_an_empty_group_request_is_refused():
     with pytest.raises(ValueError, match="at least one rank"):
         merge_requests({}, "g:1", "", "", 1)
@@ -90,3 +103,17 @@ def test_an_empty_group_request_is_refused():
 def test_a_request_out_of_range_names_the_field(request_, word):
     with pytest.raises(ValueError, match=word):
         request_.check(world_size=2)
+
+
+def test_a_rank_request_crosses_the_wire_with_every_field():
+    from dataclasses import fields
+
+    from torchft_like import wire
+
+    request = QuorumRequest(
+        group_rank=1, step=7, checkpoint_metadata="http://h:3", shrink_only=True,
+        init_sync=False, commit_failures=2, fingerprint="f", heal_report='{"step": 6}',
+    )  # fmt: skip
+    # Every field set apart from its default, so a field wire.py forgets fails here.
+    assert all(getattr(request, f.name) != f.default for f in fields(QuorumRequest))
+    assert wire.quorum_request_from_proto(wire.quorum_request_to_proto(request)) == request

@@ -49,3 +49,13 @@ def test_a_status_outside_the_table_is_a_quorum_error_naming_the_code(code):
 
 def test_errors_outside_the_family_have_no_status():
     assert status_of(KeyError("x")) is None
+
+
+def test_a_timeout_carries_torchfts_text_once_across_hops():
+    # Code written for torchft matches its timeout text; ours keep it after
+    # our own reason, and a timeout relayed through a server does not repeat it.
+    first = QuorumTimeoutError("waiting for replicas: 1 joined")
+    relayed = error_of(grpc.StatusCode.DEADLINE_EXCEEDED, f"Quorum at m failed: {first}")
+    for error in (first, relayed):
+        assert str(error).count('status: Cancelled, message: "Timeout expired"') == 1
+    assert str(relayed).startswith("Quorum at m failed: waiting for replicas: 1 joined")

@@ -203,3 +203,39 @@ def data_exactly_once(batches: list[BatchRecord]) -> list[str]:
             )
             break  # one line per batch
     return problems
+
+
+@dataclass(frozen=True)
+class Suspicion:
+    """The lighthouse left a group out of a quorum as hung (phi accrual)."""
+
+    at: float
+    """Wall-clock seconds of the quorum that left it out."""
+    group: int
+
+
+@dataclass(frozen=True)
+class FaultWindow:
+    """From a fault's firing to its settling: when its victim may look hung."""
+
+    group: int
+    start: float
+    end: float
+
+
+def false_suspicions(
+    suspicions: list[Suspicion], faults: list[FaultWindow], margin_s: float = 1.0
+) -> list[str]:
+    """Healthy groups the lighthouse took for hung: every suspicion must fall
+    within (`margin_s` around) a fault of the suspected group (a SIGSTOP, or a
+    kill whose process the lighthouse has not yet seen go)."""
+    problems = []
+    for s in suspicions:
+        if not any(
+            f.group == s.group and f.start - margin_s <= s.at <= f.end + margin_s for f in faults
+        ):
+            problems.append(
+                f"group {s.group} was left out as hung at {s.at:.1f} with no fault on it: "
+                "a false suspicion"
+            )
+    return problems

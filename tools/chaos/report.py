@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import json
+import re
 import statistics
+import time
 from dataclasses import asdict
+from pathlib import Path
 
 from tools.chaos import checks
 from tools.chaos.runner import Runner
@@ -24,6 +27,9 @@ def report(runner: Runner, left: list[str]) -> int:
     problems += checks.step_regressions(records)
     problems += checks.committed_step_regressions(records)
     problems += checks.data_exactly_once(runner.batches)
+    suspicions = _suspicions(runner.out / "lighthouse.log")
+    problems += checks.false_suspicions(suspicions, _fault_windows(runner))
+    print(f"groups left out as hung: {len(suspicions)} (one outside a fault on it fails the run)")
     finals = {g.index: g.final for g in runner.groups if g.final is not None}
     outside, divergence = checks.final_agreement(finals)
     problems += divergence
@@ -95,6 +101,32 @@ def report(runner: Runner, left: list[str]) -> int:
     (runner.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     print(f"logs and summary.json in {runner.out}")
     return 0 if not problems else 1
+
+
+SUSPECTED = re.compile(r"suspected hung: ([^\]]*)\]")
+GROUP_OF = re.compile(r"train_ddp_(\d+):\S+ silent")
+
+
+def _suspicions(lighthouse_log: Path) -> list[checks.Suspicion]:
+    """Groups each issued quorum left out as hung, from the lighthouse's log
+    lines (asctime, local time, then ',ms')."""
+    found = []
+    for line in lighthouse_log.read_text(errors="replace").splitlines():
+        listed = SUSPECTED.search(line)
+        if not listed or " issued " not in line:
+            continue
+        stamp, _, millis = line[:23].partition(",")
+        at = time.mktime(time.strptime(stamp, "%Y-%m-%d %H:%M:%S")) + int(millis) / 1000
+        found += [checks.Suspicion(at, int(g)) for g in GROUP_OF.findall(listed.group(1))]
+    return found
+
+
+def _fault_windows(runner: Runner) -> list[checks.FaultWindow]:
+    return [
+        checks.FaultWindow(o.fault.group, o.fired_at, o.settled_at or time.time())
+        for o in runner.outcomes
+        if o.fired_at is not None and o.fault.group is not None
+    ]
 
 
 def _time_outcomes(runner: Runner) -> None:

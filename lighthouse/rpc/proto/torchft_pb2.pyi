@@ -71,8 +71,22 @@ class LighthouseLeaveResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class TakeReplicaGroupRequest(_message.Message):
+    __slots__ = ("spare_id", "wanted")
+    SPARE_ID_FIELD_NUMBER: _ClassVar[int]
+    WANTED_FIELD_NUMBER: _ClassVar[int]
+    spare_id: str
+    wanted: str
+    def __init__(self, spare_id: _Optional[str] = ..., wanted: _Optional[str] = ...) -> None: ...
+
+class TakeReplicaGroupResponse(_message.Message):
+    __slots__ = ("replica_group",)
+    REPLICA_GROUP_FIELD_NUMBER: _ClassVar[int]
+    replica_group: str
+    def __init__(self, replica_group: _Optional[str] = ...) -> None: ...
+
 class ManagerQuorumRequest(_message.Message):
-    __slots__ = ("group_rank", "step", "checkpoint_metadata", "shrink_only", "init_sync", "commit_failures", "fingerprint")
+    __slots__ = ("group_rank", "step", "checkpoint_metadata", "shrink_only", "init_sync", "commit_failures", "fingerprint", "heal_report")
     GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -80,6 +94,7 @@ class ManagerQuorumRequest(_message.Message):
     INIT_SYNC_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FAILURES_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    HEAL_REPORT_FIELD_NUMBER: _ClassVar[int]
     group_rank: int
     step: int
     checkpoint_metadata: str
@@ -87,7 +102,8 @@ class ManagerQuorumRequest(_message.Message):
     init_sync: bool
     commit_failures: int
     fingerprint: str
-    def __init__(self, group_rank: _Optional[int] = ..., step: _Optional[int] = ..., checkpoint_metadata: _Optional[str] = ..., shrink_only: _Optional[bool] = ..., init_sync: _Optional[bool] = ..., commit_failures: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    heal_report: str
+    def __init__(self, group_rank: _Optional[int] = ..., step: _Optional[int] = ..., checkpoint_metadata: _Optional[str] = ..., shrink_only: _Optional[bool] = ..., init_sync: _Optional[bool] = ..., commit_failures: _Optional[int] = ..., fingerprint: _Optional[str] = ..., heal_report: _Optional[str] = ...) -> None: ...
 
 class ManagerQuorumResponse(_message.Message):
     __slots__ = ("quorum_id", "recover_src_manager_address", "recover_src_replica_rank", "recover_dst_replica_ranks", "store_address", "max_step", "max_replica_rank", "max_world_size", "replica_rank", "replica_world_size", "heal", "commit_failures")

@@ -26,15 +26,7 @@ if _version_not_supported:
 
 
 class LighthouseServiceStub:
-    """torchft_like addition, HeartbeatStream: one long-lived call per replica
-    carries all its heartbeats (a LighthouseHeartbeatRequest each), far cheaper
-    for the lighthouse than one unary Heartbeat call each. The stream ending
-    without a Leave (the process died, its connection closed) marks the replica
-    unhealthy at once; its next heartbeat makes it healthy again. The response
-    is sent when the client closes the stream. Peers that do not know it answer
-    UNIMPLEMENTED, and clients fall back to unary Heartbeat.
-
-    """
+    """Missing associated documentation comment in .proto file."""
 
     def __init__(self, channel):
         """Constructor.
@@ -62,18 +54,15 @@ class LighthouseServiceStub:
                 request_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatRequest.SerializeToString,
                 response_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatResponse.FromString,
                 _registered_method=True)
+        self.TakeReplicaGroup = channel.unary_unary(
+                '/torchft.LighthouseService/TakeReplicaGroup',
+                request_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.TakeReplicaGroupRequest.SerializeToString,
+                response_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.TakeReplicaGroupResponse.FromString,
+                _registered_method=True)
 
 
 class LighthouseServiceServicer:
-    """torchft_like addition, HeartbeatStream: one long-lived call per replica
-    carries all its heartbeats (a LighthouseHeartbeatRequest each), far cheaper
-    for the lighthouse than one unary Heartbeat call each. The stream ending
-    without a Leave (the process died, its connection closed) marks the replica
-    unhealthy at once; its next heartbeat makes it healthy again. The response
-    is sent when the client closes the stream. Peers that do not know it answer
-    UNIMPLEMENTED, and clients fall back to unary Heartbeat.
-
-    """
+    """Missing associated documentation comment in .proto file."""
 
     def Quorum(self, request, context):
         """Missing associated documentation comment in .proto file."""
@@ -94,6 +83,12 @@ class LighthouseServiceServicer:
         raise NotImplementedError('Method not implemented!')
 
     def HeartbeatStream(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def TakeReplicaGroup(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -122,6 +117,11 @@ def add_LighthouseServiceServicer_to_server(servicer, server):
                     request_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatRequest.FromString,
                     response_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatResponse.SerializeToString,
             ),
+            'TakeReplicaGroup': grpc.unary_unary_rpc_method_handler(
+                    servicer.TakeReplicaGroup,
+                    request_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.TakeReplicaGroupRequest.FromString,
+                    response_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.TakeReplicaGroupResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'torchft.LighthouseService', rpc_method_handlers)
@@ -131,15 +131,7 @@ def add_LighthouseServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class LighthouseService:
-    """torchft_like addition, HeartbeatStream: one long-lived call per replica
-    carries all its heartbeats (a LighthouseHeartbeatRequest each), far cheaper
-    for the lighthouse than one unary Heartbeat call each. The stream ending
-    without a Leave (the process died, its connection closed) marks the replica
-    unhealthy at once; its next heartbeat makes it healthy again. The response
-    is sent when the client closes the stream. Peers that do not know it answer
-    UNIMPLEMENTED, and clients fall back to unary Heartbeat.
-
-    """
+    """Missing associated documentation comment in .proto file."""
 
     @staticmethod
     def Quorum(request,
@@ -239,6 +231,33 @@ class LighthouseService:
             '/torchft.LighthouseService/HeartbeatStream',
             lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatRequest.SerializeToString,
             lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def TakeReplicaGroup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/torchft.LighthouseService/TakeReplicaGroup',
+            lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.TakeReplicaGroupRequest.SerializeToString,
+            lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.TakeReplicaGroupResponse.FromString,
             options,
             channel_credentials,
             insecure,
