@@ -380,12 +380,15 @@ class Manager:
         self._batches_committed = state_dict["batches_committed"]
 
     def load_full_state_dict(self, state: dict[str, Any]) -> None:
-        """Loads a `full_state_dict()`, e.g. from a durable checkpoint."""
+        """Loads a `full_state_dict()`, e.g. from a durable checkpoint or a
+        healing source (torchft's or ours)."""
         missing = sorted(set(self._user_state) - set(state["user"]))
         if missing:
             raise ValueError(
                 f"the state has no {missing} (registered with register_state_dict_fn; it "
-                f"holds {sorted(state['user'])}): register the same keys as when it was saved"
+                f"holds {sorted(state['user'])}): register the same keys on every replica and "
+                "as when it was saved (torchft's set_state_dict_fns names its state "
+                "'set_state_dict_fns'; ours and both Manager constructors: 'default')"
             )
         for key, (load, _) in self._user_state.items():
             load(state["user"][key])
@@ -496,7 +499,7 @@ class Manager:
             self.report_error(e)
 
     def _apply_quorum(self, result: QuorumResult, allow_heal: bool) -> None:
-        self._set_participation(result)
+        self._set_participation(result, allow_heal)
         self.metrics.quorum_id.set(result.quorum_id)
         self.metrics.participants.set(self._num_participants)
         if result.quorum_id != self._quorum_id:
@@ -555,12 +558,17 @@ class Manager:
                 }
             )
 
-    def _set_participation(self, result: QuorumResult) -> None:
+    def _set_participation(self, result: QuorumResult, allow_heal: bool) -> None:
         """Replicas at max_step count; every replica derives the same count
         from the quorum. One behind heals this step and contributes zeros (at
         max_step 0 the init_sync healing is applied before the forward pass,
-        see start_quorum, so those replicas count)."""
-        count, rank = result.max_world_size, result.max_replica_rank
+        see start_quorum, so those replicas count). With a synchronous quorum
+        every replica of the quorum counts, as in torchft: a replica that
+        heals has its state before the forward pass (start_quorum)."""
+        if self._use_async_quorum or not allow_heal:
+            count, rank = result.max_world_size, result.max_replica_rank
+        else:
+            count, rank = result.replica_world_size, result.replica_rank
         if self._world_size_mode == WorldSizeMode.FIXED_WITH_SPARES:
             count = min(count, self._min_replica_size)
             if rank is not None and rank >= count:
@@ -571,9 +579,7 @@ class Manager:
     def _apply_pending_state_dict(self) -> None:
         assert self._pending_state_dict is not None, "healing without a received state"
         state, self._pending_state_dict = self._pending_state_dict, None
-        for key, (load, _) in self._user_state.items():
-            load(state["user"][key])
-        self.load_state_dict(state["torchft"])
+        self.load_full_state_dict(state)  # a key the source lacks: a ValueError naming it
         self._healing = False
         self._logger.info("healed: loaded the live state at step %d", self._step)
 

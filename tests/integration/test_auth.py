@@ -355,7 +355,7 @@ def test_a_plain_http_request_without_the_secret_gets_401_with_www_authenticate(
 ):
     source = make_transport(S)
     with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(source.metadata() + "/checkpoint/0", timeout=5)
+        urllib.request.urlopen(source.metadata() + "0", timeout=5)
     assert e.value.code == 401
     assert e.value.headers["WWW-Authenticate"] == 'Bearer realm="torchft"'
     assert "carried none" in e.value.read().decode()

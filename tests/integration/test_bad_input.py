@@ -16,6 +16,7 @@ import time
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import grpc
 import pytest
@@ -527,7 +528,7 @@ def http_exchange(port: int, request: bytes) -> bytes:
 @example(method="GET", path="/checkpoint/9" * 10000, headers=[])
 def test_bad_http_requests_get_a_4xx_and_never_a_hang_up(source, method, path, headers):
     transport, _ = source
-    port = int(transport.metadata().rsplit(":", 1)[1])
+    port = urlsplit(transport.metadata()).port
     lines = [f"{method} {path} HTTP/1.1", "Host: 127.0.0.1"]
     lines += [f"{name}: {value}" for name, value in headers]
     request = ("\r\n".join(lines) + "\r\n\r\n").encode("utf-8", "surrogatepass")
@@ -559,7 +560,7 @@ def test_a_connection_that_never_sends_is_dropped_and_frees_its_thread(source, m
     assert 0 < http_transport._Handler.timeout <= 300
     monkeypatch.setattr(http_transport._Handler, "timeout", 0.3)  # not a minute in a test
     transport, _ = source
-    port = int(transport.metadata().rsplit(":", 1)[1])
+    port = urlsplit(transport.metadata()).port
     before = threading.active_count()
     silent = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(20)]
     try:
@@ -621,7 +622,7 @@ def test_a_flood_of_hang_ups_and_idle_connections_leaves_the_checkpoint_server_q
     transport = HTTPTransport(timeout=T, hostname="127.0.0.1")
     state = {"w": torch.zeros(1 << 20)}  # 4 MB: an abrupt hang-up lands mid-body
     transport.send_checkpoint([1], STAGED_STEP, state, T)
-    port = int(transport.metadata().rsplit(":", 1)[1])
+    port = urlsplit(transport.metadata()).port
     receiver = HTTPTransport(timeout=T, hostname="127.0.0.1")
     try:
         with caplog.at_level(logging.DEBUG):

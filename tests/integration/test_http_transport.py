@@ -13,6 +13,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -209,7 +210,7 @@ def test_disallow_waits_for_a_transfer_in_flight(make):
     big = {"w": torch.randn(16 << 20)}  # 64 MB: more than the socket buffers hold
     original = big["w"].clone()
     source.send_checkpoint([1], 1, big, T)
-    response = urllib.request.urlopen(source.metadata() + "/checkpoint/1", timeout=5)
+    response = urllib.request.urlopen(source.metadata() + "1", timeout=5)
     first = response.read(1)  # the transfer is now in flight, stalled on us
     disallowed = threading.Event()
     threading.Thread(target=lambda: (source.disallow_checkpoint(), disallowed.set())).start()
@@ -226,7 +227,7 @@ def test_disallow_waits_for_a_transfer_in_flight(make):
 def test_disallow_cuts_off_a_transfer_stalled_past_the_timeout(make):
     source = make()
     source.send_checkpoint([1], 1, {"w": torch.randn(16 << 20)}, timedelta(seconds=0.3))
-    response = urllib.request.urlopen(source.metadata() + "/checkpoint/1", timeout=5)
+    response = urllib.request.urlopen(source.metadata() + "1", timeout=5)
     response.read(1)
     start = time.monotonic()
     source.disallow_checkpoint()
@@ -335,20 +336,24 @@ def test_a_peer_that_is_not_a_checkpoint_server_fails_at_once_naming_it(make):
         ("/checkpoint/1?chunk=4&of=4", 400, "needs 0 <= chunk < of"),
         ("/checkpoint/1?chunk=a&of=4", 400, "bad query"),
         ("/checkpoint/1?of=4", 400, "bad query"),
+        ("/checkpoint/1/metadata", 400, "serves torchft's checkpoint format whole only"),
+        ("/torchft_like/checkpoint/1/0", 400, "key '0' is not served"),
+        ("/torchft_like/checkpoint/2", 400, "wrong step: serving 1"),
     ],
 )
 def test_a_bad_request_gets_a_clear_4xx(make, path, code, message):
     source = make()
     source.send_checkpoint([1], 1, {"w": torch.zeros(1)}, T)
+    origin = f"http://{urlsplit(source.metadata()).netloc}"
     with pytest.raises(urllib.error.HTTPError) as e:
-        urllib.request.urlopen(source.metadata() + path, timeout=5)
+        urllib.request.urlopen(origin + path, timeout=5)
     assert e.value.code == code
     assert message in e.value.read().decode()
 
 
 def test_shutdown_is_idempotent_and_stops_the_server(make):
     transport = make()
-    port = int(transport.metadata().rsplit(":", 1)[1])
+    port = urlsplit(transport.metadata()).port
     transport.shutdown()
     transport.shutdown()
     assert not transport._thread.is_alive()
@@ -357,7 +362,7 @@ def test_shutdown_is_idempotent_and_stops_the_server(make):
 
 
 def test_a_port_in_use_is_a_clear_error(make):
-    port = int(make().metadata().rsplit(":", 1)[1])
+    port = urlsplit(make().metadata()).port
     with pytest.raises(OSError, match=f"cannot listen on port {port}.*port=0"):
         make(port=port)
 

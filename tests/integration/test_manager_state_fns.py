@@ -79,6 +79,9 @@ def test_set_state_dict_fns_twice_is_a_clear_error():
             manager.set_state_dict_fns(lambda sd: None, lambda: {})
         with pytest.raises(ValueError, match=r"AVG of a torch.int64 tensor .*ReduceOp.SUM"):
             manager.allreduce(torch.ones(2, dtype=torch.int64))
+        healed = {"user": {"set_state_dict_fns": {}}, "torchft": {"step": 3}}
+        with pytest.raises(ValueError, match=r"no \['default'\].*torchft's set_state_dict_fns"):
+            manager.load_full_state_dict(healed)  # what healing applies, e.g. from torchft
         manager.disallow_state_dict_read()
         manager.disallow_state_dict_read()  # idempotent
         assert not manager._is_state_dict_read_allowed

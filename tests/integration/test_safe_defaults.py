@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import pytest
 from torch.distributed import TCPStore
@@ -33,7 +34,9 @@ def accepts(host: str, port: int) -> bool:
 
 
 def port_of(url: str) -> int:
-    return int(url.rsplit(":", 1)[1])
+    port = urlsplit(url).port
+    assert port is not None, url
+    return port
 
 
 @pytest.fixture
@@ -124,6 +127,7 @@ def test_a_lighthouse_url_without_a_port_fails_the_manager_naming_the_variable(
 
 KILL_WITHOUT_SECRET = """
 import time
+from urllib.parse import urlsplit
 from lighthouse import LighthouseServer
 from torchft_like.manager_client import ManagerClient
 from torchft_like.manager_server import ManagerServer

@@ -304,12 +304,12 @@ def test_a_plain_http_request_to_the_https_server_fails_and_the_server_serves_on
     make_transport, certs
 ):
     source = make_transport(node(certs))
-    plain_url = "http://" + source.metadata().split("://", 1)[1] + "/checkpoint/0"
+    plain_url = "http://" + source.metadata().split("://", 1)[1] + "0"
     with pytest.raises((urllib.error.URLError, ConnectionError, OSError)):
         urllib.request.urlopen(plain_url, timeout=5)
     context = ssl.create_default_context(cafile=str(certs.ca))
     with pytest.raises(urllib.error.HTTPError) as e:  # 503: nothing staged, but it answered
-        urllib.request.urlopen(source.metadata() + "/checkpoint/0", timeout=5, context=context)
+        urllib.request.urlopen(source.metadata() + "0", timeout=5, context=context)
     assert e.value.code == 503
 
 

@@ -11,6 +11,7 @@ import socket
 import threading
 from collections.abc import Iterator
 from datetime import timedelta
+from urllib.parse import urlsplit
 
 import pytest
 import torch
@@ -91,7 +92,7 @@ def source() -> Iterator[tuple[HTTPTransport, dict]]:
 
 
 def proxy_to(transport: HTTPTransport, fault: str, faulty: int) -> FaultyProxy:
-    port = int(transport.metadata().rsplit(":", 1)[1])
+    port = urlsplit(transport.metadata()).port
     return FaultyProxy(("127.0.0.1", port), fault, faulty)
 
 

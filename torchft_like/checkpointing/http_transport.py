@@ -6,6 +6,11 @@ its live state dict for one step; a receiver asks for exactly that step:
   GET /checkpoint/{step}                   the whole state as one stream
   GET /checkpoint/{step}?chunk=i&of=n      the header plus the i-th of n
                                            equal byte ranges of tensor data
+  GET /checkpoint/{step}/full              torchft's URL and format, so a
+                                           torchft group can heal from us
+                                           (`_torchft_http`)
+
+each also under the prefix /torchft_like, the path of `metadata()`.
 
 A 200 body is a stream in the format of `_format` (prefix, JSON header, raw
 tensor bytes). Refusals are text/plain: 401 without the job's secret (when
@@ -13,7 +18,14 @@ the transport has one, see lighthouse.rpc.auth), 503 "not serving" when nothing 
 staged, 400 "wrong step" when another step is staged (never stale weights;
 torchft's code and text), 404 and 400 for requests that are not of the above
 shape. A receiver retries only 503 (and broken connections) until its
-deadline; any other refusal cannot change, so it fails at once.
+deadline; any other refusal cannot change, so it fails at once. A request
+in torchft's scheme that comes before its step is staged waits for it (up
+to the transport's timeout), as torchft's server makes it.
+
+`metadata()` is ``http://host:port/torchft_like/checkpoint/``: torchft's
+receiver appends ``{step}/full`` to it; ours reads host and port from it,
+and fetches from a peer whose metadata is torchft's own
+(``http://host:port/checkpoint/``) in torchft's format, weights_only.
 
 Speed comes from touching each byte once on either side: the source sends
 slices of the live tensors' memory with socket sendall (contiguous CPU
@@ -41,7 +53,7 @@ from lighthouse.rpc import auth
 from lighthouse.rpc.address import BIND_HOST_ENV
 from lighthouse.rpc.http_server import QuietHTTPServer
 from lighthouse.rpc.tls import FIX, TLSConfig, check_scheme, is_refusal, scheme
-from torchft_like.checkpointing import _checksum, _format
+from torchft_like.checkpointing import _checksum, _format, _torchft_http
 from torchft_like.checkpointing._http_fetch import (
     NOT_SERVING,
     SLICE,
@@ -69,6 +81,9 @@ class _Staged:
 
     def __init__(self, step: int, state_dict: Any, timeout: timedelta) -> None:
         tree, self.tensors = _format.flatten(state_dict)
+        self.state = state_dict
+        self._cpu_state: Any = None
+        self._lock = threading.Lock()
         self.step = step
         self.timeout = timeout
         self.header = _format.encode_header(step, tree, _checksum.DEFAULT)
@@ -77,13 +92,23 @@ class _Staged:
         """Per (tensor index, offset, length) segment, computed while it is
         first sent: once per served step, not once per receiver or retry."""
 
+    def cpu_state(self) -> Any:
+        """The state with its tensors on the CPU, for torchft receivers;
+        copied once per step, and only if a torchft receiver asks."""
+        with self._lock:
+            if self._cpu_state is None:
+                self._cpu_state = _torchft_http.on_cpu(self.state)
+            return self._cpu_state
+
 
 class HTTPTransport(CheckpointTransport[Any]):
     """Serves this rank's staged state over HTTP and fetches peers' states.
 
     The server starts in the constructor and listens on the address it
     advertises (`hostname`) unless `bind_host` says otherwise;
-    `metadata()` is ``http://{hostname}:{port}``.
+    `metadata()` is ``http://{hostname}:{port}/torchft_like/checkpoint/``.
+    Peers may be torchft's HTTPTransport too, in either direction (torchft's
+    format, decoded weights_only; no secret and no TLS on that path).
 
     Args:
         timeout: how long `disallow_checkpoint` waits for transfers in flight
@@ -162,10 +187,11 @@ class HTTPTransport(CheckpointTransport[Any]):
             logger.warning("%s", warning)
         host = f"[{host}]" if ":" in host else host
         self._url = f"{scheme(tls)}://{host}:{self._server.server_address[1]}"
+        self._metadata = self._url + _torchft_http.OWN_PATH
 
     def metadata(self) -> str:
-        """See base class."""
-        return self._url
+        """See base class: ``http://host:port/torchft_like/checkpoint/``."""
+        return self._metadata
 
     # --- source side --------------------------------------------------------
 
@@ -181,6 +207,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         staged = _Staged(step, state_dict, timeout)
         with self._cond:
             self._staged = staged
+            self._cond.notify_all()  # torchft requests wait for their step
         logger.debug("serving step %d (%d tensors) to replica ranks %s", step, len(staged.nbytes),
                      dst_ranks)  # fmt: skip
 
@@ -202,8 +229,21 @@ class HTTPTransport(CheckpointTransport[Any]):
                 for conn in self._active:
                     hang_up(conn)
 
-    def _begin(self, step: int, conn: socket.socket) -> tuple[_Staged | None, int, str]:
+    def _begin(
+        self, step: int, conn: socket.socket, wait: bool = False
+    ) -> tuple[_Staged | None, int, str]:
+        """Registers a transfer of `step`, or says why not. `wait`: first
+        wait (up to the timeout) for `step` to be staged, as torchft's
+        receivers expect of a server."""
         with self._cond:
+            deadline = time.monotonic() + self._timeout.total_seconds()
+            while (
+                wait
+                and not self._closed
+                and (self._staged is None or self._staged.step < step)
+                and (remaining := deadline - time.monotonic()) > 0
+            ):
+                self._cond.wait(remaining)
             staged = self._staged
             if staged is None:
                 return None, NOT_SERVING, "not serving: no state is staged on this replica now"
@@ -236,7 +276,11 @@ class HTTPTransport(CheckpointTransport[Any]):
         """See base class. Retries "not serving", connection errors (a
         truncated body among them) and checksum mismatches every 50 ms until
         `timeout`. The state is returned only once every tensor has its
-        announced size and checksum.
+        announced size and checksum. From a torchft source (its metadata's
+        path is ``/checkpoint/``) the state comes in torchft's format, which
+        has no checksums: it is decoded by torch's weights_only unpickler
+        only, and a body cut short is refused (see `_torchft_http`); server
+        errors (5xx) are retried like "not serving".
 
         Raises:
             FetchRefused: (an HTTPError and a RuntimeError) the source refused
@@ -245,7 +289,10 @@ class HTTPTransport(CheckpointTransport[Any]):
                 failed for good (a certificate refused on either side).
             FetchTimeout: (a URLError and a RuntimeError) no state within
                 `timeout`; the message says the last answer.
-            ValueError: the source sent something that is not a state stream.
+            UnsafeStateError: (a ValueError) a torchft source's state needs
+                more than torch's weights_only unpickler allows: refused.
+            ValueError: the source sent something that is not a state stream,
+                or `metadata` is not a torchft_like or torchft HTTP address.
         """
         check_scheme(metadata, self.tls, "checkpoint server address")
         url = urlsplit(metadata)
@@ -253,22 +300,38 @@ class HTTPTransport(CheckpointTransport[Any]):
             raise ValueError(
                 f"checkpoint metadata {metadata!r} is not an {scheme(self.tls)}://host:port URL"
             )
-        where = f"step {step} from replica rank {src_rank} at {metadata}"
+        torchft = _torchft_http.is_torchft_peer(metadata)
+        if not torchft and url.path not in ("", "/", _torchft_http.OWN_PATH):
+            raise ValueError(
+                f"checkpoint metadata {metadata!r} is neither a torchft_like HTTPTransport's "
+                f"(path {_torchft_http.OWN_PATH!r} or none) nor a torchft HTTPTransport's "
+                f"(path {_torchft_http.TORCHFT_PATH!r})"
+            )
+        source = "torchft replica rank" if torchft else "replica rank"
+        where = f"step {step} from {source} {src_rank} at {metadata}"
+        requested = (
+            _torchft_http.state_url(metadata, step)
+            if torchft
+            else f"{url.scheme}://{url.netloc}/checkpoint/{step}"
+        )
         started = time.monotonic()
         deadline = started + timeout.total_seconds()
         last, attempts = "no answer", 0
         while True:
             attempts += 1
             try:
-                fetch = Fetch(
-                    url.hostname, url.port, step, deadline, self.secret, self._client_context
-                )
-                state, nbytes = fetch.run(self._num_chunks)
+                if torchft:  # one stream, torchft's format, decoded weights_only
+                    state, nbytes = _torchft_http.fetch(metadata, step, deadline, where)
+                else:
+                    fetch = Fetch(
+                        url.hostname, url.port, step, deadline, self.secret, self._client_context
+                    )
+                    state, nbytes = fetch.run(self._num_chunks)
             except NotReady as e:
                 last = str(e)
             except Refused as e:
                 raise FetchRefused(
-                    f"{metadata}/checkpoint/{step}", e.status,
+                    requested, e.status,
                     f"could not fetch {where}: {e}", None, None,  # type: ignore[arg-type]
                 ) from None  # fmt: skip
             except ssl.SSLError as e:
@@ -282,13 +345,16 @@ class HTTPTransport(CheckpointTransport[Any]):
             except (OSError, http.client.HTTPException) as e:
                 if not (isinstance(e, DeadlinePassed) and attempts > 1):  # keep the reason
                     last = f"{type(e).__name__}: {e}"
+            except _torchft_http.UnsafeStateError:
+                raise
             except ValueError as e:
                 raise ValueError(f"{metadata} sent an invalid stream for step {step}: {e}") from e
             else:
                 took = time.monotonic() - started
-                logger.info("received step %d from %s: %.1f MB in %.2f s (%.0f MB/s, %d streams)",
+                logger.info("received step %d from %s: %.1f MB in %.2f s (%.0f MB/s, %d streams%s)",
                             step, metadata, nbytes / 1e6, took, nbytes / 1e6 / max(took, 1e-9),
-                            self._num_chunks)  # fmt: skip
+                            1 if torchft else self._num_chunks,
+                            ", torchft's format" if torchft else "")  # fmt: skip
                 return state
             remaining = deadline - time.monotonic()
             if remaining <= _RETRY_S:
@@ -305,6 +371,7 @@ class HTTPTransport(CheckpointTransport[Any]):
                 return
             self._closed = True
             self._staged = None
+            self._cond.notify_all()
         if wait:
             self._stop()
         else:
@@ -346,9 +413,16 @@ class _Handler(BaseHTTPRequestHandler):
             url = urlsplit(self.path)
         except ValueError as e:  # e.g. "http://[" as the target
             return self._refuse(400, f"unparsable request target {self.path[:100]!r}: {e}")
-        match = re.fullmatch(r"/checkpoint/(\d{1,19})", url.path)
+        match = re.fullmatch(r"(?:/torchft_like)?/checkpoint/(\d{1,19})", url.path)
         if match is None:
-            return self._refuse(404, f"unknown path {url.path!r}; use /checkpoint/{{step}}")
+            torchft = re.fullmatch(r"(?:/torchft_like)?/checkpoint/(\d{1,19})/([^/]*)", url.path)
+            if torchft is not None:
+                return self._serve_torchft(int(torchft[1]), torchft[2])
+            return self._refuse(
+                404,
+                f"unknown path {url.path!r}; use /checkpoint/{{step}}, or torchft's "
+                f"{_torchft_http.OWN_PATH}{{step}}/{_torchft_http.KEY}",
+            )
         try:
             chunk, of = _parse_chunk(url.query)
         except ValueError as e:
@@ -364,6 +438,37 @@ class _Handler(BaseHTTPRequestHandler):
                            self.client_address[0], e)  # fmt: skip
         finally:
             self.server.transport._end(self.connection)
+
+    def _serve_torchft(self, step: int, key: str) -> None:
+        """torchft's scheme: the whole state of `step`, torch's streaming format."""
+        if key != _torchft_http.KEY:
+            return self._refuse(
+                400,
+                f"key {key!r} is not served: torchft_like serves torchft's checkpoint format "
+                f"whole only, at {_torchft_http.OWN_PATH}{{step}}/{_torchft_http.KEY} "
+                "(torchft's HTTPTransport with num_chunks=0, its Manager's default)",
+            )
+        transport = self.server.transport
+        staged, code, message = transport._begin(step, self.connection, wait=True)
+        if staged is None:
+            return self._refuse(code, message)
+        try:
+            state = staged.cpu_state()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Connection", "close")  # the body ends when the connection does
+            self.end_headers()
+            self.close_connection = True
+            _torchft_http.encode(state, self.wfile)
+        except OSError as e:
+            logger.warning("transfer of step %d to %s (torchft's format) ended early: %s",
+                           staged.step, self.client_address[0], e)  # fmt: skip
+        except Exception as e:  # e.g. a value torch.save cannot pickle: the body stops short
+            self.close_connection = True
+            logger.error("cannot send step %d to %s in torchft's format: %s: %s", staged.step,
+                         self.client_address[0], type(e).__name__, e)  # fmt: skip
+        finally:
+            transport._end(self.connection)
 
     def _not_allowed(self) -> None:
         body = f"method {self.command} not allowed; only GET is served".encode()
