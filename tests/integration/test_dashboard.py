@@ -218,6 +218,12 @@ def demo_job():
         job.wait_steps(5)
         job.restart_group(1)
         job.wait_steps(12)
+        # The restart heals at whatever step the other reached meanwhile (on a
+        # loaded machine, well past 5): wait for 3 commits of its own too.
+        metrics, deadline = job.groups[1].manager.metrics_address(), time.monotonic() + 30
+        while value(scrape(metrics), "torchft_manager_committed_steps_total", "group1") < 3:
+            assert time.monotonic() < deadline, "the restarted group did not commit 3 steps"
+            time.sleep(0.05)
         yield job
     finally:
         job.stop()
