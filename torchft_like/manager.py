@@ -40,6 +40,7 @@ from torchft_like import parent_watch
 from torchft_like._state_gate import StateReadGate
 from torchft_like._work import FutureWork, completed_work
 from torchft_like.checkpointing import CheckpointTransport, HTTPTransport
+from torchft_like.collectives import InOrderCollectives, allreduce_quantized
 from torchft_like.fingerprint import fingerprint
 from torchft_like.group_quorum import QuorumRequest
 from torchft_like.manager_client import ManagerClient, ManagerClientProtocol
@@ -229,6 +230,7 @@ class Manager:
         self._quorum_error: Exception | None = None
         """Why this step's quorum failed, if it did."""
         self._pending_work: list[dist.Work] = []
+        self._collectives = InOrderCollectives()
         self._healed = False
         self._timings: dict[str, float] = {}
         self._step_started = 0.0
@@ -598,11 +600,12 @@ class Manager:
 
         Args:
             tensor: reduced in place.
-            should_quantize: torchft's request to send the tensor quantized
-                (fp8, lossy), which it honours only with its Triton kernels
-                on CUDA and otherwise ignores. We have no quantized
-                collective, so the reduction is always exact: the result is
-                what torchft gives where it cannot quantize.
+            should_quantize: send the floating point tensor as blockwise
+                int8 (torchft_like.collectives.allreduce_quantized): about a
+                quarter of the bytes, lossy (each element within about
+                1/127 of its block's largest magnitude), still bit-identical
+                on every replica. DiLoCo uses it for pseudo-gradients.
+                torchft quantizes to fp8 only on CUDA; we do it on any device.
             reduce_op: SUM or AVG (SUM, then divide by num_participants()).
 
         Raises:
@@ -623,7 +626,14 @@ class Manager:
             tensor.zero_()
         num_participants = self._num_participants
         try:
-            work = self._pg.allreduce([tensor], ReduceOp.SUM)
+            quantize = should_quantize and torch.is_floating_point(tensor)
+            pg = self._pg
+            work = self._collectives.issue(
+                (lambda: allreduce_quantized(tensor, pg))
+                if quantize
+                else (lambda: pg.allreduce([tensor], ReduceOp.SUM)),
+                two_rounds=quantize,
+            )
 
             def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
                 fut.value()
@@ -790,6 +800,7 @@ class Manager:
             self._manager_server.shutdown()
         self._checkpoint_transport.shutdown(wait=wait)
         self._executor.shutdown(wait=wait, cancel_futures=True)
+        self._collectives.shutdown()
         if hasattr(self._pg, "shutdown"):
             self._pg.shutdown()
 
