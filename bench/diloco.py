@@ -121,7 +121,7 @@ def run_config(name: str, flags: list[str], inner_steps: int, tmp: Path) -> dict
         lighthouse.wait()
     finals = [json.loads(p.read_text().splitlines()[-1]) for p in logs]
     steps = [json.loads(line) for line in logs[0].read_text().splitlines()]
-    steps = [r for r in steps if r["event"] == "step"]
+    steps = [r for r in steps if r["event"] == "inner"]
     return {
         "config": name,
         "tokens_per_group": finals[0]["tokens"],

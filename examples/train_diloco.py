@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -31,12 +32,14 @@ import time
 from datetime import timedelta
 from pathlib import Path
 
-import torch
-from torch import nn
+START_TIME = time.time()  # before the heavy imports: start-up includes them
 
-from torchft_like import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
-from torchft_like.collectives import quantized_nbytes, ring_allreduce_nbytes
-from torchft_like.local_sgd import DiLoCo, LocalSGD
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+from torchft_like import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo  # noqa: E402
+from torchft_like.collectives import quantized_nbytes, ring_allreduce_nbytes  # noqa: E402
+from torchft_like.local_sgd import DiLoCo, LocalSGD  # noqa: E402
 
 # --- arguments --------------------------------------------------------------
 
@@ -54,6 +57,13 @@ parser.add_argument("--delay", type=int, default=0, help="streaming: fragment_sy
 parser.add_argument("--alpha", type=float, default=0.0, help="streaming: fragment_update_alpha")
 parser.add_argument("--quantize", action="store_true", help="send pseudo-gradients as int8")
 parser.add_argument("--inner-steps", type=int, default=400, help="inner steps per group")
+parser.add_argument(
+    "--steps",
+    type=int,
+    default=None,
+    help="committed syncs (Manager steps) to train instead of --inner-steps; a group that "
+    "restarts stops with the others",
+)
 parser.add_argument("--batch-size", type=int, default=8, help="sequences per inner step")
 parser.add_argument("--seq-len", type=int, default=64, help="bytes per sequence")
 parser.add_argument("--d-model", type=int, default=64, help="transformer width")
@@ -218,7 +228,7 @@ else:
         should_quantize=args.quantize, fragment_sync_delay=args.delay,
         fragment_update_alpha=args.alpha,
     )  # fmt: skip
-target_commits = args.inner_steps // steps_per_commit
+target_commits = args.steps if args.steps is not None else args.inner_steps // steps_per_commit
 json_log = open(args.log_json, "a") if args.log_json and RANK == 0 else None
 
 
@@ -241,8 +251,35 @@ def sync_nbytes(step_committed: int) -> int:
     return sum(count(n, world) for n in numels)
 
 
-emit({"event": "start", "algo": args.algo, "params": num_params, "args": vars(args)})
+emit({
+    "event": "start", "t": START_TIME, "ready": time.time(), "algo": args.algo,
+    "params": num_params, "args": vars(args), "replica_id": manager.replica_id,
+})  # fmt: skip
 log.info("%s, %d parameters, %d committed syncs to go", args.algo, num_params, target_commits)
+
+
+def state_hash() -> str:
+    """Hash of what every group must share after a sync: the global
+    parameters and the outer optimizer (DiLoCo), else the model, and the
+    Manager's step. Inner optimizer states are each group's own."""
+    digest = hashlib.sha256(str(manager.current_step()).encode())
+    if args.algo == "diloco":
+        user = manager.full_state_dict()["user"]
+        tensors = []
+        for i in range(len(fragments)):
+            frag = user[f"StreamingDiLoCoFragment_{i}"]
+            tensors += sorted(frag["original_parameters"].items())
+            for index, st in sorted(frag["outer_optimizer"]["state"].items()):
+                tensors += [(f"outer{i}.{index}.{k}", v) for k, v in sorted(st.items())]
+    else:
+        tensors = sorted(model.state_dict().items())
+    for key, value in tensors:
+        digest.update(key.encode())
+        digest.update(
+            torch.as_tensor(value).detach().reshape(-1).view(torch.uint8).numpy().tobytes()
+        )
+    return digest.hexdigest()[:16]
+
 
 # --- training loop ----------------------------------------------------------
 
@@ -264,10 +301,18 @@ with context:
         if synced:
             bytes_sent += sync_nbytes(manager.current_step())
         emit({
-            "event": "step", "inner_step": inner_step, "step": manager.current_step(),
-            "loss": loss.item(), "step_s": step_s, "synced": synced, "bytes_sent": bytes_sent,
-            "tokens": tokens,
+            "event": "inner", "t": time.time(), "inner_step": inner_step, "loss": loss.item(),
+            "step_s": step_s, "synced": synced,
         })  # fmt: skip
+        # A sync was attempted (the algorithm reset its count; DDP: every step):
+        # one record per Manager step attempt, as examples/train_ddp.py writes.
+        if algo is None or algo._local_step == 0:
+            emit({
+                "event": "step", "t": time.time(), "step": manager.current_step(),
+                "loss": loss.item(), "committed": synced, "healed": manager.did_heal(),
+                "participants": manager.num_participants(), "bytes_sent": bytes_sent,
+                "tokens": tokens, "inner_step": inner_step, **manager.timings(),
+            })  # fmt: skip
         if inner_step % 50 == 0:
             log.info(
                 "inner step %d sync %d loss %.3f", inner_step, manager.current_step(), loss.item()
@@ -278,8 +323,9 @@ with context:
 final = eval_loss()
 log.info("finished: %d inner steps, eval loss %.4f, %d bytes sent", inner_step, final, bytes_sent)
 emit({
-    "event": "final", "inner_steps": inner_step, "tokens": tokens, "eval_loss": final,
-    "bytes_sent": bytes_sent, "step": manager.current_step(),
+    "event": "final", "t": time.time(), "inner_steps": inner_step, "tokens": tokens,
+    "eval_loss": final, "bytes_sent": bytes_sent, "step": manager.current_step(),
+    "hash": state_hash(), "quorum_id": manager.quorum_id(),
 })  # fmt: skip
 manager.shutdown()
 sys.exit(0)
