@@ -23,8 +23,10 @@ sync: two groups as threads in one process (real lighthouse, real gloo), an
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -185,16 +187,26 @@ def overhead(rounds: int, block: int) -> list[dict[str, Any]]:
         inner.step()
         return time.perf_counter() - start
 
+    contexts = {"plain": contextlib.nullcontext(), "diloco": diloco, "localsgd": local_sgd}
+    order = list(contexts)
+    shuffle = random.Random(0).shuffle
     try:
         for _ in range(block):  # warm-up
             step()
-        for _ in range(rounds):
-            times["plain"] += [step() for _ in range(block)]
-            with diloco:
-                times["diloco"] += [step() for _ in range(block)]
-            times["plain"] += [step() for _ in range(block)]
-            with local_sgd:
-                times["localsgd"] += [step() for _ in range(block)]
+        for _ in range(rounds):  # short blocks in a new order each round: load drifts
+            shuffle(order)
+            for name in order:
+                with contexts[name]:
+                    times[name] += [step() for _ in range(block)]
+        # The hooks alone (what a step pays outside syncs), timed directly.
+        hook_us = {}
+        for name, algo in (("diloco", diloco), ("localsgd", local_sgd)):
+            calls = 20000
+            start = time.perf_counter()
+            for _ in range(calls):
+                algo._step_pre_hook(inner, (), {})
+                algo._step_post_hook(inner, (), {})
+            hook_us[name] = 1e6 * (time.perf_counter() - start) / calls
     finally:
         manager.shutdown()
         lighthouse.shutdown()
@@ -206,6 +218,8 @@ def overhead(rounds: int, block: int) -> list[dict[str, Any]]:
             "median_step_ms": round(1000 * statistics.median(ts), 3),
             "plain_step_ms": round(1000 * plain, 3),
             "ratio": round(statistics.median(ts) / plain, 4),
+            "hooks_us": round(hook_us[name], 2),
+            "hooks_share": round(hook_us[name] / 1e6 / plain, 6),
             "steps": len(ts),
         }
         for name, ts in times.items()
@@ -281,7 +295,8 @@ def main() -> None:
             rows = [run_config(n, f, inner_steps, Path(tmp)) for n, f in configs]
         report(rows, results_file(args.out, "diloco_table"))
     if "overhead" in args.part:
-        report(overhead(3 if args.smoke else 10, 20), results_file(args.out, "diloco_overhead"))
+        rounds, block = (3, 5) if args.smoke else (40, 5)
+        report(overhead(rounds, block), results_file(args.out, "diloco_overhead"))
     if "sync" in args.part:
         widths = args.widths[:1] if args.smoke else args.widths
         rows = [sync_time(w, q, 3 if args.smoke else 7) for w in widths for q in (False, True)]

@@ -69,18 +69,21 @@ def allreduce_quantized(
             for chunk in padded.split(chunk_numel)
         ]
     )
+    # The codec runs on the tensor's device; only bytes go through gloo (CPU).
+    send = send.cpu()
     received = torch.empty_like(send)
     splits = [chunk_bytes] * world
     pg.alltoall_base(received, send, splits, splits).wait()
     own = torch.zeros(chunk_numel, dtype=torch.float32, device=tensor.device)
-    for piece in received.split(chunk_bytes):  # in rank order: the same sum everywhere
+    for piece in received.to(tensor.device).split(chunk_bytes):  # rank order: same sum everywhere
         own += quantization.unpack(piece, block_size)
-    packed = quantization.pack(*quantization.quantize_int8(own, block_size))
+    packed = quantization.pack(*quantization.quantize_int8(own, block_size)).cpu()
     gathered = [torch.empty_like(packed) for _ in range(world)]
 
     def decode(fut: torch.futures.Future[Any]) -> torch.Tensor:
         fut.value()
-        total = torch.cat([quantization.unpack(g, block_size) for g in gathered])
+        whole = torch.cat(gathered).to(tensor.device)
+        total = torch.cat([quantization.unpack(g, block_size) for g in whole.split(chunk_bytes)])
         tensor.copy_(total[:numel].view_as(tensor))
         return tensor
 
