@@ -385,6 +385,16 @@ class DiLoCo(_InnerStepHooks):
     `fragment_sync_delay` inner steps before it is needed, overlapping the
     communication with those steps.
 
+    With the Manager's init_sync (its default), the first sync is at step 0
+    and copies the primary group's whole state to the others, so their first
+    `sync_every` inner steps count for nothing; start every group from the
+    same weights with init_sync=False to keep them.
+
+    A group that heals copies a peer's state while that peer may already run
+    its next inner steps (fragment_sync_delay > 0): the global state it gets
+    (backup, outer optimizer) is a copy taken at the quorum, but its local
+    model and inner optimizer state may mix two inner steps of the peer's.
+
     Args:
         manager: the Manager of this rank, built with use_async_quorum=False.
         model_fragments: the modules synced in turn (one for plain DiLoCo).

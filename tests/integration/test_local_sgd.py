@@ -321,3 +321,37 @@ def test_a_group_that_joins_late_heals_the_outer_state_and_joins_at_a_sync():
     assert b.syncs[0]["step"] >= 3
     assert len(b.syncs) < len(a.syncs)
     assert_same_outer_state(a, b)
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [
+        ({"sync_every": 1, "num_fragments": 2}, r"sync_every \(1\) is less than the 2 fragments"),
+        ({"sync_every": 5, "num_fragments": 2}, r"must be a multiple of the number of fragments"),
+        ({"sync_every": 4, "num_fragments": 2, "fragment_sync_delay": 2}, r"less than .* \(2\)"),
+        ({"fragment_update_alpha": 1.5}, r"fragment_update_alpha \(1.5\) must be between 0 and 1"),
+        ({"outers": 3}, r"3 outer optimizers for 1 model fragments"),
+        ({"use_async_quorum": True}, r"use_async_quorum=False"),
+    ],
+)
+def test_bad_diloco_arguments_are_clear_errors(kwargs, match):
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    model = make_model()
+    inner = torch.optim.AdamW(model.parameters())
+    manager = small_replica(
+        0, 0, 1, store, lighthouse.address(), model, inner,
+        use_async_quorum=kwargs.pop("use_async_quorum", False),
+    )  # fmt: skip
+    try:
+        frags = fragments_of(model, kwargs.pop("num_fragments", 1))
+        num_outers = kwargs.pop("outers", len(frags))
+        outers = [outer_optimizer(model.parameters()) for _ in range(num_outers)]
+        kwargs.setdefault("sync_every", 4)
+        with pytest.raises(ValueError, match=match):
+            DiLoCo(manager, frags, inner, outers, **kwargs)
+        with pytest.raises(ValueError, match=r"sync_every \(0\) must be at least 1"):
+            LocalSGD(manager, model, inner, sync_every=0)
+    finally:
+        manager.shutdown()
+        lighthouse.shutdown()
