@@ -43,10 +43,11 @@ def quantize_int8(
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
     grid = flat.view(blocks, block_size)
-    scales = grid.abs().amax(dim=1) / INT8_MAX
+    lo, hi = torch.aminmax(grid, dim=1)  # one pass, no |grid| copy
+    scales = torch.maximum(hi, -lo) / INT8_MAX
     # An all-zero block has scale 0: divide by 1 instead, it quantizes to 0.
     safe = torch.where(scales > 0, scales, torch.ones_like(scales))
-    q = torch.round(grid / safe.unsqueeze(1)).clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
+    q = torch.div(grid, safe.unsqueeze(1)).round_().clamp_(-INT8_MAX, INT8_MAX).to(torch.int8)
     return q, scales
 
 
