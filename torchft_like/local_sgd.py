@@ -340,6 +340,11 @@ class _StreamingDiLoCoFragment:
         self._save_grads()
         self._average_grads()
 
+    def _wait_averaged(self) -> None:
+        """Waits for the averaging in flight, which perform_sync still finishes."""
+        for work in self._allreduce_work:
+            work.wait()
+
     def wait(self) -> None:
         """Waits for the averaging started by prepare_sync."""
         for work in self._allreduce_work:
@@ -391,10 +396,10 @@ class DiLoCo(_InnerStepHooks):
     `sync_every` inner steps count for nothing; start every group from the
     same weights with init_sync=False to keep them.
 
-    A group that heals copies a peer's state while that peer may already run
-    its next inner steps (fragment_sync_delay > 0): the global state it gets
-    (backup, outer optimizer) is a copy taken at the quorum, but its local
-    model and inner optimizer state may mix two inner steps of the peer's.
+    A group that serves its state to a healing one waits for the averaging
+    of that sync before its next inner step (the transfer reads the live
+    parameters, and the healing group joins the averaging once it has
+    them), so with fragment_sync_delay > 0 that one sync is not overlapped.
 
     Args:
         manager: the Manager of this rank, built with use_async_quorum=False.
@@ -541,6 +546,12 @@ class DiLoCo(_InnerStepHooks):
             fragment = self._current_fragment()
             logger.debug("sending fragment %d at inner step %d", fragment, self._local_step)
             self._fragments[fragment].prepare_sync()
+            if self._fragment_sync_delay and self._manager.is_serving_state():
+                # A healing peer is reading our live parameters, and joins
+                # this averaging only once it has them all: wait for it here
+                # rather than let the next inner steps write them under it.
+                logger.info("serving a healing group: fragment %d's sync not overlapped", fragment)
+                self._fragments[fragment]._wait_averaged()
         if self._local_step == self._sync_every:
             fragment = self._current_fragment()
             committed = self._fragments[fragment].perform_sync()

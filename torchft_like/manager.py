@@ -232,6 +232,7 @@ class Manager:
         self._pending_work: list[dist.Work] = []
         self._collectives = InOrderCollectives()
         self._healed = False
+        self._serving = False
         self._timings: dict[str, float] = {}
         self._step_started = 0.0
         self._heal_report = ""
@@ -417,6 +418,7 @@ class Manager:
         self._errored = None
         self._healing = False
         self._healed = False
+        self._serving = False
         self._pending_work = []
         self._step_started = time.monotonic()
         state_fingerprint = self._take_fingerprint()
@@ -518,6 +520,7 @@ class Manager:
             )
             self._quorum_id = result.quorum_id
         if allow_heal and result.recover_dst_replica_ranks:
+            self._serving = True
             self._logger.info(
                 "serving state to replica ranks %s", list(result.recover_dst_replica_ranks)
             )
@@ -781,6 +784,14 @@ class Manager:
     def did_heal(self) -> bool:
         """Whether this step's quorum made us copy the state from a peer."""
         return self._healed
+
+    def is_serving_state(self) -> bool:
+        """Whether this step's quorum made us serve our state to a healing
+        peer. The transfer reads the live tensors until should_commit, so a
+        caller that writes them before (DiLoCo's inner steps while a sync is
+        in flight) waits for the peer first."""
+        self.wait_quorum()
+        return self._serving
 
     def metrics_address(self) -> str | None:
         """`http://host:port/metrics` of this rank's metrics, or None when not served."""
