@@ -16,8 +16,9 @@ local ones. The outer state (the backup, the outer optimizer, and the
 Manager's step, which picks the fragment to sync) is registered with the
 Manager, so a restarted group copies it from a live one at its first sync
 (where, the quorum being synchronous, it counts with the copy: its source's
-pseudo-gradient weighs twice that once, as in torchft). DiLoCo needs `use_async_quorum=False`: the
-heal must land before the pseudo-gradient is taken.
+pseudo-gradient weighs twice that once, as in torchft). DiLoCo needs
+`use_async_quorum=False`: the heal must land before the pseudo-gradient is
+taken.
 """
 
 from __future__ import annotations
