@@ -3,10 +3,11 @@
     .venv/bin/python examples/demo.py            # no argument needed
 
 Starts a lighthouse and replica groups (each a real `torchrun` running
-examples/train_ddp.py), SIGKILLs one group's whole process tree mid-training,
-restarts it, lets it heal from a live peer, trains to the end, then prints a
-summary, says whether the replicas ended bit-identical, and draws the step
-timeline of each group (PNG) with the kill and the recovery marked.
+examples/train_ddp.py, or with --example diloco examples/train_diloco.py),
+SIGKILLs one group's whole process tree mid-training, restarts it, lets it
+heal from a live peer, trains to the end, then prints a summary, says
+whether the replicas ended bit-identical, and draws the step timeline of
+each group (PNG) with the kill and the recovery marked.
 """
 
 from __future__ import annotations
@@ -44,7 +45,18 @@ example:
 )
 parser.add_argument("--groups", type=int, default=2, help="replica groups")
 parser.add_argument("--nproc-per-group", type=int, default=1, help="ranks per replica group")
-parser.add_argument("--steps", type=int, default=400, help="committed steps to train")
+parser.add_argument(
+    "--example",
+    choices=["ddp", "diloco"],
+    default="ddp",
+    help="what the groups train: examples/train_ddp.py (an MLP, a sync every step) or "
+    "examples/train_diloco.py (a small transformer LM, DiLoCo: a sync every --sync-every "
+    "inner steps; a step is then a sync)",
+)
+parser.add_argument(
+    "--steps", type=int, default=None, help="committed steps to train (default 400; diloco: 30)"
+)
+parser.add_argument("--sync-every", type=int, default=10, help="diloco: inner steps per sync")
 parser.add_argument("--hidden", type=int, default=512, help="hidden width of the MLP")
 parser.add_argument("--kill-at-step", type=int, default=None, help="default: a third of --steps")
 parser.add_argument("--victim", type=int, default=1, help="replica group to kill")
@@ -90,6 +102,8 @@ def progress(done: int, total: int, note: str) -> None:
 
 def main() -> int:
     args = parser.parse_args()
+    if args.steps is None:
+        args.steps = 30 if args.example == "diloco" else 400
     kill_at = args.kill_at_step if args.kill_at_step is not None else args.steps // 3
     out = REPO / args.out
     shutil.rmtree(out, ignore_errors=True)
@@ -125,6 +139,11 @@ def main() -> int:
         )
         lighthouse = f"http://127.0.0.1:{port}"
 
+        if args.example == "diloco":
+            script = ["examples/train_diloco.py", "--sync-every", str(args.sync_every)]
+        else:
+            script = ["examples/train_ddp.py", "--hidden", str(args.hidden)]
+
         def launch(group: int) -> subprocess.Popen:
             return job.spawn(
                 torchrun
@@ -132,11 +151,9 @@ def main() -> int:
                     "--standalone",
                     "--nproc_per_node",
                     str(args.nproc_per_group),
-                    "examples/train_ddp.py",
+                    *script,
                     "--steps",
                     str(args.steps),
-                    "--hidden",
-                    str(args.hidden),
                     "--step-sleep",
                     str(args.step_sleep),
                     "--log-json",

@@ -40,6 +40,7 @@ from torchft_like import parent_watch
 from torchft_like._state_gate import StateReadGate
 from torchft_like._work import FutureWork, completed_work
 from torchft_like.checkpointing import CheckpointTransport, HTTPTransport
+from torchft_like.collectives import InOrderCollectives, allreduce_quantized
 from torchft_like.fingerprint import fingerprint
 from torchft_like.group_quorum import QuorumRequest
 from torchft_like.manager_client import ManagerClient, ManagerClientProtocol
@@ -229,7 +230,9 @@ class Manager:
         self._quorum_error: Exception | None = None
         """Why this step's quorum failed, if it did."""
         self._pending_work: list[dist.Work] = []
+        self._collectives = InOrderCollectives()
         self._healed = False
+        self._serving = False
         self._timings: dict[str, float] = {}
         self._step_started = 0.0
         self._heal_report = ""
@@ -415,6 +418,7 @@ class Manager:
         self._errored = None
         self._healing = False
         self._healed = False
+        self._serving = False
         self._pending_work = []
         self._step_started = time.monotonic()
         state_fingerprint = self._take_fingerprint()
@@ -516,6 +520,7 @@ class Manager:
             )
             self._quorum_id = result.quorum_id
         if allow_heal and result.recover_dst_replica_ranks:
+            self._serving = True
             self._logger.info(
                 "serving state to replica ranks %s", list(result.recover_dst_replica_ranks)
             )
@@ -598,11 +603,12 @@ class Manager:
 
         Args:
             tensor: reduced in place.
-            should_quantize: torchft's request to send the tensor quantized
-                (fp8, lossy), which it honours only with its Triton kernels
-                on CUDA and otherwise ignores. We have no quantized
-                collective, so the reduction is always exact: the result is
-                what torchft gives where it cannot quantize.
+            should_quantize: send the floating point tensor as blockwise
+                int8 (torchft_like.collectives.allreduce_quantized): about a
+                quarter of the bytes, lossy (each element within about
+                1/127 of its block's largest magnitude), still bit-identical
+                on every replica. DiLoCo uses it for pseudo-gradients.
+                torchft quantizes to fp8 only on CUDA; we do it on any device.
             reduce_op: SUM or AVG (SUM, then divide by num_participants()).
 
         Raises:
@@ -623,7 +629,14 @@ class Manager:
             tensor.zero_()
         num_participants = self._num_participants
         try:
-            work = self._pg.allreduce([tensor], ReduceOp.SUM)
+            quantize = should_quantize and torch.is_floating_point(tensor)
+            pg = self._pg
+            work = self._collectives.issue(
+                (lambda: allreduce_quantized(tensor, pg))
+                if quantize
+                else (lambda: pg.allreduce([tensor], ReduceOp.SUM)),
+                two_rounds=quantize,
+            )
 
             def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
                 fut.value()
@@ -772,6 +785,14 @@ class Manager:
         """Whether this step's quorum made us copy the state from a peer."""
         return self._healed
 
+    def is_serving_state(self) -> bool:
+        """Whether this step's quorum made us serve our state to a healing
+        peer. The transfer reads the live tensors until should_commit, so a
+        caller that writes them before (DiLoCo's inner steps while a sync is
+        in flight) waits for the peer first."""
+        self.wait_quorum()
+        return self._serving
+
     def metrics_address(self) -> str | None:
         """`http://host:port/metrics` of this rank's metrics, or None when not served."""
         return self._metrics_server.address() if self._metrics_server else None
@@ -790,6 +811,7 @@ class Manager:
             self._manager_server.shutdown()
         self._checkpoint_transport.shutdown(wait=wait)
         self._executor.shutdown(wait=wait, cancel_futures=True)
+        self._collectives.shutdown()
         if hasattr(self._pg, "shutdown"):
             self._pg.shutdown()
 

@@ -1,0 +1,158 @@
+"""A sum over the replicas that sends int8 instead of float (quantization.py).
+
+Why this shape: an int8 allreduce cannot add int8 values on the wire (they
+overflow, and each replica's blocks have their own scales). So the sum is a
+reduce-scatter then an allgather, both on quantized bytes:
+
+1. every replica quantizes its tensor and sends chunk r to replica r
+   (alltoall): each replica receives every replica's copy of its own chunk;
+2. it dequantizes them and adds them in float32, in replica rank order;
+3. it quantizes its summed chunk again and every replica gathers every
+   chunk (allgather), then dequantizes the whole tensor.
+
+Each replica sends 2 (N-1)/N of the int8 payload, the same pattern as a
+ring allreduce of floats, so the bytes on the wire drop to (1 + 4/block) / 4
+of float32's at any number of replicas N (an allgather of everyone's whole
+tensor would cost N/8 of it instead). Every replica ends with the same
+bytes (the owner of a chunk decodes the gathered copy too), so replicas
+stay bit-identical. The cost is two rounding errors, each at most half a
+block's scale.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from torchft_like import quantization
+from torchft_like._work import FutureWork, completed_work
+
+
+def allreduce_quantized(
+    tensor: torch.Tensor, pg: Any, block_size: int = quantization.DEFAULT_BLOCK_SIZE
+) -> dist.Work:
+    """Sums a float tensor over `pg` in place, sent as blockwise int8.
+
+    Blocks until the first round (the alltoall) is done and the second (the
+    allgather) is issued: the second depends on the first, and issuing it
+    from a callback would let replicas issue their collectives in different
+    orders, which gloo cannot match. Call it through `InOrderCollectives`
+    to keep the caller's thread free.
+
+    Returns:
+        A Work whose future completes with `tensor` once the sum is in it,
+        or fails with the allgather's error.
+
+    Raises:
+        ValueError: `tensor` is not floating point.
+        RuntimeError: the alltoall failed.
+    """
+    if not torch.is_floating_point(tensor):
+        raise ValueError(f"allreduce_quantized takes a floating point tensor, got {tensor.dtype}")
+    world = pg.size()
+    if world == 1:
+        return completed_work(tensor)
+    numel = tensor.numel()
+    chunk_blocks = max(1, quantization.num_blocks(numel, block_size * world))
+    chunk_numel = chunk_blocks * block_size
+    padded = torch.zeros(world * chunk_numel, dtype=torch.float32, device=tensor.device)
+    padded[:numel] = tensor.detach().reshape(-1)
+    chunk_bytes = quantization.packed_nbytes(chunk_blocks, block_size)
+    send = torch.cat(
+        [
+            quantization.pack(*quantization.quantize_int8(chunk, block_size))
+            for chunk in padded.split(chunk_numel)
+        ]
+    )
+    # The codec runs on the tensor's device; only bytes go through gloo (CPU).
+    send = send.cpu()
+    received = torch.empty_like(send)
+    splits = [chunk_bytes] * world
+    pg.alltoall_base(received, send, splits, splits).wait()
+    own = torch.zeros(chunk_numel, dtype=torch.float32, device=tensor.device)
+    for piece in received.to(tensor.device).split(chunk_bytes):  # rank order: same sum everywhere
+        own += quantization.unpack(piece, block_size)
+    packed = quantization.pack(*quantization.quantize_int8(own, block_size)).cpu()
+    gathered = [torch.empty_like(packed) for _ in range(world)]
+
+    def decode(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        fut.value()
+        whole = torch.cat(gathered).to(tensor.device)
+        total = torch.cat([quantization.unpack(g, block_size) for g in whole.split(chunk_bytes)])
+        tensor.copy_(total[:numel].view_as(tensor))
+        return tensor
+
+    return FutureWork(pg.allgather([gathered], [packed]).get_future().then(decode))
+
+
+class InOrderCollectives:
+    """Issues collectives in the order they are asked for, off the caller's thread
+    when one of them needs two rounds.
+
+    Gloo matches collectives by the order each replica issues them, so a
+    two-round collective (allreduce_quantized) runs in one worker thread,
+    and any collective asked for while one is still unissued queues behind
+    it; otherwise it is issued at once on the caller's thread.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._queued = 0
+        self._executor: ThreadPoolExecutor | None = None
+
+    def issue(self, start: Callable[[], dist.Work], two_rounds: bool) -> dist.Work:
+        """`start()` issues the collective and returns its Work. Returns a
+        Work that completes with it; errors from `start` fail that Work
+        when it is queued, and raise here when it is not."""
+        with self._lock:
+            if not two_rounds and self._queued == 0:
+                return start()
+            self._queued += 1
+            if self._executor is None:
+                self._executor = ThreadPoolExecutor(1, thread_name_prefix="torchft_collectives")
+            executor = self._executor
+        result: torch.futures.Future[Any] = torch.futures.Future()
+
+        def settle(fut: torch.futures.Future[Any]) -> None:
+            try:
+                result.set_result(fut.value())
+            except Exception as e:
+                result.set_exception(e)
+
+        def job() -> None:
+            try:
+                work = start()
+            except Exception as e:
+                result.set_exception(e)
+                return
+            finally:
+                with self._lock:
+                    self._queued -= 1
+            work.get_future().add_done_callback(settle)
+
+        executor.submit(job)
+        return FutureWork(result)
+
+    def shutdown(self) -> None:
+        with self._lock:
+            executor, self._executor = self._executor, None
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+
+
+def quantized_nbytes(
+    numel: int, world: int, block_size: int = quantization.DEFAULT_BLOCK_SIZE
+) -> int:
+    """Bytes one replica sends in `allreduce_quantized` of `numel` elements."""
+    chunk_blocks = max(1, quantization.num_blocks(numel, block_size * world))
+    return 2 * (world - 1) * quantization.packed_nbytes(chunk_blocks, block_size)
+
+
+def ring_allreduce_nbytes(numel: int, world: int, element_size: int = 4) -> int:
+    """Bytes one replica sends in a ring allreduce of `numel` elements."""
+    return 2 * (world - 1) * numel * element_size // world
