@@ -3,10 +3,12 @@
     .venv/bin/python examples/demo.py            # no argument needed
 
 Starts a lighthouse and replica groups (each a real `torchrun` running
-examples/train_ddp.py), SIGKILLs one group's whole process tree mid-training,
-restarts it, lets it heal from a live peer, trains to the end, then prints a
-summary, says whether the replicas ended bit-identical, and draws the step
-timeline of each group (PNG) with the kill and the recovery marked.
+examples/train_ddp.py, or with `--example fsdp` examples/train_fsdp.py: a
+transformer LM sharded with FSDP2 inside each group), SIGKILLs one group's
+whole process tree mid-training, restarts it, lets it heal from a live peer,
+trains to the end, then prints a summary, says whether the replicas ended
+bit-identical, and draws the step timeline of each group (PNG) with the kill
+and the recovery marked.
 """
 
 from __future__ import annotations
@@ -42,10 +44,17 @@ example:
 """,
     formatter_class=argparse.RawDescriptionHelpFormatter,
 )
+parser.add_argument(
+    "--example",
+    choices=("ddp", "fsdp"),
+    default="ddp",
+    help="ddp: examples/train_ddp.py (an MLP, a full copy per rank); fsdp: "
+    "examples/train_fsdp.py (a transformer LM sharded over each group's ranks, FT-HSDP)",
+)
 parser.add_argument("--groups", type=int, default=2, help="replica groups")
 parser.add_argument("--nproc-per-group", type=int, default=1, help="ranks per replica group")
 parser.add_argument("--steps", type=int, default=400, help="committed steps to train")
-parser.add_argument("--hidden", type=int, default=512, help="hidden width of the MLP")
+parser.add_argument("--hidden", type=int, default=512, help="hidden width of the MLP (ddp)")
 parser.add_argument("--kill-at-step", type=int, default=None, help="default: a third of --steps")
 parser.add_argument("--victim", type=int, default=1, help="replica group to kill")
 parser.add_argument("--restart-after", type=float, default=1.0, help="seconds before restarting")
@@ -125,6 +134,12 @@ def main() -> int:
         )
         lighthouse = f"http://127.0.0.1:{port}"
 
+        script = (
+            ["examples/train_fsdp.py"]
+            if args.example == "fsdp"
+            else ["examples/train_ddp.py", "--hidden", str(args.hidden)]
+        )
+
         def launch(group: int) -> subprocess.Popen:
             return job.spawn(
                 torchrun
@@ -132,11 +147,9 @@ def main() -> int:
                     "--standalone",
                     "--nproc_per_node",
                     str(args.nproc_per_group),
-                    "examples/train_ddp.py",
+                    *script,
                     "--steps",
                     str(args.steps),
-                    "--hidden",
-                    str(args.hidden),
                     "--step-sleep",
                     str(args.step_sleep),
                     "--log-json",

@@ -29,10 +29,10 @@ def _placements(t: DTensor) -> list[str]:
     return [repr(p) for p in t.placements]
 
 
-def _layout(model: nn.Module) -> dict[str, Any]:
+def _layout(model_state: dict[str, Any]) -> dict[str, Any]:
     """What must agree between a sender and a receiver of a shard."""
     tensors: dict[str, Any] = {}
-    for name, value in model.state_dict().items():
+    for name, value in model_state.items():
         if isinstance(value, DTensor):
             tensors[name] = {
                 "shape": list(value.shape),
@@ -124,18 +124,25 @@ class HSDPState:
 
     def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
         self.model, self.optimizer = model, optimizer
+        # A source serves its state from the Manager's quorum thread while the
+        # training thread runs the forward pass. FSDP2's model.state_dict()
+        # reshards the model first (a pre-hook), which would free the gathered
+        # parameters under that forward. The tensors of one state_dict() share
+        # storage with the sharded parameters, which the optimizer updates in
+        # place, so one taken here stays current (torch's FSDP2 allows reusing it).
+        self._model_state = model.state_dict()
 
     def state_dict(self) -> dict[str, Any]:
         return {
-            "layout": _layout(self.model),
-            "model": self.model.state_dict(),
+            "layout": _layout(self._model_state),
+            "model": dict(self._model_state),
             "optim": self.optimizer.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Copies a received shard in; ValueError if its layout differs from ours."""
-        _check_layout(_layout(self.model), state.get("layout"))
-        ours = self.model.state_dict()
+        _check_layout(_layout(self._model_state), state.get("layout"))
+        ours = self._model_state
         model_state = {k: _onto(v, ours[k], k) for k, v in state["model"].items()}
         params = [p for group in self.optimizer.param_groups for p in group["params"]]
         optim = state["optim"]
@@ -155,5 +162,7 @@ class HSDPState:
                 else v
                 for k, v in entry.items()
             }
+        # On the training thread, between steps: FSDP2's hooks may reshard here.
         self.model.load_state_dict(model_state)
         self.optimizer.load_state_dict({**optim, "state": optim_state})
+        self._model_state = self.model.state_dict()
