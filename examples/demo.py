@@ -3,11 +3,13 @@
     .venv/bin/python examples/demo.py            # no argument needed
 
 Starts a lighthouse and replica groups (each a real `torchrun` running
-examples/train_ddp.py, or with --example diloco examples/train_diloco.py),
-SIGKILLs one group's whole process tree mid-training, restarts it, lets it
-heal from a live peer, trains to the end, then prints a summary, says
-whether the replicas ended bit-identical, and draws the step timeline of
-each group (PNG) with the kill and the recovery marked.
+examples/train_ddp.py; with `--example diloco` examples/train_diloco.py, a
+small transformer LM trained with DiLoCo; with `--example fsdp`
+examples/train_fsdp.py, a transformer LM sharded with FSDP2 inside each
+group), SIGKILLs one group's whole process tree mid-training, restarts it,
+lets it heal from a live peer, trains to the end, then prints a summary,
+says whether the replicas ended bit-identical, and draws the step timeline
+of each group (PNG) with the kill and the recovery marked.
 """
 
 from __future__ import annotations
@@ -43,21 +45,22 @@ example:
 """,
     formatter_class=argparse.RawDescriptionHelpFormatter,
 )
-parser.add_argument("--groups", type=int, default=2, help="replica groups")
-parser.add_argument("--nproc-per-group", type=int, default=1, help="ranks per replica group")
 parser.add_argument(
     "--example",
-    choices=["ddp", "diloco"],
+    choices=("ddp", "diloco", "fsdp"),
     default="ddp",
-    help="what the groups train: examples/train_ddp.py (an MLP, a sync every step) or "
-    "examples/train_diloco.py (a small transformer LM, DiLoCo: a sync every --sync-every "
-    "inner steps; a step is then a sync)",
+    help="ddp: examples/train_ddp.py (an MLP, a full copy per rank, a sync every step); "
+    "diloco: examples/train_diloco.py (a small transformer LM, DiLoCo: a sync every "
+    "--sync-every inner steps; a step is then a sync); fsdp: examples/train_fsdp.py "
+    "(a transformer LM sharded over each group's ranks, FT-HSDP)",
 )
+parser.add_argument("--groups", type=int, default=2, help="replica groups")
+parser.add_argument("--nproc-per-group", type=int, default=1, help="ranks per replica group")
 parser.add_argument(
     "--steps", type=int, default=None, help="committed steps to train (default 400; diloco: 30)"
 )
 parser.add_argument("--sync-every", type=int, default=10, help="diloco: inner steps per sync")
-parser.add_argument("--hidden", type=int, default=512, help="hidden width of the MLP")
+parser.add_argument("--hidden", type=int, default=512, help="hidden width of the MLP (ddp)")
 parser.add_argument("--kill-at-step", type=int, default=None, help="default: a third of --steps")
 parser.add_argument("--victim", type=int, default=1, help="replica group to kill")
 parser.add_argument("--restart-after", type=float, default=1.0, help="seconds before restarting")
@@ -141,6 +144,8 @@ def main() -> int:
 
         if args.example == "diloco":
             script = ["examples/train_diloco.py", "--sync-every", str(args.sync_every)]
+        elif args.example == "fsdp":
+            script = ["examples/train_fsdp.py"]
         else:
             script = ["examples/train_ddp.py", "--hidden", str(args.hidden)]
 

@@ -798,9 +798,15 @@ class FakeProcessGroupWrapper(_ProcessGroupWrapper):
         return FutureWork(failed)
 
 
-class ManagedProcessGroup(dist.ProcessGroup):
+class ManagedProcessGroup(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
     """A process group whose allreduce goes through `manager.allreduce`, for
-    libraries that want a process group; its size is the quorum's."""
+    libraries that want a process group; its size is the quorum's.
+
+    FT-HSDP uses it as the replicate dimension of FSDP2's mesh
+    (`register("dp_replicate")`, then `torchft_like.device_mesh`): FSDP2's
+    gradient all-reduce over that dimension (SUM or AVG) is then averaged
+    over the live replica groups by the Manager.
+    """
 
     def __init__(self, manager: Any) -> None:
         super().__init__(0, 1)
@@ -829,11 +835,44 @@ class ManagedProcessGroup(dist.ProcessGroup):
         "reduce_scatter_tensor_coalesced", ("allreduce",)
     )
 
+    def _before_first_quorum(self) -> bool:
+        # FSDP2 reads rank() when fully_shard() builds the model, before the
+        # training loop asks for the first quorum (the Manager's would then
+        # fail: "call start_quorum() first"). Until then this group is alone.
+        # A Manager double without the attribute counts as having a quorum.
+        return getattr(self._manager, "_quorum_future", True) is None
+
     def size(self) -> int:
+        if self._before_first_quorum():
+            return 1
         return self._manager.num_participants()
 
     def rank(self) -> int:
+        if self._before_first_quorum():
+            return 0
         return self._manager.participating_rank() or 0
 
     def getBackendName(self) -> str:  # noqa: N802 (torch's name)
         return "torchft-managed"
+
+
+def ft_init_device_mesh(
+    *,
+    device_type: str,
+    mesh_shape: tuple[int, ...],
+    mesh_dim_names: tuple[str, ...],
+    replicate_dim: int,
+    manager: Any,
+) -> Any:
+    """torchft's `process_group.ft_init_device_mesh`: see
+    `torchft_like.device_mesh.ft_init_device_mesh` (imported on first use, so
+    importing process groups does not import DeviceMesh)."""
+    from torchft_like.device_mesh import ft_init_device_mesh as init
+
+    return init(
+        device_type=device_type,
+        mesh_shape=mesh_shape,
+        mesh_dim_names=mesh_dim_names,
+        replicate_dim=replicate_dim,
+        manager=manager,
+    )
