@@ -28,7 +28,7 @@ import math
 import os
 import sys
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import nn, optim
@@ -68,11 +68,26 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if _is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
+_Hooks = TypeVar("_Hooks", bound="_InnerStepHooks")
+
+
 class _InnerStepHooks:
     """The optimizer hooks both algorithms install for the `with` block."""
 
     _manager: Any
     _local_optimizer: optim.Optimizer
+
+    def __enter__(self: _Hooks) -> _Hooks:
+        self._install()
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc_value: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self._remove()
 
     def _install(self) -> None:
         self._hooks: list[RemovableHandle] = [
@@ -122,18 +137,6 @@ class LocalSGD(_InnerStepHooks):
         self._sync_every = sync_every
         self._local_step = 0
         self._hooks = []
-
-    def __enter__(self) -> LocalSGD:
-        self._install()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self._remove()
 
     def _step_post_hook(self, _optim: optim.Optimizer, _args: Any, _kwargs: Any) -> None:
         self._manager.allow_state_dict_read()
@@ -513,18 +516,6 @@ class DiLoCo(_InnerStepHooks):
     def _restore_parameters(self) -> None:
         for fragment in self._fragments:
             fragment.restore_parameters()
-
-    def __enter__(self) -> DiLoCo:
-        self._install()
-        return self
-
-    def __exit__(
-        self,
-        exc_type: type[BaseException] | None,
-        exc_value: BaseException | None,
-        traceback: TracebackType | None,
-    ) -> None:
-        self._remove()
 
     def _wait(self) -> None:
         for fragment in self._fragments:
