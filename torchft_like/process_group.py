@@ -856,23 +856,12 @@ class ManagedProcessGroup(_Registrable, dist.ProcessGroup):  # type: ignore[misc
         return "torchft-managed"
 
 
-def ft_init_device_mesh(
-    *,
-    device_type: str,
-    mesh_shape: tuple[int, ...],
-    mesh_dim_names: tuple[str, ...],
-    replicate_dim: int,
-    manager: Any,
-) -> Any:
-    """torchft's `process_group.ft_init_device_mesh`: see
-    `torchft_like.device_mesh.ft_init_device_mesh` (imported on first use, so
-    importing process groups does not import DeviceMesh)."""
-    from torchft_like.device_mesh import ft_init_device_mesh as init
+def __getattr__(name: str) -> Any:
+    """torchft keeps `ft_init_device_mesh` here: it lives in
+    torchft_like.device_mesh, imported on first use so that importing the
+    process groups does not import DeviceMesh."""
+    if name == "ft_init_device_mesh":
+        from torchft_like.device_mesh import ft_init_device_mesh
 
-    return init(
-        device_type=device_type,
-        mesh_shape=mesh_shape,
-        mesh_dim_names=mesh_dim_names,
-        replicate_dim=replicate_dim,
-        manager=manager,
-    )
+        return ft_init_device_mesh
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
