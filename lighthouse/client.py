@@ -51,8 +51,11 @@ def lighthouse_target(addr: str, tls: TLSConfig | None = None) -> str:
 class LighthouseClient:
     """Blocking client. Quorum blocks until a quorum containing us is issued.
 
-    `secret`: the job's shared secret, sent with every call (lighthouse.rpc.auth).
-    `tls`: connect over TLS (lighthouse.rpc.tls); `addr` is then https://.
+    Args:
+        addr: the lighthouse's URL, e.g. http://host:29510.
+        connect_timeout: how long the first call waits for the connection.
+        secret: the job's shared secret, sent with every call (lighthouse.rpc.auth).
+        tls: connect over TLS (lighthouse.rpc.tls); `addr` is then https://.
     """
 
     def __init__(

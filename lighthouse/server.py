@@ -664,6 +664,16 @@ class LighthouseServer:
     With `kill_button` (and a secret), the status page has a kill form per
     replica (see `kill`); off by default, as the page is open to all readers.
 
+    Args:
+        bind: `host:port` to listen on (port 0 picks one).
+        min_replicas: fewest replica groups a quorum may have.
+        join_timeout_ms, quorum_tick_ms, heartbeat_timeout_ms, suspect_phi,
+            suspect_min_ms: the quorum rule's options (lighthouse.quorum.LighthouseConfig).
+        http_bind: `host:port` of the status page and /metrics; None: no page.
+        secret: the job's shared secret, or None.
+        tls: serve TLS with this configuration, or None for plaintext.
+        kill_button: offer a kill form per replica on the status page.
+
     Raises:
         ValueError: a bad option or an unparsable bind address.
         OSError: the port is already in use.
