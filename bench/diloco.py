@@ -47,43 +47,16 @@ from tools.procs import free_port
 
 EXAMPLE = str(REPO / "examples" / "train_diloco.py")
 
+STREAMING = ["--algo", "diloco", "--sync-every", "100", "--fragments", "4", "--delay", "5",
+             "--alpha", "0.5"]  # fmt: skip
 CONFIGS: list[tuple[str, list[str]]] = [
     ("ddp", ["--algo", "ddp", "--sync-every", "1"]),
     ("localsgd H=20", ["--algo", "localsgd", "--sync-every", "20"]),
     ("diloco H=20", ["--algo", "diloco", "--sync-every", "20"]),
     ("diloco H=20 int8", ["--algo", "diloco", "--sync-every", "20", "--quantize"]),
     ("diloco H=100", ["--algo", "diloco", "--sync-every", "100"]),
-    (
-        "streaming H=100 F=4 tau=5 a=0.5",
-        [
-            "--algo",
-            "diloco",
-            "--sync-every",
-            "100",
-            "--fragments",
-            "4",
-            "--delay",
-            "5",
-            "--alpha",
-            "0.5",
-        ],
-    ),  # fmt: skip
-    (
-        "streaming H=100 F=4 tau=5 a=0.5 int8",
-        [
-            "--algo",
-            "diloco",
-            "--sync-every",
-            "100",
-            "--fragments",
-            "4",
-            "--delay",
-            "5",
-            "--alpha",
-            "0.5",
-            "--quantize",
-        ],
-    ),  # fmt: skip
+    ("streaming H=100 F=4 tau=5 a=0.5", STREAMING),
+    ("streaming H=100 F=4 tau=5 a=0.5 int8", [*STREAMING, "--quantize"]),
 ]
 
 

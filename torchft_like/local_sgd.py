@@ -351,8 +351,7 @@ class _StreamingDiLoCoFragment:
 
     def wait(self) -> None:
         """Waits for the averaging started by prepare_sync."""
-        for work in self._allreduce_work:
-            work.wait()
+        self._wait_averaged()
         self._allreduce_work = []
 
     def perform_sync(self) -> bool:

@@ -75,8 +75,8 @@ def test_a_restart_gets_its_own_name_back_unless_a_spare_took_it(lighthouse):
             client.heartbeat("g0:first")
             time.sleep(0.05)
 
+    client.heartbeat("g0:first")  # live before the thread keeps it so
     threading.Thread(target=heartbeats, daemon=True).start()
-    time.sleep(0.1)
     # A second process wanting the live name waits as a spare...
     with pytest.raises(QuorumTimeoutError, match="no replica group"):
         client.take_replica_group("run-b", "g0", timeout=timedelta(seconds=1))
