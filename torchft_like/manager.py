@@ -227,6 +227,14 @@ class Manager:
         self._participating_rank: int | None = None
         self._num_participants = 0
         self._quorum_future: Future[None] | None = None
+        self._collectives_ready = threading.Event()
+        """Set once this step's quorum is applied and any healing transfer
+        has begun at its source (or the quorum failed): a healing replica's
+        collectives wait for no more, so its state arrives while its
+        backward pass and allreduces run. A source serves a begun transfer
+        until it ends, and it cannot finish its own allreduce, and so step,
+        before ours has begun."""
+        self._quorum_max_step = 0
         self._quorum_error: Exception | None = None
         """Why this step's quorum failed, if it did."""
         self._pending_work: list[dist.Work] = []
@@ -422,6 +430,7 @@ class Manager:
         self._pending_work = []
         self._step_started = time.monotonic()
         state_fingerprint = self._take_fingerprint()
+        self._collectives_ready.clear()
         self._quorum_future = self._executor.submit(
             self._async_quorum,
             allow_heal,
@@ -429,9 +438,16 @@ class Manager:
             timeout or self._quorum_timeout,
             state_fingerprint,
         )
-        # A replica at step 0 may receive the initial weights (init_sync):
-        # applying them before the forward pass makes its first gradient
-        # valid, so every replica of a fresh job counts from the first step.
+        # A replica of a fresh job (every replica at step 0) may receive the
+        # initial weights (init_sync): applying them before the forward pass
+        # makes its first gradient valid, so every replica counts from the
+        # first step. One that joins a job already past step 0 (a restart, a
+        # spare) contributes zeros this step anyway, so like any replica
+        # behind it receives the state while its backward pass runs.
+        if self._init_sync and self._step == 0 and self._use_async_quorum:
+            self._wait_collectives_ready()
+            if self._quorum_error is None and self._quorum_max_step > 0:
+                return
         if not self._use_async_quorum or (self._init_sync and self._step == 0):
             self.wait_quorum()
             if not self._use_async_quorum and self._quorum_error is not None:
@@ -445,6 +461,12 @@ class Manager:
         """Blocks until the quorum of this step is known and healing state received."""
         assert self._quorum_future is not None, "call start_quorum() first"
         self._quorum_future.result()
+
+    def _wait_collectives_ready(self) -> None:
+        """Blocks until this step's quorum is known and any healing transfer
+        has begun (should_commit waits for it to end)."""
+        assert self._quorum_future is not None, "call start_quorum() first"
+        self._collectives_ready.wait()
 
     def _take_fingerprint(self) -> str:
         """Every `fingerprint_interval` committed steps, a fingerprint of our
@@ -501,6 +523,8 @@ class Manager:
             self._logger.exception("quorum failed: %s", e)
             self._quorum_error = e
             self.report_error(e)
+        finally:
+            self._collectives_ready.set()
 
     def _apply_quorum(self, result: QuorumResult, allow_heal: bool) -> None:
         self._set_participation(result, allow_heal)
@@ -529,6 +553,9 @@ class Manager:
             self._checkpoint_transport.send_checkpoint(
                 list(result.recover_dst_replica_ranks), self._step, state, self._timeout
             )
+        self._quorum_max_step = result.max_step
+        if not (allow_heal and result.heal):
+            self._collectives_ready.set()
         if allow_heal and result.heal:
             heal_start = time.monotonic()
             self._healing = self._healed = True
@@ -546,9 +573,17 @@ class Manager:
             finally:
                 src.close()
             assert result.recover_src_replica_rank is not None
-            self._pending_state_dict = self._checkpoint_transport.recv_checkpoint(
-                result.recover_src_replica_rank, metadata, result.max_step, self._timeout
-            )
+            transport = self._checkpoint_transport
+            self._pending_state_dict = (
+                transport.recv_checkpoint(
+                    result.recover_src_replica_rank, metadata, result.max_step, self._timeout,
+                    on_begun=self._collectives_ready.set,
+                )
+                if isinstance(transport, HTTPTransport)
+                else transport.recv_checkpoint(  # collectives wait for the whole transfer
+                    result.recover_src_replica_rank, metadata, result.max_step, self._timeout
+                )
+            )  # fmt: skip
             self._timings["heal_recv_s"] = took = time.monotonic() - heal_start
             num_bytes = _tensor_bytes(self._pending_state_dict)
             self.metrics.heals.inc()
@@ -622,7 +657,7 @@ class Manager:
             )
         if self._errored is not None:
             return completed_work(tensor)
-        self.wait_quorum()
+        self._wait_collectives_ready()
         if self._errored is not None:
             return completed_work(tensor)
         if self._participating_rank is None:
@@ -768,11 +803,11 @@ class Manager:
         return self._batches_committed
 
     def num_participants(self) -> int:
-        self.wait_quorum()
+        self._wait_collectives_ready()
         return self._num_participants
 
     def participating_rank(self) -> int | None:
-        self.wait_quorum()
+        self._wait_collectives_ready()
         return self._participating_rank
 
     def is_participating(self) -> bool:

@@ -17,6 +17,7 @@ from torch.distributed import TCPStore
 from lighthouse import LighthouseServer
 from tests.integration._replica import small_replica
 from torchft_like import Optimizer, ProcessGroupGloo
+from torchft_like.checkpointing import HTTPTransport
 from torchft_like.process_group import FakeProcessGroupWrapper
 
 pytestmark = pytest.mark.timeout(90)
@@ -146,3 +147,57 @@ def test_an_injected_allreduce_failure_uncommits_that_step_on_every_group(lighth
         failed = [step for step, committed in group[0]["commits"] if not committed]
         assert failed == [2]
     assert_identical(results[0][0], results[1][0])
+
+
+class _TransportHeldUntil(HTTPTransport):
+    """A real HTTP transport whose receive, once the source has accepted it,
+    pauses until `released` (at most `wait_s`) and records whether that came:
+    it shows what else ran while a heal was still in flight."""
+
+    def __init__(self, released: threading.Event, wait_s: float) -> None:
+        super().__init__(timeout=TIMEOUT, hostname="127.0.0.1")
+        self.released, self.wait_s, self.saw_release = released, wait_s, False
+
+    def recv_checkpoint(self, src_rank, metadata, step, timeout, on_begun=None):
+        def begun() -> None:
+            on_begun()
+            self.saw_release = self.released.wait(self.wait_s)
+
+        return super().recv_checkpoint(src_rank, metadata, step, timeout, on_begun=begun)
+
+
+def test_a_healing_replica_allreduces_while_its_state_is_still_arriving(lighthouse):
+    early_reached = threading.Event()
+    allreduced = threading.Event()
+    transport = _TransportHeldUntil(allreduced, wait_s=5)
+
+    def late_group() -> dict:
+        early_reached.wait(30)
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        torch.manual_seed(1)
+        model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2))
+        inner = torch.optim.AdamW(model.parameters(), lr=0.01)
+        manager = small_replica(
+            1, 0, 1, store, lighthouse.address(), model, inner, checkpoint_transport=transport
+        )
+        try:
+            optimizer = Optimizer(manager, inner)
+            optimizer.zero_grad()
+            model(torch.randn(16, 4)).sum().backward()
+            for work in [manager.allreduce(p.grad) for p in model.parameters()]:
+                work.wait()
+            allreduced.set()  # before the heal was let through: it did not wait for it
+            optimizer.step()
+            return {"healed": manager.did_heal(), "step": manager.current_step()}
+        finally:
+            manager.shutdown()
+
+    with ThreadPoolExecutor(2) as pool:
+        early = pool.submit(
+            train, lighthouse.address(), 0, 12, step_sleep=0.05, reached=(3, early_reached)
+        )
+        late = pool.submit(late_group).result(timeout=60)
+        early.result(timeout=60)
+    assert late["healed"]
+    assert transport.saw_release, "the allreduces waited for the healing transfer to finish"
+    assert late["step"] > 3

@@ -81,10 +81,16 @@ class Fetch:
         deadline: float,
         secret: str | None = None,
         context: ssl.SSLContext | None = None,
+        on_begun: Callable[[], None] | None = None,
     ) -> None:
-        """`context`: fetch over HTTPS with it; None: plain HTTP."""
+        """`context`: fetch over HTTPS with it; None: plain HTTP. `on_begun`:
+        called once the source has accepted every stream (from then on it
+        serves them to the end)."""
         self._host, self._port, self._step, self._deadline = host, port, step, deadline
         self._context = context
+        self._on_begun = on_begun
+        self._accepted = 0
+        self._accepted_lock = threading.Lock()
         self._headers = auth.http_headers(secret)
         self._conns: list[http.client.HTTPConnection] = []
         self._aborted = False
@@ -187,6 +193,10 @@ class Fetch:
             if response.status == NOT_SERVING:
                 raise NotReady(message)
             raise Refused(response.status, message)
+        with self._accepted_lock:
+            self._accepted += 1
+            if self._accepted == of and self._on_begun is not None:
+                self._on_begun()
         header_len = _format.decode_prefix(self._read(conn, response, _format.PREFIX.size))
         return conn, response, self._read(conn, response, header_len)
 

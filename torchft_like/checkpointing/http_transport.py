@@ -44,6 +44,7 @@ import socket
 import ssl
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler
 from typing import Any
@@ -272,15 +273,25 @@ class HTTPTransport(CheckpointTransport[Any]):
 
     # --- receiver side ------------------------------------------------------
 
-    def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+    def recv_checkpoint(
+        self,
+        src_rank: int,
+        metadata: str,
+        step: int,
+        timeout: timedelta,
+        on_begun: Callable[[], None] | None = None,
+    ) -> Any:
         """See base class. Retries "not serving", connection errors (a
         truncated body among them) and checksum mismatches every 50 ms until
-        `timeout`. The state is returned only once every tensor has its
-        announced size and checksum. From a torchft source (its metadata's
-        path is ``/checkpoint/``) the state comes in torchft's format, which
-        has no checksums: it is decoded by torch's weights_only unpickler
-        only, and a body cut short is refused (see `_torchft_http`); server
-        errors (5xx) are retried like "not serving".
+        `timeout`. `on_begun` is called when a torchft_like source has
+        accepted the transfer, which it then serves to the end even once its
+        step moves on (disallow_checkpoint waits for it). The state is
+        returned only once every tensor has its announced size and checksum.
+        From a torchft source (its metadata's path is ``/checkpoint/``) the
+        state comes in torchft's format, which has no checksums: it is
+        decoded by torch's weights_only unpickler only, and a body cut short
+        is refused (see `_torchft_http`); server errors (5xx) are retried
+        like "not serving".
 
         Raises:
             FetchRefused: (an HTTPError and a RuntimeError) the source refused
@@ -324,8 +335,9 @@ class HTTPTransport(CheckpointTransport[Any]):
                     state, nbytes = _torchft_http.fetch(metadata, step, deadline, where)
                 else:
                     fetch = Fetch(
-                        url.hostname, url.port, step, deadline, self.secret, self._client_context
-                    )
+                        url.hostname, url.port, step, deadline, self.secret,
+                        self._client_context, on_begun,
+                    )  # fmt: skip
                     state, nbytes = fetch.run(self._num_chunks)
             except NotReady as e:
                 last = str(e)
