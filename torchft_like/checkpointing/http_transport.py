@@ -44,17 +44,17 @@ import socket
 import ssl
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler
 from typing import Any
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import SplitResult, parse_qs, urlsplit
 
 from lighthouse.rpc import auth
 from lighthouse.rpc.address import BIND_HOST_ENV
 from lighthouse.rpc.http_server import QuietHTTPServer
 from lighthouse.rpc.tls import FIX, TLSConfig, check_scheme, is_refusal, scheme
-from torchft_like.checkpointing import _checksum, _format, _torchft_http
+from torchft_like.checkpointing import _checksum, _format, _striped, _torchft_http
 from torchft_like.checkpointing._http_fetch import (
     NOT_SERVING,
     SLICE,
@@ -165,6 +165,8 @@ class HTTPTransport(CheckpointTransport[Any]):
         self._staged: _Staged | None = None
         self._active: set[socket.socket] = set()
         self._closed = False
+        self.last_stripe_report: _striped.StripeReport | None = None
+        """Who sent what in the last `recv_checkpoint_striped`."""
         host = hostname or socket.gethostname()
         listen = (bind_host if bind_host is not None else host).strip("[]")
         server_class = _Server6 if ":" in listen else _Server
@@ -305,6 +307,106 @@ class HTTPTransport(CheckpointTransport[Any]):
             ValueError: the source sent something that is not a state stream,
                 or `metadata` is not a torchft_like or torchft HTTP address.
         """
+        url = self._check_metadata(metadata)
+        torchft = _torchft_http.is_torchft_peer(metadata)
+        source = "torchft replica rank" if torchft else "replica rank"
+        where = f"step {step} from {source} {src_rank} at {metadata}"
+        requested = (
+            _torchft_http.state_url(metadata, step)
+            if torchft
+            else f"{url.scheme}://{url.netloc}/checkpoint/{step}"
+        )
+
+        def attempt(deadline: float) -> tuple[Any, int]:
+            if torchft:  # one stream, torchft's format, decoded weights_only
+                return _torchft_http.fetch(metadata, step, deadline, where)
+            assert url.hostname and url.port
+            fetch = Fetch(
+                url.hostname, url.port, step, deadline, self.secret, self._client_context, on_begun
+            )
+            return fetch.run(self._num_chunks)
+
+        started = time.monotonic()
+        state, nbytes = self._retrying(attempt, step, metadata, where, requested, timeout)
+        took = time.monotonic() - started
+        logger.info("received step %d from %s: %.1f MB in %.2f s (%.0f MB/s, %d streams%s)",
+                    step, metadata, nbytes / 1e6, took, nbytes / 1e6 / max(took, 1e-9),
+                    1 if torchft else self._num_chunks,
+                    ", torchft's format" if torchft else "")  # fmt: skip
+        return state
+
+    def recv_checkpoint_striped(
+        self,
+        sources: Sequence[tuple[int, str]],
+        step: int,
+        timeout: timedelta,
+        *,
+        ranges_per_source: int = 4,
+        stall_timeout: timedelta = timedelta(seconds=10),
+    ) -> Any:
+        """Fetches `step` striped across several peers that serve it: a
+        distinct byte range from each at once (see `_striped`), so that no one
+        sender's link bounds the heal.
+
+        Args:
+            sources: (replica rank, metadata) of peers at `step`, the primary
+                first. One source, or a torchft peer among them, fetches
+                from the first alone, as `recv_checkpoint`.
+            ranges_per_source: byte ranges per source; a failed source's
+                unfinished range is fetched again, whole, from another.
+            stall_timeout: a source silent this long mid-range is dropped and
+                its range goes to the others (the whole fetch still has
+                `timeout`).
+
+        Retries like `recv_checkpoint` when every source failed; the state is
+        returned only once every range matches its source's checksums.
+        `last_stripe_report` then says which source sent what.
+
+        Raises:
+            As `recv_checkpoint`, and ValueError (LayoutMismatch) when two
+            sources describe different states, or for an empty `sources`.
+        """
+        if not sources:
+            raise ValueError("recv_checkpoint_striped needs at least one (rank, metadata) source")
+        first_rank: dict[str, int] = {}  # metadata -> rank, in the order given
+        for rank, metadata in sources:
+            first_rank.setdefault(metadata, rank)
+        unique = list(first_rank.items())
+        if len(unique) == 1 or any(_torchft_http.is_torchft_peer(m) for _, m in sources):
+            rank, metadata = sources[0]
+            return self.recv_checkpoint(rank, metadata, step, timeout)
+        peers = []
+        for metadata, rank in unique:
+            url = self._check_metadata(metadata)
+            assert url.hostname and url.port
+            peers.append(
+                _striped.Source(f"replica rank {rank} at {metadata}", url.hostname, url.port)
+            )
+        where = (
+            f"step {step} striped from {len(peers)} replicas ({', '.join(m for m, _ in unique)})"
+        )
+        reports: list[_striped.StripeReport] = []
+
+        def attempt(deadline: float) -> tuple[Any, int]:
+            fetch = _striped.StripedFetch(
+                peers, step, deadline, self.secret, self._client_context,
+                ranges_per_source=ranges_per_source, streams_per_source=self._num_chunks,
+                stall_s=stall_timeout.total_seconds(),
+            )  # fmt: skip
+            state, nbytes, report = fetch.run()
+            reports.append(report)
+            return state, nbytes
+
+        started = time.monotonic()
+        state, nbytes = self._retrying(attempt, step, unique[0][0], where, where, timeout)
+        took = time.monotonic() - started
+        self.last_stripe_report = reports[-1]
+        logger.info("received step %d striped from %d replicas: %.1f MB in %.2f s (%.0f MB/s; %s)",
+                    step, len(peers), nbytes / 1e6, took, nbytes / 1e6 / max(took, 1e-9),
+                    reports[-1].summary())  # fmt: skip
+        return state
+
+    def _check_metadata(self, metadata: str) -> SplitResult:
         check_scheme(metadata, self.tls, "checkpoint server address")
         url = urlsplit(metadata)
         if url.scheme != scheme(self.tls) or not url.hostname or not url.port:
@@ -318,27 +420,26 @@ class HTTPTransport(CheckpointTransport[Any]):
                 f"(path {_torchft_http.OWN_PATH!r} or none) nor a torchft HTTPTransport's "
                 f"(path {_torchft_http.TORCHFT_PATH!r})"
             )
-        source = "torchft replica rank" if torchft else "replica rank"
-        where = f"step {step} from {source} {src_rank} at {metadata}"
-        requested = (
-            _torchft_http.state_url(metadata, step)
-            if torchft
-            else f"{url.scheme}://{url.netloc}/checkpoint/{step}"
-        )
-        started = time.monotonic()
-        deadline = started + timeout.total_seconds()
+        return url
+
+    def _retrying(
+        self,
+        attempt: Callable[[float], tuple[Any, int]],
+        step: int,
+        metadata: str,
+        where: str,
+        requested: str,
+        timeout: timedelta,
+    ) -> tuple[Any, int]:
+        """Runs `attempt(deadline)` until it returns, retrying what may pass
+        (not serving yet, broken connections, checksum mismatches) every
+        50 ms until `timeout`, and raising at once what cannot."""
+        deadline = time.monotonic() + timeout.total_seconds()
         last, attempts = "no answer", 0
         while True:
             attempts += 1
             try:
-                if torchft:  # one stream, torchft's format, decoded weights_only
-                    state, nbytes = _torchft_http.fetch(metadata, step, deadline, where)
-                else:
-                    fetch = Fetch(
-                        url.hostname, url.port, step, deadline, self.secret,
-                        self._client_context, on_begun,
-                    )  # fmt: skip
-                    state, nbytes = fetch.run(self._num_chunks)
+                return attempt(deadline)
             except NotReady as e:
                 last = str(e)
             except Refused as e:
@@ -357,17 +458,10 @@ class HTTPTransport(CheckpointTransport[Any]):
             except (OSError, http.client.HTTPException) as e:
                 if not (isinstance(e, DeadlinePassed) and attempts > 1):  # keep the reason
                     last = f"{type(e).__name__}: {e}"
-            except _torchft_http.UnsafeStateError:
+            except (_torchft_http.UnsafeStateError, _striped.LayoutMismatch):
                 raise
             except ValueError as e:
                 raise ValueError(f"{metadata} sent an invalid stream for step {step}: {e}") from e
-            else:
-                took = time.monotonic() - started
-                logger.info("received step %d from %s: %.1f MB in %.2f s (%.0f MB/s, %d streams%s)",
-                            step, metadata, nbytes / 1e6, took, nbytes / 1e6 / max(took, 1e-9),
-                            1 if torchft else self._num_chunks,
-                            ", torchft's format" if torchft else "")  # fmt: skip
-                return state
             remaining = deadline - time.monotonic()
             if remaining <= _RETRY_S:
                 raise FetchTimeout(
