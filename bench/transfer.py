@@ -1,6 +1,7 @@
 """Healing-state transfer between two processes versus raw loopback TCP, interleaved.
 
     python -m bench.transfer [--mb 100 1000] [--repeats 3] [--ours-chunks 1 4] [--smoke]
+    python -m bench.transfer --netns [--peers 1 3] [--rate 1gbit] [--mb 1000] [--repeats 3]
 
 For each size, one long-lived sender process per contender holds the state
 of an MLP (weights, biases and AdamW moments: many tensors of realistic
@@ -22,6 +23,16 @@ returned state dict), with the receiver's CPU time over the same span
 inflates least). Reports medians, min/max, MB/s, and ratios of
 medians to both raw baselines: `vs_fresh` divides by raw fresh (the honest
 baseline for a fresh receiver), `vs_reused` by raw into a reused buffer.
+
+--netns measures healing from several peers at once (striping) where the
+links are real: each sender runs in its own network namespace whose link
+is capped with tc (--rate, default 1gbit, on what it sends), the receiver
+in another with an uncapped link, all joined by a bridge in a hub namespace
+(bench._netns; root only; everything is deleted afterwards). For each
+count in --peers, in turn per repeat, a fresh receiver process fetches the
+state from that many senders (`recv_checkpoint` for one,
+`recv_checkpoint_striped` for more); `vs_1` is the one-peer median over
+this count's median, `ratio` its inverse (the target: <= 0.4 for 3 peers).
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import socket
 import statistics
 import subprocess
@@ -41,6 +53,9 @@ from typing import Any
 from bench._report import REPO, add_common_args, report, results_file
 
 TIMEOUT = timedelta(seconds=120)
+SECRET_ENV = "BENCH_TRANSFER_SECRET"
+"""--netns: the job secret the senders and receivers share (they listen on
+the test network's addresses, not 127.0.0.1)."""
 
 
 # --- the state ----------------------------------------------------------------
@@ -79,7 +94,7 @@ def state_bytes(state: Any) -> int:
 # --- senders: print one line "ADDRESS nbytes", serve until stdin closes --------
 
 
-def serve(kind: str, mb: float, chunks: int) -> None:
+def serve(kind: str, mb: float, chunks: int, host: str = "127.0.0.1") -> None:
     import torch
 
     state = mlp_state(int(mb * 1e6))
@@ -92,7 +107,8 @@ def serve(kind: str, mb: float, chunks: int) -> None:
     elif kind == "ours":
         from torchft_like.checkpointing import HTTPTransport
 
-        transport = HTTPTransport(timeout=TIMEOUT, num_chunks=chunks, hostname="127.0.0.1")
+        transport = HTTPTransport(timeout=TIMEOUT, num_chunks=chunks, hostname=host,
+                                  secret=os.environ.get(SECRET_ENV))  # fmt: skip
         transport.send_checkpoint([1], 1, state, TIMEOUT)
         address = transport.metadata()
     else:
@@ -162,6 +178,103 @@ def receive(kind: str, address: str, nbytes: int, chunks: int, touch: bool) -> N
             del state
         transport.shutdown()
     print(json.dumps([times, cpu]), flush=True)
+
+
+# --- --netns: healing from 1 or more peers over rate-limited links --------------
+
+
+def receive_peers(addresses: list[str], nbytes: int, chunks: int, host: str) -> None:
+    """One fetch in a fresh process, from one peer or striped across several;
+    prints JSON [[wall_s], [cpu_s], bytes per source]."""
+    from torchft_like.checkpointing import HTTPTransport
+
+    transport = HTTPTransport(timeout=TIMEOUT, num_chunks=chunks, hostname=host,
+                              secret=os.environ.get(SECRET_ENV))  # fmt: skip
+    start, start_cpu = time.perf_counter(), time.process_time()
+    if len(addresses) == 1:
+        state = transport.recv_checkpoint(0, addresses[0], 1, TIMEOUT)
+        shares = [nbytes]
+    else:
+        sources = list(enumerate(addresses))
+        state = transport.recv_checkpoint_striped(sources, 1, TIMEOUT)
+        report = transport.last_stripe_report
+        assert report is not None
+        if report.errors:
+            raise RuntimeError(f"a source failed during the benchmark: {report.summary()}")
+        shares = report.bytes_by_source
+    wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
+    got = state_bytes(state)
+    if got != nbytes:
+        raise RuntimeError(f"received {got} bytes, want {nbytes}")
+    transport.shutdown()
+    print(json.dumps([[wall], [cpu], shares]), flush=True)
+
+
+def run_netns(mb: float, peers: list[int], repeats: int, rate: str, chunks: int) -> list[dict]:
+    from bench import _netns
+
+    names = [f"p{i}" for i in range(max(peers))]
+    hosts: dict[str, str | None] = {name: rate for name in names}
+    hosts["rx"] = None  # the receiver's link is not the bottleneck
+    env = {**os.environ, "OMP_NUM_THREADS": "1", SECRET_ENV: secrets.token_hex(32)}
+    rows = []
+    with _netns.Network(hosts) as net:
+        senders = {}
+        try:
+            for name in names:
+                senders[name] = subprocess.Popen(
+                    [*net.exec(name), sys.executable, "-m", "bench.transfer", "--serve", "ours",
+                     "--mb", str(mb), "--chunks", str(chunks), "--host", net.address[name]],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO, env=env,
+                )  # fmt: skip
+            addresses, sizes = [], set()
+            for name, proc in senders.items():
+                line = proc.stdout.readline().split()  # type: ignore[union-attr]
+                if len(line) != 2:
+                    raise RuntimeError(f"sender {name} failed to start")
+                addresses.append(line[0])
+                sizes.add(int(line[1]))
+            assert len(sizes) == 1, f"senders hold different sizes: {sizes}"
+            nbytes = sizes.pop()
+            times: dict[int, list[float]] = {n: [] for n in peers}
+            cpus: dict[int, list[float]] = {n: [] for n in peers}
+            shares: dict[int, list[int]] = {}
+            for _ in range(repeats):
+                for n in peers:  # interleaved: 1 3 1 3 ...
+                    proc = subprocess.Popen(
+                        [*net.exec("rx"), sys.executable, "-m", "bench.transfer", "--recv-peers",
+                         *addresses[:n], "--nbytes", str(nbytes), "--chunks", str(chunks),
+                         "--host", net.address["rx"]],
+                        stdout=subprocess.PIPE, text=True, cwd=REPO, env=env,
+                    )  # fmt: skip
+                    out, _ = proc.communicate(timeout=600)
+                    if proc.returncode != 0:
+                        raise RuntimeError(f"receiver from {n} peers failed ({proc.returncode})")
+                    wall, cpu, share = json.loads(out.strip().splitlines()[-1])
+                    times[n] += wall
+                    cpus[n] += cpu
+                    shares[n] = share
+                    print(f"  {n} peer(s): {wall[0]:.2f} s", flush=True)
+        finally:
+            for proc in senders.values():
+                proc.stdin.close()  # type: ignore[union-attr]
+            for proc in senders.values():
+                try:
+                    proc.wait(30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+    one = statistics.median(times[peers[0]])
+    for n in peers:
+        med = statistics.median(times[n])
+        rows.append({
+            "mb": round(nbytes / 1e6), "rate": rate, "peers": n, "median_s": round(med, 3),
+            "min_s": round(min(times[n]), 3), "max_s": round(max(times[n]), 3),
+            "mb_per_s": round(nbytes / 1e6 / med), "ratio": round(med / one, 3),
+            "vs_1": round(one / med, 2), "cpu_s": round(statistics.median(cpus[n]), 3),
+            "mb_by_peer": "/".join(str(round(b / 1e6)) for b in shares[n]), "n": len(times[n]),
+        })  # fmt: skip
+    return rows
 
 
 # --- the driver ---------------------------------------------------------------
@@ -256,12 +369,26 @@ def main() -> None:
     parser.add_argument("--recv", choices=["raw", "ours", "torchft"], help=argparse.SUPPRESS)
     parser.add_argument("--address", help=argparse.SUPPRESS)
     parser.add_argument("--nbytes", type=int, help=argparse.SUPPRESS)
-    parser.add_argument("--chunks", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--netns", action="store_true",
+                        help="healing from --peers senders over tc-limited links in network "
+                        "namespaces (root only)")  # fmt: skip
+    parser.add_argument("--peers", type=int, nargs="+", default=[1, 3],
+                        help="--netns: numbers of senders to fetch from (default 1 3)")  # fmt: skip
+    parser.add_argument("--rate", default="1gbit",
+                        help="--netns: each sender's link rate (default 1gbit)")  # fmt: skip
+    parser.add_argument("--chunks", type=int, default=1,
+                        help="--netns: connections per sender (default 1)")  # fmt: skip
+    parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--recv-peers", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
-        return serve(args.serve, args.mb[0], args.chunks)
+        return serve(args.serve, args.mb[0], args.chunks, args.host)
     if args.recv:
         return receive(args.recv, args.address, args.nbytes, args.chunks, args.touch)
+    if args.recv_peers:
+        return receive_peers(args.recv_peers, args.nbytes, args.chunks, args.host)
+    if args.netns:
+        return main_netns(args)
     if args.smoke:
         args.mb, args.repeats = [4], 1
     contenders: list[Contender] = [("raw", "raw", 0, False)]
@@ -275,6 +402,24 @@ def main() -> None:
     for mb in args.mb:
         rows += run_size(mb, args.repeats, contenders)
     report(rows, results_file(args.out, "transfer"))
+
+
+def main_netns(args: argparse.Namespace) -> None:
+    from bench import _netns
+
+    try:
+        _netns.check_available()
+    except _netns.NetnsUnavailable as e:
+        sys.exit(f"bench.transfer --netns: {e}")
+    if args.smoke:
+        args.mb, args.repeats, args.rate = [50], 1, "200mbit"
+    mbs = [1000.0] if args.mb == [100, 1000] else args.mb  # the default: 1 GB
+    if sorted(set(args.peers)) != args.peers or args.peers[0] < 1:
+        sys.exit("bench.transfer --netns: --peers must be increasing counts >= 1, e.g. 1 3")
+    rows = []
+    for mb in mbs:
+        rows += run_netns(mb, args.peers, args.repeats, args.rate, args.chunks)
+    report(rows, results_file(args.out, "transfer_peers"))
 
 
 if __name__ == "__main__":

@@ -151,6 +151,13 @@ class Manager:
             http://{host}:{port}/metrics (0 picks a free port, logged); None
             reads TORCHFT_METRICS_PORT (torchft_like.metrics), unset: off.
             `metrics` holds them either way.
+        heal_sources: at most this many up-to-date peers a healing rank
+            fetches its state from at once, a distinct byte range from each
+            (striped healing, `HTTPTransport.recv_checkpoint_striped`), so
+            that no one sender's link bounds the heal; a peer that fails
+            mid-transfer leaves its ranges to the others. None: every
+            up-to-date peer; 1: one peer, as torchft. Transports without
+            `recv_checkpoint_striped` always use one.
     """
 
     def __init__(
@@ -183,7 +190,14 @@ class Manager:
         tls: TLSConfig | None = None,
         exit_with_parent: bool = True,
         metrics_port: int | None = None,
+        heal_sources: int | None = None,
     ) -> None:
+        if heal_sources is not None and heal_sources < 1:
+            raise ValueError(
+                f"heal_sources ({heal_sources}) must be at least 1 (1 heals from one peer), "
+                "or None for every up-to-date peer"
+            )
+        self._heal_sources = heal_sources
         if min_replica_size < 1:
             raise ValueError(f"min_replica_size ({min_replica_size}) must be at least 1")
         if fingerprint_interval is not None and fingerprint_interval < 1:
@@ -543,15 +557,14 @@ class Manager:
                 store, self.replica_id, result.replica_rank, result.replica_world_size
             )
             self._quorum_id = result.quorum_id
-        if allow_heal and result.recover_dst_replica_ranks:
+        serve_to = result.recover_stripe_dst_replica_ranks or result.recover_dst_replica_ranks
+        if allow_heal and serve_to:
             self._serving = True
-            self._logger.info(
-                "serving state to replica ranks %s", list(result.recover_dst_replica_ranks)
-            )
+            self._logger.info("serving state to replica ranks %s", list(serve_to))
             with self._state_read_gate.read():
                 state = self.full_state_dict()
             self._checkpoint_transport.send_checkpoint(
-                list(result.recover_dst_replica_ranks), self._step, state, self._timeout
+                list(serve_to), self._step, state, self._timeout
             )
         self._quorum_max_step = result.max_step
         if not (allow_heal and result.heal):
@@ -559,31 +572,36 @@ class Manager:
         if allow_heal and result.heal:
             heal_start = time.monotonic()
             self._healing = self._healed = True
+            assert result.recover_src_replica_rank is not None
+            sources = self._heal_sources_of(result)
             self._logger.info(
-                "healing from replica rank %d (%s) at step %d",
+                "healing from replica rank %d (%s) at step %d%s",
                 result.recover_src_replica_rank,
                 result.recover_src_manager_address,
                 result.max_step,
+                f", striped with ranks {[r for r, _ in sources[1:]]}" if len(sources) > 1 else "",
             )
-            src = ManagerClient(
-                result.recover_src_manager_address, self._connect_timeout, self._secret, self._tls
-            )
-            try:
-                metadata = src.checkpoint_metadata(self._group_rank, self._timeout)
-            finally:
-                src.close()
-            assert result.recover_src_replica_rank is not None
             transport = self._checkpoint_transport
-            self._pending_state_dict = (
-                transport.recv_checkpoint(
-                    result.recover_src_replica_rank, metadata, result.max_step, self._timeout,
-                    on_begun=self._collectives_ready.set,
+            if len(sources) > 1 and isinstance(transport, HTTPTransport):
+                # Striped, the collectives wait for the whole transfer: a
+                # source serves one range at a time, so having begun does not
+                # hold it to the end as one stream does; the sources stay at
+                # this step (their allreduce waits for ours) until all came.
+                self._pending_state_dict = transport.recv_checkpoint_striped(
+                    self._source_metadata(sources), result.max_step, self._timeout
                 )
-                if isinstance(transport, HTTPTransport)
-                else transport.recv_checkpoint(  # collectives wait for the whole transfer
-                    result.recover_src_replica_rank, metadata, result.max_step, self._timeout
-                )
-            )  # fmt: skip
+            else:
+                metadata = self._metadata_of(result.recover_src_manager_address)
+                self._pending_state_dict = (
+                    transport.recv_checkpoint(
+                        result.recover_src_replica_rank, metadata, result.max_step, self._timeout,
+                        on_begun=self._collectives_ready.set,
+                    )
+                    if isinstance(transport, HTTPTransport)
+                    else transport.recv_checkpoint(  # collectives wait for the whole transfer
+                        result.recover_src_replica_rank, metadata, result.max_step, self._timeout
+                    )
+                )  # fmt: skip
             self._timings["heal_recv_s"] = took = time.monotonic() - heal_start
             num_bytes = _tensor_bytes(self._pending_state_dict)
             self.metrics.heals.inc()
@@ -597,6 +615,42 @@ class Manager:
                     "source": result.recover_src_manager_address,
                 }
             )
+
+    def _heal_sources_of(self, result: QuorumResult) -> list[tuple[int, str]]:
+        """(replica rank, ManagerServer address) of the peers to heal from,
+        the primary first; one unless striping applies (several sources
+        listed, `heal_sources` allows them, the transport can stripe)."""
+        assert result.recover_src_replica_rank is not None
+        primary = [(result.recover_src_replica_rank, result.recover_src_manager_address)]
+        listed = list(zip(result.recover_src_replica_ranks, result.recover_src_manager_addresses))
+        if not hasattr(self._checkpoint_transport, "recv_checkpoint_striped") or len(listed) < 2:
+            return primary
+        return listed[: self._heal_sources] if self._heal_sources is not None else listed
+
+    def _metadata_of(self, manager_address: str) -> str:
+        src = ManagerClient(manager_address, self._connect_timeout, self._secret, self._tls)
+        try:
+            return src.checkpoint_metadata(self._group_rank, self._timeout)
+        finally:
+            src.close()
+
+    def _source_metadata(self, sources: list[tuple[int, str]]) -> list[tuple[int, str]]:
+        """(replica rank, checkpoint metadata) of every source that answers,
+        asked at once; a source that does not is left out (logged), and only
+        when none answers does the heal fail."""
+        with ThreadPoolExecutor(len(sources), thread_name_prefix="heal-metadata") as pool:
+            futures = [pool.submit(self._metadata_of, address) for _, address in sources]
+        found, errors = [], []
+        for (rank, address), future in zip(sources, futures):
+            try:
+                found.append((rank, future.result()))
+            except Exception as e:
+                errors.append(e)
+                self._logger.warning("healing without replica rank %d (%s): %s: %s",
+                                     rank, address, type(e).__name__, e)  # fmt: skip
+        if not found:
+            raise errors[0]
+        return found
 
     def _set_participation(self, result: QuorumResult, allow_heal: bool) -> None:
         """Replicas at max_step count; every replica derives the same count

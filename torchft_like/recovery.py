@@ -35,6 +35,15 @@ class QuorumResult:
     recover_src_manager_address: str = ""
     recover_src_replica_rank: int | None = None
     recover_dst_replica_ranks: tuple[int, ...] = ()
+    recover_src_replica_ranks: tuple[int, ...] = ()
+    """Every replica we may heal from, striped (see HTTPTransport
+    `recv_checkpoint_striped`): all up-to-date replicas, our primary source
+    first. Empty when we do not heal."""
+    recover_src_manager_addresses: tuple[str, ...] = ()
+    """Their ManagerServer addresses, in the same order."""
+    recover_stripe_dst_replica_ranks: tuple[int, ...] = ()
+    """Every healing replica that may fetch a stripe of our state: all of
+    them when we are up to date (a superset of recover_dst_replica_ranks)."""
     commit_failures: int = 0
     divergence: str = ""
     """Why some replicas at max_step heal although up to date (their state
@@ -134,6 +143,11 @@ def compute_quorum_result(
     Replicas at max_step whose state fingerprint is the odd one out (see
     find_divergence) heal too: they count as recovering, not as at max_step.
 
+    For striped healing, each recovering replica lists every up-to-date
+    replica, starting at its own source and going round, so that several
+    replicas healing at once start on (and fall back to) different peers;
+    each up-to-date replica serves every recovering one.
+
     Raises:
         ValueError: `replica_id` is not a participant of `quorum`.
     """
@@ -160,9 +174,12 @@ def compute_quorum_result(
         return up_to_date[(i + group_rank) % len(up_to_date)]
 
     src: QuorumMember | None = None
+    sources: list[QuorumMember] = []
     for i, member in enumerate(recovering):
         if member.replica_id == replica_id:
             src = source_of(i)
+            sources = [source_of(i + j) for j in range(len(up_to_date))]
+    serves_stripes = replica_id in {m.replica_id for m in up_to_date}
     dst = tuple(
         ids.index(m.replica_id)
         for i, m in enumerate(recovering)
@@ -180,6 +197,11 @@ def compute_quorum_result(
         recover_src_manager_address=src.address if src else "",
         recover_src_replica_rank=ids.index(src.replica_id) if src else None,
         recover_dst_replica_ranks=dst,
+        recover_src_replica_ranks=tuple(ids.index(m.replica_id) for m in sources),
+        recover_src_manager_addresses=tuple(m.address for m in sources),
+        recover_stripe_dst_replica_ranks=(
+            tuple(ids.index(m.replica_id) for m in recovering) if serves_stripes else ()
+        ),
         commit_failures=max(m.commit_failures for m in participants),
         divergence=divergence.reason if divergence else "",
     )

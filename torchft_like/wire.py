@@ -52,6 +52,9 @@ def result_to_proto(r: QuorumResult) -> pb.ManagerQuorumResponse:
         replica_world_size=r.replica_world_size,
         heal=r.heal,
         commit_failures=r.commit_failures,
+        recover_src_replica_ranks=r.recover_src_replica_ranks,
+        recover_src_manager_addresses=r.recover_src_manager_addresses,
+        recover_stripe_dst_replica_ranks=r.recover_stripe_dst_replica_ranks,
     )
 
 
@@ -70,6 +73,9 @@ def result_from_proto(m: pb.ManagerQuorumResponse) -> QuorumResult:
             m.recover_src_replica_rank if m.HasField("recover_src_replica_rank") else None
         ),
         recover_dst_replica_ranks=tuple(m.recover_dst_replica_ranks),
+        recover_src_replica_ranks=tuple(m.recover_src_replica_ranks),
+        recover_src_manager_addresses=tuple(m.recover_src_manager_addresses),
+        recover_stripe_dst_replica_ranks=tuple(m.recover_stripe_dst_replica_ranks),
         commit_failures=m.commit_failures,
     )
 

@@ -131,6 +131,60 @@ def test_quorum_result(name, steps, me, group_rank, init_sync, expected):
     assert got == expected
 
 
+# Striped healing: every healing rank gets all up-to-date replicas as sources,
+# its primary (the one above) first, so that several ranks healing at once
+# start on different peers; every up-to-date replica serves every healer.
+# Columns: src replica ranks, src addresses, stripe dst ranks.
+STRIPE_CASES = [
+    ("one source: a list of one", {"a": 5, "b": 2}, "b", 0, False,
+     ((0,), ("http://a:1",), ())),
+    ("the one source serves the one healer", {"a": 5, "b": 2}, "a", 0, False,
+     ((), (), (1,))),
+    ("three up to date: all three, primary first", {"a": 7, "b": 7, "c": 7, "d": 1}, "d", 0,
+     False, ((0, 1, 2), ("http://a:1", "http://b:1", "http://c:1"), ())),
+    ("group rank 1 starts on the next peer", {"a": 7, "b": 7, "c": 7, "d": 1}, "d", 1, False,
+     ((1, 2, 0), ("http://b:1", "http://c:1", "http://a:1"), ())),
+    ("two healing at once start on different peers (first)",
+     {"a": 7, "b": 7, "c": 7, "d": 1, "e": 2}, "d", 0, False,
+     ((0, 1, 2), ("http://a:1", "http://b:1", "http://c:1"), ())),
+    ("two healing at once start on different peers (second)",
+     {"a": 7, "b": 7, "c": 7, "d": 1, "e": 2}, "e", 0, False,
+     ((1, 2, 0), ("http://b:1", "http://c:1", "http://a:1"), ())),
+    ("an up-to-date replica serves stripes to every healer",
+     {"a": 7, "b": 7, "c": 7, "d": 1, "e": 2}, "c", 0, False,
+     ((), (), (3, 4))),
+    ("init_sync at step 0: the primary is the only source", {"a": 0, "b": 0, "c": 0}, "c", 0,
+     True, ((0,), ("http://a:1",), ())),
+    ("nobody heals: no sources, nothing to serve", {"a": 5, "b": 5}, "b", 0, False,
+     ((), (), ())),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, steps, me, group_rank, init_sync, expected", STRIPE_CASES)
+def test_striped_sources(name, steps, me, group_rank, init_sync, expected):
+    r = compute_quorum_result(quorum(steps), me, group_rank, init_sync)
+    got = (r.recover_src_replica_ranks, r.recover_src_manager_addresses,
+           r.recover_stripe_dst_replica_ranks)  # fmt: skip
+    assert got == expected
+    if r.heal:  # the primary of the single-source fields comes first
+        assert r.recover_src_replica_ranks[0] == r.recover_src_replica_rank
+        assert r.recover_src_manager_addresses[0] == r.recover_src_manager_address
+    assert set(r.recover_dst_replica_ranks) <= set(r.recover_stripe_dst_replica_ranks)
+
+
+def test_every_healer_takes_a_stripe_from_every_source_and_each_source_serves_all():
+    steps = {"a": 9, "b": 9, "c": 9, "d": 4, "e": 4, "f": 0}
+    results = {rid: compute_quorum_result(quorum(steps), rid, 0, False) for rid in steps}
+    ids = sorted(steps)
+    primaries = [results[h].recover_src_replica_rank for h in ("d", "e", "f")]
+    assert sorted(primaries) == [0, 1, 2]  # three healers, three different first peers
+    for h in ("d", "e", "f"):
+        assert sorted(results[h].recover_src_replica_ranks) == [0, 1, 2]
+    for src in ("a", "b", "c"):
+        assert results[src].recover_stripe_dst_replica_ranks == (3, 4, 5)
+    assert ids == ["a", "b", "c", "d", "e", "f"]
+
+
 def test_participants_are_ranked_by_replica_id_whatever_their_order():
     q = quorum({"c": 1, "a": 1, "b": 1})
     assert [compute_quorum_result(q, rid, 0, False).replica_rank for rid in "abc"] == [0, 1, 2]

@@ -106,7 +106,7 @@ class ManagerQuorumRequest(_message.Message):
     def __init__(self, group_rank: _Optional[int] = ..., step: _Optional[int] = ..., checkpoint_metadata: _Optional[str] = ..., shrink_only: _Optional[bool] = ..., init_sync: _Optional[bool] = ..., commit_failures: _Optional[int] = ..., fingerprint: _Optional[str] = ..., heal_report: _Optional[str] = ...) -> None: ...
 
 class ManagerQuorumResponse(_message.Message):
-    __slots__ = ("quorum_id", "recover_src_manager_address", "recover_src_replica_rank", "recover_dst_replica_ranks", "store_address", "max_step", "max_replica_rank", "max_world_size", "replica_rank", "replica_world_size", "heal", "commit_failures")
+    __slots__ = ("quorum_id", "recover_src_manager_address", "recover_src_replica_rank", "recover_dst_replica_ranks", "store_address", "max_step", "max_replica_rank", "max_world_size", "replica_rank", "replica_world_size", "heal", "commit_failures", "recover_src_replica_ranks", "recover_src_manager_addresses", "recover_stripe_dst_replica_ranks")
     QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     RECOVER_SRC_MANAGER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RECOVER_SRC_REPLICA_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -119,6 +119,9 @@ class ManagerQuorumResponse(_message.Message):
     REPLICA_WORLD_SIZE_FIELD_NUMBER: _ClassVar[int]
     HEAL_FIELD_NUMBER: _ClassVar[int]
     COMMIT_FAILURES_FIELD_NUMBER: _ClassVar[int]
+    RECOVER_SRC_REPLICA_RANKS_FIELD_NUMBER: _ClassVar[int]
+    RECOVER_SRC_MANAGER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
+    RECOVER_STRIPE_DST_REPLICA_RANKS_FIELD_NUMBER: _ClassVar[int]
     quorum_id: int
     recover_src_manager_address: str
     recover_src_replica_rank: int
@@ -131,7 +134,10 @@ class ManagerQuorumResponse(_message.Message):
     replica_world_size: int
     heal: bool
     commit_failures: int
-    def __init__(self, quorum_id: _Optional[int] = ..., recover_src_manager_address: _Optional[str] = ..., recover_src_replica_rank: _Optional[int] = ..., recover_dst_replica_ranks: _Optional[_Iterable[int]] = ..., store_address: _Optional[str] = ..., max_step: _Optional[int] = ..., max_replica_rank: _Optional[int] = ..., max_world_size: _Optional[int] = ..., replica_rank: _Optional[int] = ..., replica_world_size: _Optional[int] = ..., heal: _Optional[bool] = ..., commit_failures: _Optional[int] = ...) -> None: ...
+    recover_src_replica_ranks: _containers.RepeatedScalarFieldContainer[int]
+    recover_src_manager_addresses: _containers.RepeatedScalarFieldContainer[str]
+    recover_stripe_dst_replica_ranks: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, quorum_id: _Optional[int] = ..., recover_src_manager_address: _Optional[str] = ..., recover_src_replica_rank: _Optional[int] = ..., recover_dst_replica_ranks: _Optional[_Iterable[int]] = ..., store_address: _Optional[str] = ..., max_step: _Optional[int] = ..., max_replica_rank: _Optional[int] = ..., max_world_size: _Optional[int] = ..., replica_rank: _Optional[int] = ..., replica_world_size: _Optional[int] = ..., heal: _Optional[bool] = ..., commit_failures: _Optional[int] = ..., recover_src_replica_ranks: _Optional[_Iterable[int]] = ..., recover_src_manager_addresses: _Optional[_Iterable[str]] = ..., recover_stripe_dst_replica_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CheckpointMetadataRequest(_message.Message):
     __slots__ = ("rank",)
