@@ -90,6 +90,7 @@ def train(
                 "optim": inner.state_dict(),
                 "commits": commits,
                 "healed": manager.batches_committed(),
+                "stripes": getattr(manager._checkpoint_transport, "last_stripe_report", None),
             }
         finally:
             manager.shutdown()
@@ -138,6 +139,24 @@ def test_a_late_replica_heals_from_a_peer_and_ends_bit_identical(lighthouse):
     assert_identical(early_result, late_result)
     # The late group joined mid-run: it did fewer steps of its own than the early one.
     assert len(late_result["commits"]) < len(early_result["commits"])
+
+
+def test_a_late_replica_heals_striped_from_both_up_to_date_peers(lighthouse):
+    with ThreadPoolExecutor(3) as pool:
+        late_start = threading.Event()
+        early = [
+            pool.submit(train, lighthouse.address(), g, 14, step_sleep=0.1,
+                        reached=(4, late_start) if g == 0 else None)
+            for g in (0, 1)
+        ]  # fmt: skip
+        late = pool.submit(train, lighthouse.address(), 2, 14, start=late_start, step_sleep=0.1)
+        results = [f.result(timeout=80)[0] for f in [*early, late]]
+    for other in results[1:]:
+        assert_identical(results[0], other)
+    report = results[2]["stripes"]
+    assert report is not None, "the late replica healed from one peer, not striped"
+    assert len(report.sources) == 2 and not report.errors
+    assert all(n > 0 for n in report.bytes_by_source), report.summary()
 
 
 def test_an_injected_allreduce_failure_uncommits_that_step_on_every_group(lighthouse):
