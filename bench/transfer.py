@@ -183,14 +183,20 @@ def receive(kind: str, address: str, nbytes: int, chunks: int, touch: bool) -> N
 # --- --netns: healing from 1 or more peers over rate-limited links --------------
 
 
-def receive_peers(addresses: list[str], nbytes: int, chunks: int, host: str) -> None:
+def receive_peers(
+    addresses: list[str], nbytes: int, chunks: int, host: str, allow_failures: bool = False
+) -> None:
     """One fetch in a fresh process, from one peer or striped across several;
-    prints JSON [[wall_s], [cpu_s], bytes per source]."""
+    prints START when it begins, then JSON [[wall_s], [cpu_s], bytes per
+    source, sources dropped]. `allow_failures`: a source may fail (it is
+    killed on purpose)."""
     from torchft_like.checkpointing import HTTPTransport
 
     transport = HTTPTransport(timeout=TIMEOUT, num_chunks=chunks, hostname=host,
                               secret=os.environ.get(SECRET_ENV))  # fmt: skip
+    print("START", flush=True)
     start, start_cpu = time.perf_counter(), time.process_time()
+    dropped: list[str] = []
     if len(addresses) == 1:
         state = transport.recv_checkpoint(0, addresses[0], 1, TIMEOUT)
         shares = [nbytes]
@@ -199,18 +205,20 @@ def receive_peers(addresses: list[str], nbytes: int, chunks: int, host: str) -> 
         state = transport.recv_checkpoint_striped(sources, 1, TIMEOUT)
         report = transport.last_stripe_report
         assert report is not None
-        if report.errors:
+        if report.errors and not allow_failures:
             raise RuntimeError(f"a source failed during the benchmark: {report.summary()}")
-        shares = report.bytes_by_source
+        shares, dropped = report.bytes_by_source, list(report.errors)
     wall, cpu = time.perf_counter() - start, time.process_time() - start_cpu
     got = state_bytes(state)
     if got != nbytes:
         raise RuntimeError(f"received {got} bytes, want {nbytes}")
     transport.shutdown()
-    print(json.dumps([[wall], [cpu], shares]), flush=True)
+    print(json.dumps([[wall], [cpu], shares, dropped]), flush=True)
 
 
-def run_netns(mb: float, peers: list[int], repeats: int, rate: str, chunks: int) -> list[dict]:
+def run_netns(
+    mb: float, peers: list[int], repeats: int, rate: str, chunks: int, kill_after: float | None
+) -> list[dict]:
     from bench import _netns
 
     names = [f"p{i}" for i in range(max(peers))]
@@ -239,22 +247,36 @@ def run_netns(mb: float, peers: list[int], repeats: int, rate: str, chunks: int)
             times: dict[int, list[float]] = {n: [] for n in peers}
             cpus: dict[int, list[float]] = {n: [] for n in peers}
             shares: dict[int, list[int]] = {}
+
+            def fetch(n: int, kill: str | None = None) -> tuple[list, list, list, list]:
+                args = ["--allow-failures"] if kill else []
+                proc = subprocess.Popen(
+                    [*net.exec("rx"), sys.executable, "-m", "bench.transfer", "--recv-peers",
+                     *addresses[:n], "--nbytes", str(nbytes), "--chunks", str(chunks),
+                     "--host", net.address["rx"], *args],
+                    stdout=subprocess.PIPE, text=True, cwd=REPO, env=env,
+                )  # fmt: skip
+                if kill is not None and kill_after is not None:
+                    while (line := proc.stdout.readline()) and line.strip() != "START":  # type: ignore[union-attr]
+                        pass
+                    time.sleep(kill_after)
+                    senders[kill].kill()  # SIGKILL mid-transfer: its sockets are reset
+                out, _ = proc.communicate(timeout=600)
+                if proc.returncode != 0:
+                    raise RuntimeError(f"receiver from {n} peers failed ({proc.returncode})")
+                result = json.loads(out.strip().splitlines()[-1])
+                print(f"  {n} peer(s){f', {kill} killed' if kill else ''}: {result[0][0]:.2f} s",
+                      flush=True)  # fmt: skip
+                return result
+
             for _ in range(repeats):
                 for n in peers:  # interleaved: 1 3 1 3 ...
-                    proc = subprocess.Popen(
-                        [*net.exec("rx"), sys.executable, "-m", "bench.transfer", "--recv-peers",
-                         *addresses[:n], "--nbytes", str(nbytes), "--chunks", str(chunks),
-                         "--host", net.address["rx"]],
-                        stdout=subprocess.PIPE, text=True, cwd=REPO, env=env,
-                    )  # fmt: skip
-                    out, _ = proc.communicate(timeout=600)
-                    if proc.returncode != 0:
-                        raise RuntimeError(f"receiver from {n} peers failed ({proc.returncode})")
-                    wall, cpu, share = json.loads(out.strip().splitlines()[-1])
+                    wall, cpu, shares[n], _ = fetch(n)
                     times[n] += wall
                     cpus[n] += cpu
-                    shares[n] = share
-                    print(f"  {n} peer(s): {wall[0]:.2f} s", flush=True)
+            killed = None
+            if kill_after is not None and len(names) > 1:  # last: the sender does not come back
+                killed = names[-1], fetch(len(names), kill=names[-1])
         finally:
             for proc in senders.values():
                 proc.stdin.close()  # type: ignore[union-attr]
@@ -274,6 +296,18 @@ def run_netns(mb: float, peers: list[int], repeats: int, rate: str, chunks: int)
             "vs_1": round(one / med, 2), "cpu_s": round(statistics.median(cpus[n]), 3),
             "mb_by_peer": "/".join(str(round(b / 1e6)) for b in shares[n]), "n": len(times[n]),
         })  # fmt: skip
+    if killed is not None:
+        name, (wall, cpu, share, dropped) = killed
+        rows.append({
+            "mb": round(nbytes / 1e6), "rate": rate,
+            "peers": f"{len(names)}, {name} killed at {kill_after:g} s",
+            "median_s": round(wall[0], 3), "min_s": round(wall[0], 3), "max_s": round(wall[0], 3),
+            "mb_per_s": round(nbytes / 1e6 / wall[0]), "ratio": round(wall[0] / one, 3),
+            "vs_1": round(one / wall[0], 2), "cpu_s": round(cpu[0], 3),
+            "mb_by_peer": "/".join(str(round(b / 1e6)) for b in share), "n": 1,
+        })  # fmt: skip
+        if not dropped:
+            print(f"note: {name} was killed after the fetch had ended; use a smaller --kill-after")
     return rows
 
 
@@ -378,7 +412,11 @@ def main() -> None:
                         help="--netns: each sender's link rate (default 1gbit)")  # fmt: skip
     parser.add_argument("--chunks", type=int, default=1,
                         help="--netns: connections per sender (default 1)")  # fmt: skip
+    parser.add_argument("--kill-after", type=float, default=None,
+                        help="--netns: then one more fetch from all peers, SIGKILLing the last "
+                        "sender this many seconds into it (the fallback's cost)")  # fmt: skip
     parser.add_argument("--host", default="127.0.0.1", help=argparse.SUPPRESS)
+    parser.add_argument("--allow-failures", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--recv-peers", nargs="+", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
@@ -386,7 +424,9 @@ def main() -> None:
     if args.recv:
         return receive(args.recv, args.address, args.nbytes, args.chunks, args.touch)
     if args.recv_peers:
-        return receive_peers(args.recv_peers, args.nbytes, args.chunks, args.host)
+        return receive_peers(
+            args.recv_peers, args.nbytes, args.chunks, args.host, args.allow_failures
+        )
     if args.netns:
         return main_netns(args)
     if args.smoke:
@@ -418,7 +458,7 @@ def main_netns(args: argparse.Namespace) -> None:
         sys.exit("bench.transfer --netns: --peers must be increasing counts >= 1, e.g. 1 3")
     rows = []
     for mb in mbs:
-        rows += run_netns(mb, args.peers, args.repeats, args.rate, args.chunks)
+        rows += run_netns(mb, args.peers, args.repeats, args.rate, args.chunks, args.kill_after)
     report(rows, results_file(args.out, "transfer_peers"))
 
 

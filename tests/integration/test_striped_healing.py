@@ -101,6 +101,32 @@ def test_a_sender_that_is_gone_is_skipped(transports):
     assert report is not None and list(report.errors) == [f"replica rank 0 at {sources[0][1]}"]
 
 
+def test_a_source_not_serving_yet_is_waited_for_not_dropped(transports):
+    """One peer stages its state late (it learns of the quorum after the
+    healer asks): the others serve its ranges meanwhile, nothing is dropped."""
+    *senders, receiver = transports
+    st = state(mb=4)
+    sources = serve(senders[:2], st) + [(2, senders[2].metadata())]
+    got = receiver.recv_checkpoint_striped(sources, STEP, T)
+    assert same(got, st)
+    report = receiver.last_stripe_report
+    assert report is not None and not report.errors, report.summary()
+    assert report.bytes_by_source[2] == 0
+
+
+def test_a_fetch_waits_until_some_source_serves(transports):
+    *senders, receiver = transports
+    st = state(mb=1)
+    sources = [(rank, sender.metadata()) for rank, sender in enumerate(senders)]
+    later = threading.Timer(0.3, lambda: serve(senders, st))
+    later.start()
+    try:
+        got = receiver.recv_checkpoint_striped(sources, STEP, T)
+    finally:
+        later.join()
+    assert same(got, st)
+
+
 def test_sources_serving_different_states_are_refused(transports):
     *senders, receiver = transports
     sources = serve(senders, state(mb=1))

@@ -61,6 +61,15 @@ def test_a_source_done_early_takes_over_the_end_of_a_slower_ones_work():
     assert stripes.take(1) == 3
 
 
+def test_a_source_not_serving_yet_gives_its_range_back_and_stays_alive():
+    stripes = Stripes(4, 2)
+    assert stripes.take(1) == 1
+    stripes.give_back(1, 1)
+    assert not stripes.errors and stripes.refetched == 0
+    assert stripes.take(0) == 0
+    assert stripes.take(1) == 1  # its own range again, on its next try
+
+
 def test_when_every_source_failed_nothing_is_taken_and_the_fetch_has_failed():
     stripes = Stripes(4, 2)
     r0, r1 = stripes.take(0), stripes.take(1)

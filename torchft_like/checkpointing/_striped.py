@@ -44,6 +44,8 @@ from torchft_like.checkpointing._http_fetch import (
 
 logger = logging.getLogger(__name__)
 
+_RETRY_S = 0.05
+"""How long a source that does not serve the step yet waits before asking again."""
 MAX_RANGES = 256
 """The server's bound on `of` in ``?chunk=i&of=n``."""
 
@@ -138,6 +140,15 @@ class Stripes:
                 del self._in_flight[r]
                 self._pending.insert(0, r)
                 self.refetched += 1
+            self._cond.notify_all()
+
+    def give_back(self, r: int, source: int) -> None:
+        """`source` cannot serve range `r` yet (not staged): `r` goes back to
+        pending and `source` stays alive, to try again."""
+        with self._cond:
+            self._check_in_flight(r, source)
+            del self._in_flight[r]
+            self._pending.insert(0, r)
             self._cond.notify_all()
 
     def _check_in_flight(self, r: int, source: int) -> None:
@@ -301,6 +312,7 @@ class StripedFetch:
         ]
         self.stripes = Stripes(num_ranges, len(self.sources))
         self._fatal: BaseException | None = None
+        self._not_ready: NotReady | None = None
         self._lock = threading.Lock()
         self._bytes = [0] * len(self.sources)
 
@@ -379,15 +391,22 @@ class StripedFetch:
                 continue
             try:
                 return s, r, fetch._open(r, self.stripes.num_ranges)
+            except NotReady as e:  # maybe staged later: the next attempt asks again
+                self._not_ready = e
+                self.stripes.give_back(r, s)
             except _SOURCE_ERRORS as e:
                 self._log_failure(s, r, e)
                 self.stripes.fail(r, s, e)
+        if self._not_ready is not None:
+            raise self._not_ready
         raise self._last_error()
 
     def _last_error(self) -> BaseException:
         """The error to raise when no source is left: one worth retrying
         (not serving yet, a broken connection) over a refusal that is final."""
         errors = list(self.stripes.errors.values())
+        if self._not_ready is not None and all(isinstance(e, TimeoutError) for e in errors):
+            return self._not_ready  # what kept the sources from serving in time
         if not errors:
             return TimeoutError("no source delivered its ranges before the deadline")
         retryable = [e for e in errors if not isinstance(e, Refused)]
@@ -415,6 +434,11 @@ class StripedFetch:
                 r, first = r_next, None
             try:
                 self._fill(s, fetch, r, first)
+            except NotReady as e:  # not staged yet (it learns of the quorum later): wait
+                self._not_ready = e
+                self.stripes.give_back(r, s)
+                time.sleep(_RETRY_S)
+                continue
             except LayoutMismatch as e:
                 self._fatal = e
                 for other in self._fetches:
