@@ -46,7 +46,7 @@ from torchft_like.group_quorum import QuorumRequest
 from torchft_like.manager_client import ManagerClient, ManagerClientProtocol
 from torchft_like.manager_server import LocalManagerClient, ManagerServer
 from torchft_like.metrics import ManagerMetrics, metrics_port_from_env
-from torchft_like.recovery import QuorumResult
+from torchft_like.recovery import QuorumResult, heal_sources
 
 logger = logging.getLogger(__name__)
 
@@ -618,14 +618,9 @@ class Manager:
 
     def _heal_sources_of(self, result: QuorumResult) -> list[tuple[int, str]]:
         """(replica rank, ManagerServer address) of the peers to heal from,
-        the primary first; one unless striping applies (several sources
-        listed, `heal_sources` allows them, the transport can stripe)."""
-        assert result.recover_src_replica_rank is not None
-        primary = [(result.recover_src_replica_rank, result.recover_src_manager_address)]
-        listed = list(zip(result.recover_src_replica_ranks, result.recover_src_manager_addresses))
-        if not hasattr(self._checkpoint_transport, "recv_checkpoint_striped") or len(listed) < 2:
-            return primary
-        return listed[: self._heal_sources] if self._heal_sources is not None else listed
+        the primary first; one where the transport cannot stripe."""
+        striping = hasattr(self._checkpoint_transport, "recv_checkpoint_striped")
+        return heal_sources(result, self._heal_sources if striping else 1)
 
     def _metadata_of(self, manager_address: str) -> str:
         src = ManagerClient(manager_address, self._connect_timeout, self._secret, self._tls)

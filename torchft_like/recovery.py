@@ -205,3 +205,23 @@ def compute_quorum_result(
         commit_failures=max(m.commit_failures for m in participants),
         divergence=divergence.reason if divergence else "",
     )
+
+
+def heal_sources(result: QuorumResult, cap: int | None) -> list[tuple[int, str]]:
+    """(replica rank, ManagerServer address) of the peers a healing rank
+    fetches from: its primary alone, or with striping the first `cap` of
+    `recover_src_*` (None: all), the primary first. A result without the
+    list (from pytorch/torchft's ManagerServer) gives the primary alone.
+
+    Raises:
+        ValueError: `result` says we do not heal, or `cap` is below 1.
+    """
+    if not result.heal or result.recover_src_replica_rank is None:
+        raise ValueError("heal_sources of a quorum result in which this rank does not heal")
+    if cap is not None and cap < 1:
+        raise ValueError(f"cap ({cap}) must be at least 1, or None for every source")
+    primary = [(result.recover_src_replica_rank, result.recover_src_manager_address)]
+    listed = list(zip(result.recover_src_replica_ranks, result.recover_src_manager_addresses))
+    if len(listed) < 2 or listed[0] != primary[0]:
+        return primary
+    return listed[:cap] if cap is not None else listed

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import pytest
 
 from lighthouse.quorum import Quorum, QuorumMember
-from torchft_like.recovery import compute_quorum_result, fingerprint_data, member_fingerprint
+from torchft_like.recovery import (
+    compute_quorum_result,
+    fingerprint_data,
+    heal_sources,
+    member_fingerprint,
+)
 
 
 def quorum(steps: dict[str, int], failures: int = 0) -> Quorum:
@@ -369,3 +375,49 @@ def test_member_fingerprint_reads_only_well_formed_entries_of_the_same_step(
 ):
     member = QuorumMember(replica_id="a", step=5, data=data)
     assert member_fingerprint(member, group_rank) == expected
+
+
+def test_the_striped_sources_survive_the_wire_and_an_older_server_sends_none():
+    from lighthouse.rpc.proto import torchft_pb2 as pb
+    from torchft_like import wire
+
+    steps = {"a": 7, "b": 7, "c": 7, "d": 1}
+    for me in steps:
+        r = compute_quorum_result(quorum(steps), me, 1, False)
+        sent = wire.result_to_proto(r).SerializeToString()
+        assert wire.result_from_proto(pb.ManagerQuorumResponse.FromString(sent)) == r
+    healer = compute_quorum_result(quorum(steps), "d", 0, False)
+    older = wire.result_to_proto(healer)  # as pytorch/torchft's server sends it: no 100-102
+    for name in ("recover_src_replica_ranks", "recover_src_manager_addresses",
+                 "recover_stripe_dst_replica_ranks"):  # fmt: skip
+        older.ClearField(name)
+    got = wire.result_from_proto(older)
+    assert got.recover_src_replica_ranks == () and got.recover_src_replica_rank == 0
+
+
+HEAL_SOURCE_CASES = [
+    ("all by default", None, [(0, "http://a:1"), (1, "http://b:1"), (2, "http://c:1")]),
+    ("a cap keeps the first", 2, [(0, "http://a:1"), (1, "http://b:1")]),
+    ("1 turns striping off", 1, [(0, "http://a:1")]),
+    ("a cap above the count is all", 9, [(0, "http://a:1"), (1, "http://b:1"), (2, "http://c:1")]),
+]
+
+
+@pytest.mark.parametrize("name, cap, expected", HEAL_SOURCE_CASES)
+def test_heal_sources(name, cap, expected):
+    r = compute_quorum_result(quorum({"a": 7, "b": 7, "c": 7, "d": 1}), "d", 0, False)
+    assert heal_sources(r, cap) == expected
+
+
+def test_heal_sources_without_the_list_is_the_primary_alone():
+    r = compute_quorum_result(quorum({"a": 7, "b": 7, "d": 1}), "d", 1, False)
+    older = dataclasses.replace(r, recover_src_replica_ranks=(), recover_src_manager_addresses=())
+    assert heal_sources(older, None) == [(1, "http://b:1")]
+
+
+def test_heal_sources_refuses_a_result_that_does_not_heal_and_a_bad_cap():
+    q = quorum({"a": 7, "d": 1})
+    with pytest.raises(ValueError, match="does not heal"):
+        heal_sources(compute_quorum_result(q, "a", 0, False), None)
+    with pytest.raises(ValueError, match="cap \\(0\\) must be at least 1"):
+        heal_sources(compute_quorum_result(q, "d", 0, False), 0)
