@@ -146,3 +146,18 @@ def test_one_source_is_a_plain_receive(transports):
 
 def _deadline(timeout: timedelta) -> float:
     return time.monotonic() + timeout.total_seconds()
+
+
+def test_an_error_that_is_no_sources_fault_ends_the_fetch_at_once(transports):
+    *senders, _ = transports
+    sources = serve(senders, state(mb=1))
+    peers = [_striped.Source(f"sender {r}", "127.0.0.1", int(m.split(":")[2].split("/")[0]))
+             for r, m in sources]  # fmt: skip
+
+    def progress(source: int, nbytes: int) -> None:
+        raise KeyError("a bug in the caller's callback")
+
+    started = time.monotonic()
+    with pytest.raises(KeyError, match="a bug"):
+        _striped.StripedFetch(peers, STEP, _deadline(T), progress=progress).run()
+    assert time.monotonic() - started < 5  # not held until the deadline

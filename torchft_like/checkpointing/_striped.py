@@ -440,7 +440,7 @@ class StripedFetch:
                 time.sleep(_RETRY_S)
                 continue
             except LayoutMismatch as e:
-                self._fatal = e
+                self._fatal = self._fatal or e
                 for other in self._fetches:
                     other.abort()
                 self.stripes.fail(r, s, e)
@@ -448,6 +448,12 @@ class StripedFetch:
             except _SOURCE_ERRORS as e:
                 if self._fatal is None:
                     self._log_failure(s, r, e)
+                self.stripes.fail(r, s, e)
+                return
+            except BaseException as e:  # a bug, not the source: end the fetch, not hang it
+                self._fatal = self._fatal or e
+                for other in self._fetches:
+                    other.abort()
                 self.stripes.fail(r, s, e)
                 return
             self.stripes.finish(r, s)
