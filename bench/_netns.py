@@ -33,7 +33,7 @@ def check_available() -> None:
     if os.geteuid() != 0:
         raise NetnsUnavailable(
             "--netns creates network namespaces and tc rate limits, which needs root; "
-            "run it as root (or with CAP_NET_ADMIN and CAP_SYS_ADMIN), or drop --netns"
+            "run it as root, or drop --netns"
         )
 
 
@@ -49,15 +49,15 @@ def _tc(ns: str, *args: str) -> None:
         raise RuntimeError(f"tc {' '.join(args)} in {ns} failed: {done.stderr.strip()}")
 
 
-def ours() -> list[str]:
-    """Namespaces of this benchmark that exist now (this run's or a crashed one's)."""
+def ours(prefix: str = PREFIX) -> list[str]:
+    """Namespaces named with `prefix` that exist now (this run's or a crashed one's)."""
     out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
-    return [line.split()[0] for line in out.splitlines() if line.startswith(PREFIX)]
+    return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
 
 
-def cleanup() -> None:
-    """Deletes every namespace named with PREFIX, and with them their links."""
-    for ns in ours():
+def cleanup(prefix: str = PREFIX) -> None:
+    """Deletes every namespace named with `prefix`, and with them their links."""
+    for ns in ours(prefix):
         subprocess.run(["ip", "netns", "delete", ns], capture_output=True)
 
 
@@ -70,25 +70,28 @@ class Network:
     """host name -> its link's rate limit for what it sends (tc syntax, e.g.
     "1gbit"), or None for an unlimited link."""
     address: dict[str, str] = field(default_factory=dict)
+    prefix: str = PREFIX
+    """Of every namespace's name; a test uses its own, so it never deletes a
+    running benchmark's network."""
 
     def ns(self, host: str) -> str:
-        return PREFIX + host
+        return self.prefix + host
 
     def exec(self, host: str) -> list[str]:
         return ["ip", "netns", "exec", self.ns(host)]
 
     def __enter__(self) -> Network:
         check_available()
-        cleanup()
+        cleanup(self.prefix)
         try:
             self._create()
         except BaseException:
-            cleanup()
+            cleanup(self.prefix)
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
-        cleanup()
+        cleanup(self.prefix)
 
     def _create(self) -> None:
         hub = self.ns("hub")
