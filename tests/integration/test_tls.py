@@ -256,6 +256,18 @@ def test_a_checkpoint_travels_over_https(make_transport, certs, client_auth, num
     assert torch.equal(got["w"], state["w"]) and got["step"] == 5
 
 
+def test_a_striped_checkpoint_travels_over_mutual_tls_with_a_secret(make_transport, certs):
+    sources = [make_transport(node(certs, True), secret=S) for _ in range(3)]
+    receiver = make_transport(node(certs, True), secret=S)
+    state = {"w": torch.arange(300_000.0), "b": torch.ones(3), "step": 5}
+    for source in sources:
+        source.send_checkpoint([3], 5, state, T)
+    got = receiver.recv_checkpoint_striped([(i, s.metadata()) for i, s in enumerate(sources)], 5, T)
+    assert torch.equal(got["w"], state["w"]) and got["step"] == 5
+    report = receiver.last_stripe_report
+    assert report is not None and not report.errors and all(report.bytes_by_source)
+
+
 def test_a_fetch_trusting_another_ca_fails_at_once_saying_why(make_transport, certs, other):
     source, receiver = make_transport(node(certs)), make_transport(node(other))
     source.send_checkpoint([1], 5, {"w": torch.ones(3)}, T)
