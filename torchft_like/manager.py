@@ -156,8 +156,9 @@ class Manager:
             (striped healing, `HTTPTransport.recv_checkpoint_striped`), so
             that no one sender's link bounds the heal; a peer that fails
             mid-transfer leaves its ranges to the others. None: every
-            up-to-date peer; 1: one peer, as torchft. Transports without
-            `recv_checkpoint_striped` always use one.
+            up-to-date peer; 1: one peer, as torchft. Transports other than
+            HTTPTransport always use one. A striped heal's collectives wait
+            for the whole transfer (a one-peer heal's only for its start).
     """
 
     def __init__(
@@ -619,7 +620,7 @@ class Manager:
     def _heal_sources_of(self, result: QuorumResult) -> list[tuple[int, str]]:
         """(replica rank, ManagerServer address) of the peers to heal from,
         the primary first; one where the transport cannot stripe."""
-        striping = hasattr(self._checkpoint_transport, "recv_checkpoint_striped")
+        striping = isinstance(self._checkpoint_transport, HTTPTransport)
         return heal_sources(result, self._heal_sources if striping else 1)
 
     def _metadata_of(self, manager_address: str) -> str:
