@@ -27,6 +27,11 @@ receiver appends ``{step}/full`` to it; ours reads host and port from it,
 and fetches from a peer whose metadata is torchft's own
 (``http://host:port/checkpoint/``) in torchft's format, weights_only.
 
+Replicas at one step hold the same state bit for bit, so a receiver may
+also take a distinct chunk of it from each of several sources at once
+(`recv_checkpoint_striped`, see `_striped`): no one sender's link bounds
+the heal, and a source that fails leaves its chunks to the others.
+
 Speed comes from touching each byte once on either side: the source sends
 slices of the live tensors' memory with socket sendall (contiguous CPU
 tensors are not copied; others are copied one slice at a time), and the
