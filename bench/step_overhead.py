@@ -84,7 +84,8 @@ def torchrun(
     nproc: int, worker_args: list[str], env: dict[str, str], log: Path
 ) -> subprocess.Popen:
     """Starts one torchrun of `nproc` workers, its output in `log`."""
-    pythonpath = os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH")] if p)
+    first = env.pop("CODE", str(REPO))
+    pythonpath = os.pathsep.join(p for p in [first, os.environ.get("PYTHONPATH")] if p)
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
@@ -123,14 +124,17 @@ class Contender:
     """One contender (mode, allocator) of one size: its processes, started
     at once, and the control connections of its ranks once they call in."""
 
-    def __init__(self, mode: str, allocator: str, worker_args: list[str], tmp: Path) -> None:
+    def __init__(
+        self, label: str, allocator: str, worker_args: list[str], tmp: Path, code: str = ""
+    ) -> None:
+        mode = "ft" if label == "ftbase" else label
         self.mode, self.allocator = mode, allocator
-        self.name = f"{mode}/{allocator}"
+        self.name = f"{label}/{allocator}"
         self.procs: list[subprocess.Popen] = []
         self.ranks: dict[tuple[str, int], tuple[socket.socket, object]] = {}
         """(replica group, rank) -> control connection."""
-        env = dict(ALLOCATORS[allocator])
-        stem = f"{mode}_{allocator}"
+        env = {**ALLOCATORS[allocator], **({"CODE": code} if code else {})}
+        stem = f"{label}_{allocator}"
         args = ["--mode", mode, "--name", self.name, *worker_args]
         if mode == "plain":
             self.procs.append(torchrun(2, args, env, tmp / f"{stem}.log"))
@@ -256,7 +260,8 @@ def measure(hidden: int, modes: list[str], allocators: list[str], args: argparse
     try:
         for allocator in allocators:
             for mode in modes:
-                contenders.append(Contender(mode, allocator, worker_args, tmp))
+                code = args.ft_baseline if mode == "ftbase" else ""
+                contenders.append(Contender(mode, allocator, worker_args, tmp, code))
         connect_all(server, contenders, timeout_s=240)
         for c in contenders:
             c.command({"cmd": "run", "steps": args.warmup}, 60 + 4 * args.warmup * step_s + 60)
@@ -293,6 +298,11 @@ def main() -> None:
         "--pin", action="store_true", help="each rank (replica group) on a core of its own"
     )
     parser.add_argument("--profile", default="", help="directory for torch.profiler tables")
+    parser.add_argument(
+        "--ft-baseline", default="",
+        help="a checkout of torchft_like (e.g. `git archive` of an older commit) to run as one "
+        "more contender, ftbase: a before/after of a change in one interleaved run",
+    )  # fmt: skip
     add_common_args(parser)
     args = parser.parse_args()
     if args.smoke:
@@ -300,6 +310,10 @@ def main() -> None:
         args.contenders, args.allocator = ["plain", "ft"], ["default"]
     have_torchft = importlib.util.find_spec("torchft") is not None
     modes = [m for m in args.contenders if m != "torchft" or have_torchft]
+    if args.ft_baseline:
+        if not (Path(args.ft_baseline) / "torchft_like").is_dir():
+            raise ValueError(f"--ft-baseline {args.ft_baseline} has no torchft_like/ package")
+        modes.append("ftbase")
     if "plain" not in modes:
         raise ValueError(f"--contenders {args.contenders} must include plain: ratios are to it")
     if args.rounds < 2 or args.steps < 1:
