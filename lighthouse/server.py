@@ -228,8 +228,9 @@ class _Coordinator:
         if self.waiters:
             self.decide()
 
-    async def quorum(self, member: QuorumMember) -> Quorum:
-        """Waits for the first issued quorum that contains `member`."""
+    def join(self, member: QuorumMember) -> _Waiter:
+        """Registers a Quorum call; its future gets the first issued quorum
+        that contains `member`. The caller must `withdraw` it when done."""
         now = time.monotonic()
         self._admit(member.replica_id, now)
         self._heard(member.replica_id, now)
@@ -245,13 +246,14 @@ class _Coordinator:
         waiter = _Waiter(Participant(member, now), asyncio.get_running_loop().create_future())
         self.waiters[member.replica_id] = waiter
         self.decide_soon()
-        try:
-            return await asyncio.shield(waiter.future)
-        finally:
-            # A cancelled call or one past its deadline must not be put into a
-            # quorum it will never hear of.
-            if self.waiters.get(member.replica_id) is waiter:
-                del self.waiters[member.replica_id]
+        return waiter
+
+    def withdraw(self, waiter: _Waiter) -> None:
+        """A call that ended (answered, cancelled or past its deadline) must
+        not be put into a quorum it will never hear of."""
+        replica_id = waiter.participant.member.replica_id
+        if self.waiters.get(replica_id) is waiter:
+            del self.waiters[replica_id]
 
     def _departed(self, replica_id: str, why: str) -> None:
         if self.prev_quorum is not None and replica_id in self.prev_quorum.replica_ids():
@@ -587,14 +589,19 @@ class _LighthouseServicer:
         budget_s = reply_budget_s(context.time_remaining())
         try:
             member = wire.quorum_request_from_proto(request)
-            quorum = await wait_within(
-                self._coord.quorum(member),
-                budget_s,
-                lambda: QuorumTimeoutError(
-                    f"no quorum containing {member.replica_id} within {budget_s:.1f} s: "
-                    f"{self._coord.reason}"
-                ),
-            )
+            waiter = self._coord.join(member)
+            try:
+                # A future and a timer: cheaper per call than a task (wait_within).
+                quorum = await asyncio.wait_for(waiter.future, budget_s)
+            except asyncio.TimeoutError:
+                if waiter.future.cancelled():  # wait_for's own timeout
+                    raise QuorumTimeoutError(
+                        f"no quorum containing {member.replica_id} within {budget_s:.1f} s: "
+                        f"{self._coord.reason}"
+                    ) from None
+                raise
+            finally:
+                self._coord.withdraw(waiter)
         except Exception as e:
             await errors.abort(context, e)
         self._coord.metrics.quorum_latency.observe(time.monotonic() - start)
