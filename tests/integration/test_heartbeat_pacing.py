@@ -8,13 +8,14 @@ import asyncio
 import time
 from datetime import timedelta
 
-import grpc
 import pytest
+from grpc import aio
 
 from lighthouse import LighthouseClient, LighthouseServer
 from lighthouse.client import AsyncLighthouseClient
 from lighthouse.pacing import advised_interval_ms
-from lighthouse.server import _LighthouseServicer
+from lighthouse.rpc.proto import torchft_pb2 as pb
+from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from torchft_like.manager_server import ManagerServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -91,27 +92,37 @@ def test_a_manager_server_heartbeats_at_the_advised_period():
         server.shutdown()
 
 
-def test_a_lighthouse_without_heartbeat_paced_gets_the_plain_stream(monkeypatch):
-    async def unimplemented(self, request_iterator, context):
-        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+class _OlderLighthouse(pb_grpc.LighthouseServiceServicer):
+    """A lighthouse of before HeartbeatPaced: the generated base answers it
+    UNIMPLEMENTED; HeartbeatStream counts what it receives."""
 
-    monkeypatch.setattr(_LighthouseServicer, "HeartbeatPaced", unimplemented)
-    server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    def __init__(self) -> None:
+        self.stream_heartbeats: list[str] = []
 
+    async def HeartbeatStream(self, request_iterator, context):
+        async for request in request_iterator:
+            self.stream_heartbeats.append(request.replica_id)
+        return pb.LighthouseHeartbeatResponse()
+
+
+def test_a_lighthouse_without_heartbeat_paced_gets_the_plain_stream():
     async def scenario() -> None:
-        client = AsyncLighthouseClient(server.address())
+        older = _OlderLighthouse()
+        server = aio.server()
+        pb_grpc.add_LighthouseServiceServicer_to_server(older, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        client = AsyncLighthouseClient(f"http://127.0.0.1:{port}")
         try:
             deadline = time.monotonic() + 15
-            while server._coord.open_streams.get("old:1") != 1:
-                streams = server._coord.open_streams
-                assert time.monotonic() < deadline, f"no HeartbeatStream opened: {streams}"
+            while not older.stream_heartbeats:
+                assert time.monotonic() < deadline, "no heartbeat reached HeartbeatStream"
                 assert await client.stream_heartbeat("old:1", TIMEOUT)
                 await asyncio.sleep(0.05)
+            assert older.stream_heartbeats[0] == "old:1"
             assert client.advised_interval() is None
         finally:
             await client.close()
+            await server.stop(None)
 
-    try:
-        asyncio.run(scenario())
-    finally:
-        server.shutdown()
+    asyncio.run(scenario())
