@@ -134,6 +134,7 @@ class _Coordinator:
         if advice == self.advice_ms:
             return
         self.advice_ms = advice
+        self.metrics.heartbeat_advice.set(advice / 1000)
         floor = suspect_floor_ms(self.config.suspect_min_ms, advice)
         self.decide_config = replace(self.config, suspect_min_ms=floor)
 

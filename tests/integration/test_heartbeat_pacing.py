@@ -59,6 +59,7 @@ def test_the_advice_grows_with_the_job_and_stays_under_a_third_of_the_timeout(ti
             grown = advised_interval_ms(151, timeout_ms)
             assert grown == min(200, timeout_ms // 3)
             assert await advice_after(client, "paced:1", grown) == grown
+            assert server.metrics.heartbeat_advice._value.get() == grown / 1000
         finally:
             await client.close()
 
