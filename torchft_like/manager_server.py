@@ -48,6 +48,9 @@ MAX_WAIT_S = 24 * 3600.0
 """Bound of a call that came without a deadline."""
 
 LEAVE_TIMEOUT = timedelta(milliseconds=300)
+MAX_ADVISED_HEARTBEAT_S = 30.0
+"""Longest lighthouse-advised heartbeat period followed (the lighthouse keeps
+its advice under a third of its heartbeat timeout; this bounds a bad one)."""
 """Bound of the Leave at shutdown, so that shutdown stays under a second."""
 
 
@@ -111,7 +114,8 @@ class ManagerServer:
         bind: `host:port` to listen on (port 0 picks one).
         store_addr: `host:port` of this group's TCPStore.
         world_size: ranks in this replica group.
-        heartbeat_interval: period of the lighthouse heartbeats.
+        heartbeat_interval: period of the lighthouse heartbeats; a lighthouse
+            may advise a longer one on the stream (lighthouse.pacing), followed.
         connect_timeout: bound on reaching the lighthouse.
         quorum_retries: lighthouse quorum failures retried before the ranks see one.
         secret: the job's shared secret: required of our callers and sent to
@@ -410,7 +414,8 @@ class ManagerServer:
 
     async def _heartbeat_loop(self) -> None:
         """Heartbeats on one stream (its closing tells the lighthouse at once
-        that we died); unary calls to a lighthouse without HeartbeatStream."""
+        that we died), at the longer of our period and the one the lighthouse
+        advises on it; unary calls to a lighthouse without a heartbeat stream."""
         failing = False
         use_stream = True
         interval = self._heartbeat_interval.total_seconds()
@@ -441,7 +446,12 @@ class ManagerServer:
                         "[%s] lighthouse heartbeat failed, will keep trying: %s", self.replica_id, e
                     )
                 failing = True
-            await asyncio.sleep(interval)
+            advised = self._lighthouse.advised_interval() if use_stream else None
+            if advised is None:
+                await asyncio.sleep(interval)
+            else:
+                advised_s = min(advised.total_seconds(), MAX_ADVISED_HEARTBEAT_S)
+                await asyncio.sleep(max(interval, advised_s))
 
     def shutdown(self, leave: bool = True) -> None:
         """Stops serving; with `leave`, first tells the lighthouse we go on
