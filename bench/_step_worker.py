@@ -1,14 +1,18 @@
-"""One rank of bench.step_overhead, launched by torchrun.
+"""One rank of bench.step_overhead, launched by torchrun and driven over a socket.
 
     plain:   torch DDP over a gloo group of all ranks (torchrun's world).
     ft:      torchft_like DDP, this torchrun being one replica group.
     torchft: pytorch/torchft's DDP, the same way (reference only).
 
-Rank 0 writes JSON: the measured per-step seconds, the CPU seconds per
-step of this process (all its threads: less sensitive to other load on the
-machine than wall time) and, for ft and torchft, the RPCs the step sent
-(counted by bench._rpc_count). With --profile DIR it also writes a
-torch.profiler table of a few more steps.
+Every contender stays alive for the whole benchmark and trains only when the
+driver tells it to: the driver connects to nobody, each rank connects to it
+(--control HOST:PORT), says who it is, then obeys one JSON line at a time:
+{"cmd": "run", "steps": N} trains N steps and answers with, per step, wall
+seconds, CPU seconds of this process (all threads) and minor page faults;
+{"cmd": "profile", "dir": D} trains 5 steps under torch.profiler and writes
+its table (rank 0); {"cmd": "stop"} exits. Between blocks a rank waits in a
+blocking read, costing no CPU, so contenders take turns on the same cores
+(interleaving at the block, not the launch).
 """
 
 from __future__ import annotations
@@ -16,6 +20,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
+import socket
 import sys
 import time
 from datetime import timedelta
@@ -29,16 +35,24 @@ from bench import _rpc_count
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--mode", choices=["plain", "ft", "torchft"], required=True)
+parser.add_argument("--name", required=True, help="the contender's name for the driver")
+parser.add_argument("--control", required=True, help="HOST:PORT of the driver")
 parser.add_argument("--hidden", type=int, required=True)
 parser.add_argument("--layers", type=int, default=4)
 parser.add_argument("--batch", type=int, default=32)
-parser.add_argument("--warmup", type=int, default=10)
-parser.add_argument("--steps", type=int, default=60)
-parser.add_argument("--out", required=True)
-parser.add_argument("--profile", default="", help="directory for a torch.profiler table")
+parser.add_argument("--pin", action="store_true", help="pin rank r (group g) to core r (g)")
 args = parser.parse_args()
 torch.set_num_threads(1)
 _rpc_count.install()
+
+group = os.environ.get("REPLICA_GROUP_ID", "0")
+rank = int(os.environ.get("RANK", 0))
+if args.pin:
+    # One core per rank of the job (the rank for plain DDP, the group for
+    # replica groups of one rank): the same placement for every contender.
+    slot = rank if args.mode == "plain" else int(group)
+    cores = sorted(os.sched_getaffinity(0))
+    os.sched_setaffinity(0, {cores[slot % len(cores)]})
 
 torch.manual_seed(0)
 layers: list[nn.Module] = []
@@ -47,10 +61,9 @@ for _ in range(args.layers):
 model = nn.Sequential(*layers)
 inner = torch.optim.AdamW(model.parameters(), lr=1e-4)
 x = torch.randn(args.batch, args.hidden)
-group = os.environ.get("REPLICA_GROUP_ID", "0")
 
 if args.mode == "plain":
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     ddp = nn.parallel.DistributedDataParallel(model)
     optimizer = inner
     manager = None
@@ -61,12 +74,13 @@ else:
         import torchft as ft  # type: ignore[no-redef]
 
     manager = ft.Manager(
-        pg=ft.ProcessGroupGloo(timeout=timedelta(seconds=60)),
+        pg=ft.ProcessGroupGloo(timeout=timedelta(seconds=120)),
         load_state_dict=lambda sd: (model.load_state_dict(sd["m"]), inner.load_state_dict(sd["o"])),
         state_dict=lambda: {"m": model.state_dict(), "o": inner.state_dict()},
         min_replica_size=2,
         replica_id=f"bench{group}",
-        timeout=timedelta(seconds=60),
+        timeout=timedelta(seconds=120),
+        quorum_timeout=timedelta(seconds=600),
     )
     if args.mode == "torchft":
         # Its Rust client is out of grpc's reach: count the calls into it.
@@ -82,43 +96,49 @@ def train_step() -> None:
     optimizer.step()
 
 
-times = []
-for _ in range(args.warmup):
-    train_step()
-rpcs_before = _rpc_count.snapshot()
-cpu_start = time.process_time()
-for _ in range(args.steps):
-    start = time.perf_counter()
-    train_step()
-    times.append(time.perf_counter() - start)
-cpu_per_step = (time.process_time() - cpu_start) / args.steps
-rpcs_after = _rpc_count.snapshot()
+def run(steps: int) -> dict:
+    times, cpu, minflt = [], [], []
+    rpcs_before = _rpc_count.snapshot()
+    for _ in range(steps):
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        c = time.process_time()
+        t = time.perf_counter()
+        train_step()
+        times.append(time.perf_counter() - t)
+        cpu.append(time.process_time() - c)
+        minflt.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
+    rpcs = _rpc_count.critical_per_step(rpcs_before, _rpc_count.snapshot(), steps)
+    return {"times": times, "cpu": cpu, "minflt": minflt, "rpcs_per_step": rpcs}
 
-rank = int(os.environ.get("RANK", 0))
-if args.profile:
+
+def profile(directory: str) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CPU], record_shapes=False) as prof:
         for _ in range(5):
             train_step()
     if rank == 0:
-        out = Path(args.profile)
+        out = Path(directory)
         out.mkdir(parents=True, exist_ok=True)
-        table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=40)
-        (out / f"{args.mode}{group}_h{args.hidden}.txt").write_text(table)
-        prof.export_chrome_trace(str(out / f"{args.mode}{group}_h{args.hidden}.json"))
+        name = args.name.replace("/", "_")
+        table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=40)
+        (out / f"{name}_h{args.hidden}.txt").write_text(table)
+        prof.export_chrome_trace(str(out / f"{name}_h{args.hidden}.json"))
+    return {}
 
-if rank == 0:
-    with open(args.out, "w") as f:
-        json.dump(
-            {
-                "times": times,
-                "cpu_per_step": cpu_per_step,
-                "rpcs": {m: n - rpcs_before.get(m, 0) for m, n in rpcs_after.items()},
-                "rpcs_per_step": _rpc_count.critical_per_step(rpcs_before, rpcs_after, args.steps),
-            },
-            f,
-        )
+
+host, port = args.control.rsplit(":", 1)
+control = socket.create_connection((host, int(port)))
+stream = control.makefile("rw")
+stream.write(json.dumps({"name": args.name, "rank": rank, "group": group}) + "\n")
+stream.flush()
+for line in stream:
+    cmd = json.loads(line)
+    if cmd["cmd"] == "stop":
+        break
+    reply = run(cmd["steps"]) if cmd["cmd"] == "run" else profile(cmd["dir"])
+    stream.write(json.dumps(reply if rank == 0 else {}) + "\n")
+    stream.flush()
 
 if manager is not None:
     manager.shutdown()

@@ -14,14 +14,20 @@ be driven, so one run measures, interleaved per N:
 
 - `ref`: pytorch/torchft's Rust lighthouse (.venv/bin/torchft_lighthouse),
 - `ours`: torchft-lighthouse with unary Heartbeat calls,
-- `ours_stream`: torchft-lighthouse with the HeartbeatStream RPC.
+- `ours_stream`: torchft-lighthouse with the HeartbeatStream RPC,
+- `ours_paced`: torchft-lighthouse with HeartbeatPaced, each group
+  heartbeating at the longer of --heartbeat-ms and the lighthouse's advice
+  (lighthouse.pacing), as our ManagerServer does; hb_offered then still
+  says what --heartbeat-ms would offer.
 
 Columns: quorum call latency p50/p99 (q_*: from the call; q_last_p99: from
 the step's last call, the lighthouse's own part); heartbeat latency p99
 (unary: the call; stream: the write, which only waits for flow control);
 heartbeats per second completed vs offered; the lighthouse's CPU (psutil
-cpu_times over the window, fraction of one core) and RSS; the load
-processes' own CPU, which competes with the lighthouse on a small box; errors.
+cpu_times over the window, fraction of one core), its CPU per call
+(us_per_rpc: that CPU over the heartbeats and Quorum calls of the window) and
+RSS; the load processes' own CPU, which competes with the lighthouse on a
+small box; errors. --profile DIR records py-spy flame data of our servers.
 """
 
 from __future__ import annotations
@@ -44,7 +50,7 @@ import psutil
 from bench._report import REPO, add_common_args, report, results_file
 from tools.procs import free_port
 
-CONTENDERS = ("ref", "ours", "ours_stream")
+CONTENDERS = ("ref", "ours", "ours_stream", "ours_paced")
 VENV_BIN = Path(sys.executable).parent
 
 
@@ -83,11 +89,28 @@ async def _group(gid: int, cfg: dict, stats: dict, clock: _Clock, ready: asyncio
     rid = f"group{gid}:{os.getpid()}"
     done = asyncio.Event()
     hb_s = cfg["heartbeat_ms"] / 1000
+    readers: list[asyncio.Task] = []
+
+    advice = {"s": 0.0}
+
+    async def read_advice(call: aio.StreamStreamCall) -> None:
+        try:
+            async for answer in call:
+                advice["s"] = answer.interval_ms / 1000
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            pass
+
+    def open_stream() -> aio.Call | None:
+        if cfg["mode"] == "paced":
+            call = stub.HeartbeatPaced()
+            readers.append(asyncio.create_task(read_advice(call)))
+            return call
+        return stub.HeartbeatStream() if cfg["mode"] == "stream" else None
 
     async def heartbeats() -> None:
         req = pb.LighthouseHeartbeatRequest(replica_id=rid)
         await asyncio.sleep(random.random() * hb_s)
-        call = stub.HeartbeatStream() if cfg["stream"] else None
+        call = open_stream()
         nxt = time.time()
         while not done.is_set():
             start = time.time()
@@ -103,8 +126,9 @@ async def _group(gid: int, cfg: dict, stats: dict, clock: _Clock, ready: asyncio
                 if clock.in_window(start):
                     stats["errors"].append(f"heartbeat: {_why(e)}")
                 if call is not None:
-                    call = stub.HeartbeatStream()
-            nxt = max(nxt + hb_s, time.time() - hb_s)
+                    call = open_stream()
+            period = max(hb_s, advice["s"])
+            nxt = max(nxt + period, time.time() - period)
             await asyncio.sleep(max(0.0, nxt - time.time()))
         if call is not None:
             call.cancel()
@@ -125,6 +149,8 @@ async def _group(gid: int, cfg: dict, stats: dict, clock: _Clock, ready: asyncio
             at = clock.t0 + (step - 1) * cfg["step_s"]
             await asyncio.sleep(max(0.0, at - time.time()))
             start = time.time()
+            if clock.in_window(start):
+                stats["q_calls"] += 1
             try:
                 await ask(step)
                 if clock.warmup_steps < step < clock.steps:  # the last one closes the window
@@ -136,12 +162,14 @@ async def _group(gid: int, cfg: dict, stats: dict, clock: _Clock, ready: asyncio
     try:
         await asyncio.gather(heartbeats(), quorums())
     finally:
+        for reader in readers:
+            reader.cancel()
         await channel.close()
 
 
 async def _load(cfg: dict) -> dict:
     """One load process: its groups, the ready/go handshake, its own CPU."""
-    stats: dict = {"hb_lat": [], "quorums": [], "hb_ok": 0, "errors": []}
+    stats: dict = {"hb_lat": [], "quorums": [], "hb_ok": 0, "q_calls": 0, "errors": []}
     clock = _Clock()
     ready: asyncio.Queue = asyncio.Queue()
     me = psutil.Process()
@@ -196,6 +224,21 @@ def start_server(contender: str, n: int, port: int, log: str | None) -> subproce
     raise RuntimeError(f"{contender} lighthouse did not start listening on port {port}")
 
 
+def _profile(pid: int, contender: str, n: int, args: argparse.Namespace) -> subprocess.Popen | None:
+    """py-spy over our lighthouse for most of the window, with --profile DIR."""
+    if not args.profile or contender == "ref":
+        return None
+    spy = shutil.which("py-spy") or shutil.which("py-spy", path=str(VENV_BIN))
+    if spy is None:
+        raise RuntimeError("--profile needs py-spy on PATH")
+    out = Path(args.profile) / f"{contender}.{n}.txt"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    secs = max(1, int(args.seconds) - 2)
+    cmd = [spy, "record", "-p", str(pid), "-d", str(secs), "-r", "100", "-f", "raw", "-o", str(out)]
+    cmd += ["--native"] if args.profile_native else []
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def pct(xs: list[float], q: float) -> float:
     if not xs:
         return float("nan")
@@ -214,7 +257,7 @@ def run_one(contender: str, n: int, args: argparse.Namespace) -> dict:
             cfg = {
                 "target": f"127.0.0.1:{port}",
                 "gids": list(range(p, n, procs)),
-                "stream": contender == "ours_stream",
+                "mode": contender.removeprefix("ours_") if "_" in contender else "unary",
                 "heartbeat_ms": args.heartbeat_ms,
                 "step_s": args.step_s,
             }
@@ -236,8 +279,11 @@ def run_one(contender: str, n: int, args: argparse.Namespace) -> dict:
             proc.stdin.flush()
         time.sleep(max(0.0, w0 - time.time()))
         s0 = sp.cpu_times()
+        spy = _profile(server.pid, contender, n, args)
         time.sleep(max(0.0, w1 - time.time()))
         s1 = sp.cpu_times()
+        if spy is not None:
+            spy.wait(30)
         rss_mb = sp.memory_info().rss / 2**20
         results = [json.loads(proc.stdout.read().strip().splitlines()[-1]) for proc in loads]
     finally:
@@ -255,6 +301,9 @@ def run_one(contender: str, n: int, args: argparse.Namespace) -> dict:
         last_call[step] = max(last_call.get(step, 0.0), start)
     q_after_last = [end - last_call[step] for step, _, end in calls]
     hb = [x for r in results for x in r["hb_lat"]]
+    lh_cpu_s = s1.user + s1.system - s0.user - s0.system
+    # Calls started in the window: every heartbeat (unary or stream message) and Quorum.
+    rpcs = sum(r["hb_ok"] + r["q_calls"] for r in results)
     errors = [e for r in results for e in r["errors"]]
     if errors:
         print(f"{contender} n={n}: {len(errors)} errors, first: {errors[0]}", file=sys.stderr)
@@ -268,7 +317,8 @@ def run_one(contender: str, n: int, args: argparse.Namespace) -> dict:
         "hb_p99_ms": round(1000 * pct(hb, 0.99), 2),
         "hb_per_s": round(sum(r["hb_ok"] for r in results) / args.seconds),
         "hb_offered": round(n * 1000 / args.heartbeat_ms),
-        "lh_cpu": round((s1.user + s1.system - s0.user - s0.system) / args.seconds, 2),
+        "lh_cpu": round(lh_cpu_s / args.seconds, 2),
+        "us_per_rpc": round(1e6 * lh_cpu_s / max(rpcs, 1)),
         "lh_rss_mb": round(rss_mb, 1),
         "load_cpu": round(sum(r["cpu_s"] for r in results) / args.seconds, 2),
         "errors": len(errors),
@@ -287,6 +337,8 @@ def main() -> None:
     parser.add_argument("--warmup-steps", type=int, default=1)
     add_common_args(parser)  # --smoke: 10 groups, 3 s, one load process
     parser.add_argument("--server-log", help="write each server's log to SERVER_LOG.NAME.N")
+    parser.add_argument("--profile", metavar="DIR", help="py-spy each of our servers into DIR")
+    parser.add_argument("--profile-native", action="store_true", help="py-spy --native")
     parser.add_argument("--load-process", metavar="CONFIG_JSON", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.load_process:

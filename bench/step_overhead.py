@@ -1,18 +1,34 @@
 """Step time of torchft_like DDP versus plain torch DDP (and pytorch/torchft), interleaved.
 
-    python -m bench.step_overhead [--hidden 1000 2500] [--repeats 3] [--out DIR] [--smoke]
+    python -m bench.step_overhead [--hidden 1000 2500] [--allocator default keep]
+        [--rounds 12] [--steps 20] [--pin] [--out DIR] [--smoke]
 
-For each model size, runs A B C A B C ...: A = plain torch DDP over 2 gloo
-ranks (one torchrun with 2 processes); B = torchft_like, 2 replica groups of
-one rank each (our lighthouse and two torchruns); C = pytorch/torchft the
-same way (its Rust lighthouse), only when `import torchft` works (the `bench`
-extra): a reference, the library never imports it. Every process has
-OMP_NUM_THREADS=1; all on 127.0.0.1. The model is an MLP of 4 square layers,
-batch 32, AdamW (width 1000: 4.0M fp32 parameters, 2500: 25M); 10 warm-up
-steps, then --steps measured. Reports per contender the median step time,
-min/max over runs of the per-run median, the CPU time per step of rank 0's
-process (all threads; robust to other load), the per-pair ratio to A, and the
-RPCs the step sends on its critical path (heartbeats left out).
+Contenders: plain = torch DDP over 2 gloo ranks (one torchrun with 2
+processes); ft = torchft_like, 2 replica groups of one rank each (our
+lighthouse and two torchruns); torchft = pytorch/torchft the same way (its
+Rust lighthouse), only when `import torchft` works (the `bench` extra): a
+reference, the library never imports it. Each runs under each --allocator:
+default (glibc as it comes) and keep (GLIBC_TUNABLES with a 32 MB mmap
+threshold and a 16 GB trim threshold: freed memory stays in the heap, a
+common production setting), set in every worker's environment. Every
+process has OMP_NUM_THREADS=1; all on 127.0.0.1. The model is an MLP of 4
+square layers, batch 32, AdamW (width 1000: 4.0M fp32 parameters, 2500: 25M).
+
+Precision. All contenders of one size are started once and stay alive; the
+driver then has them take turns: a round gives each contender one block of
+--steps steps, one after another, the order reversed every other round (A B
+C, C B A, ...), so slow drifts in the machine's load fall on all alike.
+The first step of each block is not counted (caches cold after the wait).
+Per step, rank 0 reports wall time, its process's CPU time (all threads:
+less sensitive to other load than wall time) and minor page faults.
+
+Statistics. Per contender: the median over all counted steps (wall, CPU),
+and mean minor faults per step. Ratio to plain under the same allocator:
+per round, the ratio of the two blocks' medians; the figure is the
+geometric mean of those per-round ratios, and its 95% interval a percentile
+bootstrap over rounds (2000 resamples of the rounds with replacement,
+random.Random(0)). Wall and CPU ratios both. Also the RPCs the step sends on
+its critical path (heartbeats left out).
 """
 
 from __future__ import annotations
@@ -20,7 +36,9 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import math
 import os
+import random
 import shutil
 import socket
 import statistics
@@ -37,6 +55,16 @@ WORKER = str(REPO / "bench" / "_step_worker.py")
 TORCHFT_LIGHTHOUSE_RPCS = 1
 """torchft's Rust ManagerServer asks its lighthouse once per step for the
 group; that call is out of Python's reach, so it is added, not counted."""
+ALLOCATORS = {
+    "default": {},
+    "keep": {
+        "GLIBC_TUNABLES": "glibc.malloc.mmap_threshold=33554432"
+        ":glibc.malloc.trim_threshold=17179869184"
+    },
+}
+"""Environment of every worker per --allocator: keep = glibc never returns
+freed memory to the system and serves blocks under 32 MB from its heap."""
+BOOTSTRAP_RESAMPLES = 2000
 
 
 def wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 30) -> None:
@@ -56,7 +84,8 @@ def torchrun(
     nproc: int, worker_args: list[str], env: dict[str, str], log: Path
 ) -> subprocess.Popen:
     """Starts one torchrun of `nproc` workers, its output in `log`."""
-    pythonpath = os.pathsep.join(p for p in [str(REPO), os.environ.get("PYTHONPATH")] if p)
+    first = env.pop("CODE", str(REPO))
+    pythonpath = os.pathsep.join(p for p in [first, os.environ.get("PYTHONPATH")] if p)
     with open(log, "wb") as out:
         proc = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node",
@@ -67,26 +96,6 @@ def torchrun(
         )  # fmt: skip
     proc.log = log  # type: ignore[attr-defined]
     return proc
-
-
-def wait_all(procs: list[subprocess.Popen], what: str, timeout_s: float) -> None:
-    """Waits for every torchrun; on a failure or the deadline, kills every
-    tree (torchrun's workers too) and raises with the failing log's tail."""
-    deadline = time.monotonic() + timeout_s
-    try:
-        for p in procs:
-            try:
-                rc = p.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                rc = None
-            if rc != 0:
-                tail = p.log.read_text(errors="replace")[-3000:]  # type: ignore[attr-defined]
-                why = f"exited with {rc}" if rc is not None else f"ran past {timeout_s:.0f} s"
-                raise RuntimeError(f"{what} failed: a torchrun {why}; its log ends:\n{tail}")
-    finally:
-        for p in procs:
-            kill_tree(p.pid)
-            p.wait()
 
 
 def start_lighthouse(mode: str) -> tuple[subprocess.Popen, str]:
@@ -111,82 +120,208 @@ def start_lighthouse(mode: str) -> tuple[subprocess.Popen, str]:
     return proc, f"http://127.0.0.1:{port}"
 
 
-def run_once(mode: str, worker_args: list[str], tmp: Path, timeout_s: float) -> dict:
-    """One run of one contender; returns rank 0's JSON (times, RPC counts)."""
-    out = tmp / f"{mode}.json"
-    out.unlink(missing_ok=True)
-    if mode == "plain":
-        proc = torchrun(2, ["--mode", "plain", "--out", str(out), *worker_args], {},
-                        tmp / "plain.log")  # fmt: skip
-        wait_all([proc], "plain DDP", timeout_s)
-        return json.loads(out.read_text())
-    lighthouse, address = start_lighthouse(mode)
-    try:
-        groups = [
-            torchrun(1, ["--mode", mode, "--out", str(tmp / f"{mode}{g}.json"), *worker_args],
-                     {"TORCHFT_LIGHTHOUSE": address, "REPLICA_GROUP_ID": str(g)},
-                     tmp / f"{mode}{g}.log")
-            for g in range(2)
-        ]  # fmt: skip
-        wait_all(groups, mode, timeout_s)
-    finally:
-        lighthouse.kill()
-        lighthouse.wait()
-    return json.loads((tmp / f"{mode}0.json").read_text())
+class Contender:
+    """One contender (mode, allocator) of one size: its processes, started
+    at once, and the control connections of its ranks once they call in."""
+
+    def __init__(
+        self, label: str, allocator: str, worker_args: list[str], tmp: Path, code: str = ""
+    ) -> None:
+        mode = "ft" if label == "ftbase" else label
+        self.mode, self.allocator = mode, allocator
+        self.name = f"{label}/{allocator}"
+        self.procs: list[subprocess.Popen] = []
+        self.ranks: dict[tuple[str, int], tuple[socket.socket, object]] = {}
+        """(replica group, rank) -> control connection."""
+        env = {**ALLOCATORS[allocator], **({"CODE": code} if code else {})}
+        stem = f"{label}_{allocator}"
+        args = ["--mode", mode, "--name", self.name, *worker_args]
+        if mode == "plain":
+            self.procs.append(torchrun(2, args, env, tmp / f"{stem}.log"))
+            return
+        lighthouse, address = start_lighthouse(mode)
+        self.procs.append(lighthouse)
+        for g in range(2):
+            group_env = {**env, "TORCHFT_LIGHTHOUSE": address, "REPLICA_GROUP_ID": str(g)}
+            self.procs.append(torchrun(1, args, group_env, tmp / f"{stem}{g}.log"))
+
+    def check_alive(self) -> None:
+        for p in self.procs:
+            if p.poll() is not None:
+                log = getattr(p, "log", None)
+                tail = log.read_text(errors="replace")[-3000:] if log else "(lighthouse)"
+                raise RuntimeError(f"{self.name}: a process exited with {p.returncode}:\n{tail}")
+
+    def command(self, cmd: dict, timeout_s: float) -> dict:
+        """Sends `cmd` to every rank; returns the answer of rank 0 (of group 0)
+        once all answered."""
+        line = json.dumps(cmd) + "\n"
+        for _, stream in self.ranks.values():
+            stream.write(line)  # type: ignore[attr-defined]
+            stream.flush()  # type: ignore[attr-defined]
+        replies = {}
+        for rank, (sock, stream) in self.ranks.items():
+            sock.settimeout(timeout_s)
+            try:
+                reply = stream.readline()  # type: ignore[attr-defined]
+            except TimeoutError:
+                reply = ""
+            if not reply:
+                self.check_alive()
+                raise RuntimeError(f"{self.name} rank {rank}: no answer to {cmd} in {timeout_s} s")
+            replies[rank] = json.loads(reply)
+        return replies[("0", 0)]
+
+    def stop(self) -> None:
+        for sock, stream in self.ranks.values():
+            try:
+                stream.write(json.dumps({"cmd": "stop"}) + "\n")  # type: ignore[attr-defined]
+                stream.flush()  # type: ignore[attr-defined]
+            except OSError:
+                pass
+            sock.close()
+        for p in self.procs:
+            kill_tree(p.pid)
+            p.wait()
 
 
-def summarize(hidden: int, runs: dict[str, list[dict]]) -> dict:
-    """One row: per contender the median, min and max of per-run medians in ms,
-    and the per-pair ratios to plain (same repeat)."""
-    medians = {m: [statistics.median(r["times"]) for r in rs] for m, rs in runs.items()}
-    row: dict = {"params_m": round(4 * (hidden * hidden + hidden) / 1e6, 1)}
-    for m, ms in medians.items():
-        row[f"{m}_ms"] = round(1000 * statistics.median(ms), 1)
-        row[f"{m}_min_max"] = f"{1000 * min(ms):.0f}-{1000 * max(ms):.0f}"
-    for m, rs in runs.items():
-        row[f"{m}_cpu_ms"] = round(1000 * statistics.median(r["cpu_per_step"] for r in rs), 1)
-    for m in medians:
-        if m == "plain":
+def connect_all(server: socket.socket, contenders: list[Contender], timeout_s: float) -> None:
+    """Accepts every rank's call-in (2 per contender)."""
+    by_name = {c.name: c for c in contenders}
+    deadline = time.monotonic() + timeout_s
+    while any(len(c.ranks) < 2 for c in contenders):
+        server.settimeout(1.0)
+        try:
+            sock, _ = server.accept()
+        except TimeoutError:
+            for c in contenders:
+                c.check_alive()
+            if time.monotonic() > deadline:
+                late = [c.name for c in contenders if len(c.ranks) < 2]
+                raise RuntimeError(f"{late} did not start within {timeout_s:.0f} s") from None
             continue
-        ratios = [b / a for a, b in zip(medians["plain"], medians[m])]
-        row[f"{m}_ratio"] = round(statistics.median(ratios), 3)
-        row[f"{m}_ratio_min_max"] = f"{min(ratios):.3f}-{max(ratios):.3f}"
-        rpcs = statistics.median(r["rpcs_per_step"] for r in runs[m])
-        row[f"{m}_rpcs"] = round(rpcs + (TORCHFT_LIGHTHOUSE_RPCS if m == "torchft" else 0), 2)
+        sock.settimeout(timeout_s)
+        stream = sock.makefile("rw")
+        hello = json.loads(stream.readline())
+        by_name[hello["name"]].ranks[(hello["group"], hello["rank"])] = (sock, stream)
+
+
+def geo_mean(xs: list[float]) -> float:
+    return math.exp(statistics.fmean(math.log(x) for x in xs))
+
+
+def ratio_interval(ratios: list[float]) -> tuple[float, float]:
+    """95% percentile bootstrap over rounds of the geometric mean ratio."""
+    rng = random.Random(0)
+    means = sorted(geo_mean(rng.choices(ratios, k=len(ratios))) for _ in range(BOOTSTRAP_RESAMPLES))
+    return means[int(0.025 * len(means))], means[int(0.975 * len(means)) - 1]
+
+
+def summarize(hidden: int, allocator: str, blocks: dict[str, list[dict]]) -> dict:
+    """One row per (size, allocator): per contender the median step in ms
+    (wall, CPU) over all counted steps, faults per step, and the ratios to
+    plain (geometric mean of per-round ratios, bootstrap interval)."""
+    row: dict = {"params_m": round(4 * (hidden * hidden + hidden) / 1e6, 1), "allocator": allocator}
+    per_round: dict[str, dict[str, list[float]]] = {}
+    for mode, bs in blocks.items():
+        wall = [t for b in bs for t in b["times"]]
+        cpu = [t for b in bs for t in b["cpu"]]
+        row[f"{mode}_ms"] = round(1000 * statistics.median(wall), 1)
+        row[f"{mode}_cpu_ms"] = round(1000 * statistics.median(cpu), 1)
+        row[f"{mode}_minflt"] = round(statistics.fmean(f for b in bs for f in b["minflt"]), 1)
+        per_round[mode] = {
+            "wall": [statistics.median(b["times"]) for b in bs],
+            "cpu": [statistics.median(b["cpu"]) for b in bs],
+        }
+    for mode in blocks:
+        if mode == "plain":
+            continue
+        for kind in ("wall", "cpu"):
+            ratios = [o / p for p, o in zip(per_round["plain"][kind], per_round[mode][kind])]
+            low, high = ratio_interval(ratios)
+            suffix = "" if kind == "wall" else "_cpu"
+            row[f"{mode}_ratio{suffix}"] = round(geo_mean(ratios), 3)
+            row[f"{mode}_ci95{suffix}"] = f"{low:.3f}-{high:.3f}"
+        rpcs = statistics.median(b["rpcs_per_step"] for b in blocks[mode])
+        row[f"{mode}_rpcs"] = round(rpcs + (TORCHFT_LIGHTHOUSE_RPCS if mode == "torchft" else 0), 2)
     return row
+
+
+def measure(hidden: int, modes: list[str], allocators: list[str], args: argparse.Namespace,
+            tmp: Path) -> list[dict]:  # fmt: skip
+    """Starts every contender of one size, warms each up, runs the
+    interleaved rounds, returns one row per allocator."""
+    step_s = 0.05 + 4 * hidden * hidden / 1e6 * 0.02  # generous: a loaded 2-core machine
+    block_timeout = 60 + 4 * args.steps * step_s
+    server = socket.create_server(("127.0.0.1", 0))
+    control = f"127.0.0.1:{server.getsockname()[1]}"
+    worker_args = ["--control", control, "--hidden", str(hidden)] + (["--pin"] if args.pin else [])
+    contenders: list[Contender] = []
+    try:
+        for allocator in allocators:
+            for mode in modes:
+                code = args.ft_baseline if mode == "ftbase" else ""
+                contenders.append(Contender(mode, allocator, worker_args, tmp, code))
+        connect_all(server, contenders, timeout_s=240)
+        for c in contenders:
+            c.command({"cmd": "run", "steps": args.warmup}, 60 + 4 * args.warmup * step_s + 60)
+        blocks: dict[str, list[dict]] = {c.name: [] for c in contenders}
+        for r in range(args.rounds):
+            for c in contenders if r % 2 == 0 else contenders[::-1]:
+                b = c.command({"cmd": "run", "steps": args.steps + 1}, block_timeout)
+                blocks[c.name].append(
+                    {k: v[1:] if isinstance(v, list) else v for k, v in b.items()}
+                )
+        if args.profile:
+            for c in contenders:
+                c.command({"cmd": "profile", "dir": args.profile}, block_timeout)
+    finally:
+        for c in contenders:
+            c.stop()
+        server.close()
+    return [summarize(hidden, a, {m: blocks[f"{m}/{a}"] for m in modes}) for a in allocators]
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--hidden", type=int, nargs="+", default=[1000, 2500])
-    parser.add_argument("--steps", type=int, default=60)
+    parser.add_argument("--allocator", nargs="+", default=["default", "keep"],
+                        choices=sorted(ALLOCATORS))  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=12, help="interleaved rounds")
+    parser.add_argument("--steps", type=int, default=20, help="counted steps per block")
     parser.add_argument("--warmup", type=int, default=10)
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(
         "--contenders", nargs="+", default=["plain", "ft", "torchft"],
         help="plain, ft and torchft (skipped when torchft is not installed)",
     )  # fmt: skip
+    parser.add_argument(
+        "--pin", action="store_true", help="each rank (replica group) on a core of its own"
+    )
     parser.add_argument("--profile", default="", help="directory for torch.profiler tables")
+    parser.add_argument(
+        "--ft-baseline", default="",
+        help="a checkout of torchft_like (e.g. `git archive` of an older commit) to run as one "
+        "more contender, ftbase: a before/after of a change in one interleaved run",
+    )  # fmt: skip
     add_common_args(parser)
     args = parser.parse_args()
     if args.smoke:
-        args.hidden, args.steps, args.warmup, args.repeats = [64], 5, 2, 1
-        args.contenders = ["plain", "ft"]
+        args.hidden, args.steps, args.warmup, args.rounds = [64], 3, 2, 2
+        args.contenders, args.allocator = ["plain", "ft"], ["default"]
     have_torchft = importlib.util.find_spec("torchft") is not None
-    contenders = [m for m in args.contenders if m != "torchft" or have_torchft]
-    if "plain" not in contenders:
+    modes = [m for m in args.contenders if m != "torchft" or have_torchft]
+    if args.ft_baseline:
+        if not (Path(args.ft_baseline) / "torchft_like").is_dir():
+            raise ValueError(f"--ft-baseline {args.ft_baseline} has no torchft_like/ package")
+        modes.append("ftbase")
+    if "plain" not in modes:
         raise ValueError(f"--contenders {args.contenders} must include plain: ratios are to it")
+    if args.rounds < 2 or args.steps < 1:
+        raise ValueError(f"need --rounds >= 2 and --steps >= 1, got {args.rounds}, {args.steps}")
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for hidden in args.hidden:
-            worker_args = ["--hidden", str(hidden), "--steps", str(args.steps),
-                           "--warmup", str(args.warmup), "--profile", args.profile]  # fmt: skip
-            timeout_s = 60 + args.steps * hidden * hidden / 1e6 * 2
-            runs: dict[str, list[dict]] = {m: [] for m in contenders}
-            for _ in range(args.repeats):
-                for mode in contenders:
-                    runs[mode].append(run_once(mode, worker_args, Path(tmp), timeout_s))
-            rows.append(summarize(hidden, runs))
+            rows += measure(hidden, modes, args.allocator, args, Path(tmp))
     report(rows, results_file(args.out, "step_overhead"))
 
 

@@ -221,6 +221,11 @@ class AsyncLighthouseClient:
         self._channel = aio_channel(self._target, secret, tls)
         self._stub = pb_grpc.LighthouseServiceStub(self._channel)
         self._heartbeat_call: Any = None
+        self._paced = True
+        """Whether to heartbeat on HeartbeatPaced (False: on HeartbeatStream,
+        for a lighthouse without it)."""
+        self._advice_reader: asyncio.Task[None] | None = None
+        self._advice_ms = 0
 
     async def _ensure_connected(self, limit: timedelta | None = None) -> None:
         """Waits for the connection, at most the connect timeout (or `limit` if shorter)."""
@@ -262,18 +267,20 @@ class AsyncLighthouseClient:
             raise from_rpc_error(e, f"lighthouse {self.addr}", "Heartbeat") from None
 
     async def stream_heartbeat(self, replica_id: str, timeout: timedelta) -> bool:
-        """Sends one heartbeat on our HeartbeatStream call, opening it first if needed.
+        """Sends one heartbeat on our heartbeat stream, opening it first if needed.
 
         One long-lived call costs the lighthouse far less than a unary call
         per heartbeat, and its closing (our process died) tells the lighthouse
         at once that we are gone. After an error the next call opens a new
-        stream (a restarted lighthouse).
+        stream (a restarted lighthouse). The stream is HeartbeatPaced, whose
+        answers say how often the lighthouse wants heartbeats (see
+        advised_interval), or HeartbeatStream for a lighthouse without it.
 
         Returns:
-            False if the lighthouse does not know HeartbeatStream (it answered
-            UNIMPLEMENTED, as pytorch/torchft's does): use heartbeat() instead.
-            A write may be accepted before that answer arrives, so the False
-            can come on the second call.
+            False if the lighthouse knows neither (it answered UNIMPLEMENTED,
+            as pytorch/torchft's does): use heartbeat() instead. A write may
+            be accepted before that answer arrives, so the False can come on
+            a later call.
 
         Raises:
             LighthouseUnavailableError, QuorumTimeoutError, QuorumError: the
@@ -281,7 +288,13 @@ class AsyncLighthouseClient:
         """
         await self._ensure_connected()
         if self._heartbeat_call is None:
-            self._heartbeat_call = self._stub.HeartbeatStream()
+            if self._paced:
+                self._heartbeat_call = self._stub.HeartbeatPaced()
+                self._advice_reader = asyncio.get_running_loop().create_task(
+                    self._read_advice(self._heartbeat_call)
+                )
+            else:
+                self._heartbeat_call = self._stub.HeartbeatStream()
         call = self._heartbeat_call
         error: grpc.RpcError | None = None
         if not call.done():
@@ -303,12 +316,27 @@ class AsyncLighthouseClient:
         self.close_heartbeat_stream()
         if error is None:
             code, details = await call.code(), await call.details()
-            if code == grpc.StatusCode.UNIMPLEMENTED:
-                return False
             error = aio.AioRpcError(code, aio.Metadata(), aio.Metadata(), details)
         if error.code() == grpc.StatusCode.UNIMPLEMENTED:
+            if self._paced:  # an older torchft_like lighthouse: the unpaced stream
+                self._paced = False
+                return await self.stream_heartbeat(replica_id, timeout)
             return False
         raise from_rpc_error(error, f"lighthouse {self.addr}", "HeartbeatStream") from None
+
+    async def _read_advice(self, call: Any) -> None:
+        """Keeps the latest advised period of a HeartbeatPaced call; its end
+        (an error included) is the writer's to report."""
+        try:
+            async for advice in call:
+                self._advice_ms = max(0, int(advice.interval_ms))
+        except (grpc.RpcError, asyncio.InvalidStateError):
+            pass
+
+    def advised_interval(self) -> timedelta | None:
+        """The heartbeat period the lighthouse last advised on our stream;
+        None before any advice, and on a lighthouse that gives none."""
+        return timedelta(milliseconds=self._advice_ms) if self._advice_ms else None
 
     def close_heartbeat_stream(self) -> None:
         """Ends our heartbeat stream; the lighthouse takes it as us being gone
@@ -316,6 +344,10 @@ class AsyncLighthouseClient:
         if self._heartbeat_call is not None:
             self._heartbeat_call.cancel()
             self._heartbeat_call = None
+        if self._advice_reader is not None:
+            self._advice_reader.cancel()
+            self._advice_reader = None
+        self._advice_ms = 0
 
     async def leave(self, replica_id: str, timeout: timedelta) -> None:
         """See LighthouseClient.leave; the whole call, connecting included,

@@ -43,6 +43,11 @@ class LighthouseMetrics:
             "Spares handed the name of a group that died",
             registry=r,
         )
+        self.heartbeat_advice = Gauge(
+            "torchft_lighthouse_heartbeat_advice_seconds",
+            "Heartbeat period advised on HeartbeatPaced streams (lighthouse.pacing)",
+            registry=r,
+        )
         self.quorum_latency = Histogram(
             "torchft_lighthouse_quorum_call_seconds",
             "Time a Quorum call waited for its quorum",

@@ -22,6 +22,7 @@ from lighthouse import wire
 from lighthouse.heals import HEAL_KEY, HealEvent, apply_report, heals_in_quorum, report_of
 from lighthouse.history import HISTORY_LENGTH, HistoryEntry, quorum_entry, why_absent
 from lighthouse.metrics import LighthouseMetrics
+from lighthouse.pacing import advised_interval_ms, suspect_floor_ms
 from lighthouse.progress import RATE_WINDOW_S, Progress, step_rate
 from lighthouse.quorum import (
     ArrivalStats,
@@ -120,6 +121,22 @@ class _Coordinator:
         """Group names seen in a quorum (at most MAX_NAMES_KEPT), to tell a restart."""
         self.departed: dict[str, str] = {}
         """Members of the last quorum dropped since (Leave, forgotten) -> why."""
+        self.advice_ms = 0
+        """The heartbeat period advised on HeartbeatPaced streams (lighthouse.pacing)."""
+        self.decide_config = config
+        """`config` with the suspicion floor raised to the advice (see repace)."""
+        self.repace()
+
+    def repace(self) -> None:
+        """Recomputes the advised heartbeat period from the replicas known
+        (on each tick: a stream hears of a change with its next heartbeat)."""
+        advice = advised_interval_ms(len(self.heartbeats), self.config.heartbeat_timeout_ms)
+        if advice == self.advice_ms:
+            return
+        self.advice_ms = advice
+        self.metrics.heartbeat_advice.set(advice / 1000)
+        floor = suspect_floor_ms(self.config.suspect_min_ms, advice)
+        self.decide_config = replace(self.config, suspect_min_ms=floor)
 
     def heartbeat(self, replica_id: str) -> None:
         """Raises DuplicateGroupError for a second live replica of one group."""
@@ -212,8 +229,9 @@ class _Coordinator:
         if self.waiters:
             self.decide()
 
-    async def quorum(self, member: QuorumMember) -> Quorum:
-        """Waits for the first issued quorum that contains `member`."""
+    def join(self, member: QuorumMember) -> _Waiter:
+        """Registers a Quorum call; its future gets the first issued quorum
+        that contains `member`. The caller must `withdraw` it when done."""
         now = time.monotonic()
         self._admit(member.replica_id, now)
         self._heard(member.replica_id, now)
@@ -229,13 +247,14 @@ class _Coordinator:
         waiter = _Waiter(Participant(member, now), asyncio.get_running_loop().create_future())
         self.waiters[member.replica_id] = waiter
         self.decide_soon()
-        try:
-            return await asyncio.shield(waiter.future)
-        finally:
-            # A cancelled call or one past its deadline must not be put into a
-            # quorum it will never hear of.
-            if self.waiters.get(member.replica_id) is waiter:
-                del self.waiters[member.replica_id]
+        return waiter
+
+    def withdraw(self, waiter: _Waiter) -> None:
+        """A call that ended (answered, cancelled or past its deadline) must
+        not be put into a quorum it will never hear of."""
+        replica_id = waiter.participant.member.replica_id
+        if self.waiters.get(replica_id) is waiter:
+            del self.waiters[replica_id]
 
     def _departed(self, replica_id: str, why: str) -> None:
         if self.prev_quorum is not None and replica_id in self.prev_quorum.replica_ids():
@@ -262,6 +281,7 @@ class _Coordinator:
         ids = quorum.replica_ids()
         if changed:
             prev = self.prev_quorum.replica_ids() if self.prev_quorum else ()
+            in_quorum = set(ids)
             absent = {
                 rid: why_absent(
                     now,
@@ -273,7 +293,7 @@ class _Coordinator:
                     self.departed,
                 )
                 for rid in prev
-                if rid not in ids
+                if rid not in in_quorum
             }
             self.history.appendleft(
                 quorum_entry(
@@ -388,7 +408,7 @@ class _Coordinator:
             started_at=self.started_at,
             arrivals=self.arrivals,
         )
-        decision = compute_quorum(now, state, self.config)
+        decision = compute_quorum(now, state, self.decide_config)
         self.reason = decision.reason
         if decision.members is None:
             self._report_waiting(now, decision.kind, decision.reason)
@@ -404,13 +424,15 @@ class _Coordinator:
         self.metrics.on_quorum(quorum)
         # A new quorum is news, and so is the end of a logged stall; the
         # same members again (every step) is not.
-        logger.log(
-            logging.INFO if changed or after_stall else logging.DEBUG,
-            "quorum %d issued (%s): %s",
-            quorum.quorum_id,
-            decision.reason,
-            ", ".join(f"{m.replica_id} step={m.step}" for m in quorum.participants),
-        )
+        level = logging.INFO if changed or after_stall else logging.DEBUG
+        if logger.isEnabledFor(level):  # the member list costs O(members) to format
+            logger.log(
+                level,
+                "quorum %d issued (%s): %s",
+                quorum.quorum_id,
+                decision.reason,
+                ", ".join(f"{m.replica_id} step={m.step}" for m in quorum.participants),
+            )
         for member in quorum.participants:
             waiter = self.waiters.pop(member.replica_id)
             if not waiter.future.done():
@@ -428,6 +450,7 @@ class _Coordinator:
                 )
                 self._forget(rid)
                 self._departed(rid, f"forgotten: silent over {self.config.forget_after_s:.0f} s")
+        self.repace()
         if self.waiters:
             self.decide()
         self.place_spares()  # groups silent past the heartbeat timeout are free now
@@ -549,36 +572,37 @@ class _LighthouseServicer:
 
     def __init__(self, coordinator: _Coordinator) -> None:
         self._coord = coordinator
-        self._response: tuple[Quorum | None, pb.LighthouseQuorumResponse] = (
-            None,
-            pb.LighthouseQuorumResponse(),
-        )
+        self._response: tuple[Quorum | None, bytes] = (None, b"")
 
-    def _quorum_response(self, quorum: Quorum) -> pb.LighthouseQuorumResponse:
-        """Converts each issued quorum once: every member's call returns the
-        same object, and converting it per call is O(members^2) a step."""
+    def _quorum_response(self, quorum: Quorum) -> bytes:
+        """Converts and serializes each issued quorum once: every member's call
+        returns the same bytes (decode_guard passes bytes through), where
+        doing either per call is O(members^2) a step."""
         if self._response[0] is not quorum:
-            self._response = (
-                quorum,
-                pb.LighthouseQuorumResponse(quorum=wire.quorum_to_proto(quorum)),
-            )
+            response = pb.LighthouseQuorumResponse(quorum=wire.quorum_to_proto(quorum))
+            self._response = (quorum, response.SerializeToString())
         return self._response[1]
 
     async def Quorum(
         self, request: pb.LighthouseQuorumRequest, context: aio.ServicerContext[Any, Any]
-    ) -> pb.LighthouseQuorumResponse:
+    ) -> bytes:
         start = time.monotonic()
         budget_s = reply_budget_s(context.time_remaining())
         try:
             member = wire.quorum_request_from_proto(request)
-            quorum = await wait_within(
-                self._coord.quorum(member),
-                budget_s,
-                lambda: QuorumTimeoutError(
-                    f"no quorum containing {member.replica_id} within {budget_s:.1f} s: "
-                    f"{self._coord.reason}"
-                ),
-            )
+            waiter = self._coord.join(member)
+            try:
+                # A future and a timer: cheaper per call than a task (wait_within).
+                quorum = await asyncio.wait_for(waiter.future, budget_s)
+            except asyncio.TimeoutError:
+                if waiter.future.cancelled():  # wait_for's own timeout
+                    raise QuorumTimeoutError(
+                        f"no quorum containing {member.replica_id} within {budget_s:.1f} s: "
+                        f"{self._coord.reason}"
+                    ) from None
+                raise
+            finally:
+                self._coord.withdraw(waiter)
         except Exception as e:
             await errors.abort(context, e)
         self._coord.metrics.quorum_latency.observe(time.monotonic() - start)
@@ -598,7 +622,21 @@ class _LighthouseServicer:
     async def HeartbeatStream(
         self, request_iterator: Any, context: aio.ServicerContext[Any, Any]
     ) -> pb.LighthouseHeartbeatResponse:
+        await self._heartbeats(request_iterator, context, advise=False)
+        return pb.LighthouseHeartbeatResponse()
+
+    async def HeartbeatPaced(
+        self, request_iterator: Any, context: aio.ServicerContext[Any, Any]
+    ) -> None:
+        """HeartbeatStream that answers with the period to heartbeat at
+        (lighthouse.pacing): on the first heartbeat and after each change."""
+        await self._heartbeats(request_iterator, context, advise=True)
+
+    async def _heartbeats(
+        self, request_iterator: Any, context: aio.ServicerContext[Any, Any], advise: bool
+    ) -> None:
         replica_id = ""
+        advised = 0
         try:
             async for request in request_iterator:
                 if request.replica_id != replica_id:
@@ -620,11 +658,13 @@ class _LighthouseServicer:
                     self._coord.heartbeat(replica_id)
                 except DuplicateGroupError as e:
                     await errors.abort(context, e)
+                if advise and advised != self._coord.advice_ms:
+                    advised = self._coord.advice_ms
+                    await context.write(pb.LighthouseHeartbeatAdvice(interval_ms=advised))
         finally:
             # Also on cancellation: the client's connection closed under us.
             if replica_id:
                 self._coord.stream_ended(replica_id)
-        return pb.LighthouseHeartbeatResponse()
 
     async def TakeReplicaGroup(
         self, request: pb.TakeReplicaGroupRequest, context: aio.ServicerContext[Any, Any]

@@ -724,12 +724,17 @@ class Manager:
             )
 
             def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
-                fut.value()
-                if reduce_op == ReduceOp.AVG:
-                    tensor.div_(num_participants)
+                # wrap_future's contract in one callback (one future less
+                # per bucket): an error is recorded, the value is the tensor.
+                try:
+                    fut.value()
+                    if reduce_op == ReduceOp.AVG:
+                        tensor.div_(num_participants)
+                except Exception as e:
+                    self.report_error(e)
                 return tensor
 
-            managed = FutureWork(self.wrap_future(work.get_future().then(finish), tensor))
+            managed = FutureWork(work.get_future().then(finish))
             self._pending_work.append(managed)
             return managed
         except Exception as e:

@@ -111,5 +111,21 @@ def _wrap(method: str, handler: grpc.RpcMethodHandler[Any, Any]) -> grpc.RpcMeth
         return await inner(request, context)
 
     return grpc.unary_unary_rpc_method_handler(
-        unary, request_deserializer=safe_decode, response_serializer=handler.response_serializer
+        unary,
+        request_deserializer=safe_decode,
+        response_serializer=_passing_bytes(handler.response_serializer),
     )
+
+
+def _passing_bytes(serialize: Callable[[Any], bytes] | None) -> Callable[[Any], bytes] | None:
+    """`serialize`, except that a handler may return bytes it serialized
+    itself: a quorum's answer is the same for its N callers, and serializing
+    it once instead of per call saves O(N^2) work a step (~0.2 ms a call at
+    1000 members)."""
+    if serialize is None:
+        return None
+
+    def serialize_or_pass(response: Any) -> bytes:
+        return response if isinstance(response, bytes) else serialize(response)
+
+    return serialize_or_pass

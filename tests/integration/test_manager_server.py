@@ -100,6 +100,17 @@ def test_commit_needs_every_rank_to_vote_yes(make_group):
         assert not any(f.result() for f in mixed)
 
 
+def test_a_group_of_one_rank_decides_its_vote_in_process_the_same_as_over_grpc(make_group):
+    # The in-process client of a 1-rank group does not hop onto the loop;
+    # its answers and errors must match the gRPC path's.
+    a = make_group("a", 1)
+    for client in (LocalManagerClient(a), ManagerClient(a.address())):
+        assert client.should_commit(0, 3, True, T) is True
+        assert client.should_commit(0, 4, False, T) is False
+        with pytest.raises(ValueError, match=r"group_rank \(1\) must be in \[0, 1\)"):
+            client.should_commit(1, 5, True, T)
+
+
 def test_unknown_rank_and_missing_metadata_are_clear_errors(make_group):
     a = make_group("a", 2)
     client = ManagerClient(a.address())

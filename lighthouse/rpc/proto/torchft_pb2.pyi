@@ -71,6 +71,12 @@ class LighthouseLeaveResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class LighthouseHeartbeatAdvice(_message.Message):
+    __slots__ = ("interval_ms",)
+    INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    interval_ms: int
+    def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
+
 class TakeReplicaGroupRequest(_message.Message):
     __slots__ = ("spare_id", "wanted")
     SPARE_ID_FIELD_NUMBER: _ClassVar[int]

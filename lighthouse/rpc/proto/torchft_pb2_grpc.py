@@ -59,6 +59,11 @@ class LighthouseServiceStub:
                 request_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.TakeReplicaGroupRequest.SerializeToString,
                 response_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.TakeReplicaGroupResponse.FromString,
                 _registered_method=True)
+        self.HeartbeatPaced = channel.stream_stream(
+                '/torchft.LighthouseService/HeartbeatPaced',
+                request_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatRequest.SerializeToString,
+                response_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatAdvice.FromString,
+                _registered_method=True)
 
 
 class LighthouseServiceServicer:
@@ -94,6 +99,12 @@ class LighthouseServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def HeartbeatPaced(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_LighthouseServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -121,6 +132,11 @@ def add_LighthouseServiceServicer_to_server(servicer, server):
                     servicer.TakeReplicaGroup,
                     request_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.TakeReplicaGroupRequest.FromString,
                     response_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.TakeReplicaGroupResponse.SerializeToString,
+            ),
+            'HeartbeatPaced': grpc.stream_stream_rpc_method_handler(
+                    servicer.HeartbeatPaced,
+                    request_deserializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatRequest.FromString,
+                    response_serializer=lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatAdvice.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -258,6 +274,33 @@ class LighthouseService:
             '/torchft.LighthouseService/TakeReplicaGroup',
             lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.TakeReplicaGroupRequest.SerializeToString,
             lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.TakeReplicaGroupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def HeartbeatPaced(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/torchft.LighthouseService/HeartbeatPaced',
+            lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatRequest.SerializeToString,
+            lighthouse_dot_rpc_dot_proto_dot_torchft__pb2.LighthouseHeartbeatAdvice.FromString,
             options,
             channel_credentials,
             insecure,
