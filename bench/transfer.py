@@ -47,6 +47,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Iterable
 from datetime import timedelta
 from typing import Any
 
@@ -278,14 +279,7 @@ def run_netns(
             if kill_after is not None and len(names) > 1:  # last: the sender does not come back
                 killed = names[-1], fetch(len(names), kill=names[-1])
         finally:
-            for proc in senders.values():
-                proc.stdin.close()  # type: ignore[union-attr]
-            for proc in senders.values():
-                try:
-                    proc.wait(30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait()
+            stop_senders(senders.values())
     one = statistics.median(times[peers[0]])
     for n in peers:
         med = statistics.median(times[n])
@@ -324,6 +318,20 @@ def worker(args: list[str]) -> subprocess.Popen:
     )  # fmt: skip
 
 
+def stop_senders(senders: Iterable[subprocess.Popen]) -> None:
+    """Closes each sender's stdin (its signal to stop), then waits for it,
+    killing one that has not stopped within 30 s."""
+    senders = list(senders)
+    for proc in senders:
+        proc.stdin.close()  # type: ignore[union-attr]
+    for proc in senders:
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
 def torchft_importable() -> bool:
     try:
         import torchft.checkpointing.http_transport  # noqa: F401
@@ -359,14 +367,7 @@ def run_size(mb: float, repeats: int, contenders: list[Contender]) -> list[dict]
                     raise RuntimeError(f"receiver {name} failed ({proc.returncode})")
                 times[name].append(json.loads(out.strip().splitlines()[-1]))
     finally:
-        for proc in senders.values():
-            proc.stdin.close()
-        for proc in senders.values():
-            try:
-                proc.wait(30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        stop_senders(senders.values())
     nbytes = next(iter(sizes))
     series, cpus = {}, {}
     for name, runs in times.items():
