@@ -74,6 +74,8 @@ environment (torchrun sets the first five; set the others):
   TORCHFT_SECRET_FILE         file holding the job's shared secret (or TORCHFT_SECRET)
   TORCHFT_METRICS_PORT        serve Prometheus /metrics: local rank r on this port + r
                               (0: any free port, logged; default: off)
+  TORCHFT_HEAL_SOURCES        up-to-date peers a healing rank fetches from at once
+                              (default all; 1: one peer, as torchft)
   TORCHFT_TIMEOUT_SEC, TORCHFT_QUORUM_TIMEOUT_SEC, TORCHFT_CONNECT_TIMEOUT_SEC,
   TORCHFT_QUORUM_RETRIES      override the Manager's timeouts and retries
 

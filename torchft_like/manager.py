@@ -46,7 +46,7 @@ from torchft_like.group_quorum import QuorumRequest
 from torchft_like.manager_client import ManagerClient, ManagerClientProtocol
 from torchft_like.manager_server import LocalManagerClient, ManagerServer
 from torchft_like.metrics import ManagerMetrics, metrics_port_from_env
-from torchft_like.recovery import QuorumResult, heal_sources
+from torchft_like.recovery import QuorumResult, heal_sources, heal_sources_from_env
 
 logger = logging.getLogger(__name__)
 
@@ -155,8 +155,9 @@ class Manager:
             fetches its state from at once, a distinct byte range from each
             (striped healing, `HTTPTransport.recv_checkpoint_striped`), so
             that no one sender's link bounds the heal; a peer that fails
-            mid-transfer leaves its ranges to the others. None: every
-            up-to-date peer; 1: one peer, as torchft. Transports other than
+            mid-transfer leaves its ranges to the others. None: read
+            TORCHFT_HEAL_SOURCES (unset or "all": every up-to-date peer);
+            1: one peer, as torchft. Transports other than
             HTTPTransport always use one. A striped heal's collectives wait
             for the whole transfer (a one-peer heal's only for its start).
     """
@@ -193,6 +194,8 @@ class Manager:
         metrics_port: int | None = None,
         heal_sources: int | None = None,
     ) -> None:
+        if heal_sources is None:
+            heal_sources = heal_sources_from_env(os.environ)
         if heal_sources is not None and heal_sources < 1:
             raise ValueError(
                 f"heal_sources ({heal_sources}) must be at least 1 (1 heals from one peer), "

@@ -225,3 +225,29 @@ def heal_sources(result: QuorumResult, cap: int | None) -> list[tuple[int, str]]
     if len(listed) < 2 or listed[0] != primary[0]:
         return primary
     return listed[:cap] if cap is not None else listed
+
+
+HEAL_SOURCES_ENV = "TORCHFT_HEAL_SOURCES"
+
+
+def heal_sources_from_env(environ: Mapping[str, str]) -> int | None:
+    """`Manager(heal_sources=...)` from TORCHFT_HEAL_SOURCES, for scripts
+    that do not pass it: unset, empty or "all": every up-to-date peer
+    (None); N >= 1: at most N (1: one peer, as torchft).
+
+    Raises:
+        ValueError: anything else, naming the variable and what it takes.
+    """
+    value = environ.get(HEAL_SOURCES_ENV, "").strip()
+    if value.lower() in ("", "all"):
+        return None
+    try:
+        cap = int(value)
+    except ValueError:
+        cap = 0
+    if cap < 1:
+        raise ValueError(
+            f"{HEAL_SOURCES_ENV}={value!r}: set it to how many up-to-date peers a healing "
+            "rank fetches from at once, a number >= 1 (1: one peer, as torchft), or 'all'"
+        )
+    return cap

@@ -9,9 +9,11 @@ import pytest
 
 from lighthouse.quorum import Quorum, QuorumMember
 from torchft_like.recovery import (
+    HEAL_SOURCES_ENV,
     compute_quorum_result,
     fingerprint_data,
     heal_sources,
+    heal_sources_from_env,
     member_fingerprint,
 )
 
@@ -421,3 +423,18 @@ def test_heal_sources_refuses_a_result_that_does_not_heal_and_a_bad_cap():
         heal_sources(compute_quorum_result(q, "a", 0, False), None)
     with pytest.raises(ValueError, match="cap \\(0\\) must be at least 1"):
         heal_sources(compute_quorum_result(q, "d", 0, False), 0)
+
+
+@pytest.mark.parametrize(
+    "value, expected",
+    [(None, None), ("", None), ("all", None), (" ALL ", None), ("1", 1), ("3", 3)],
+)
+def test_heal_sources_from_env(value, expected):
+    environ = {} if value is None else {HEAL_SOURCES_ENV: value}
+    assert heal_sources_from_env(environ) == expected
+
+
+@pytest.mark.parametrize("value", ["0", "-2", "two", "1.5"])
+def test_heal_sources_from_env_refuses_what_is_not_a_count_naming_the_variable(value):
+    with pytest.raises(ValueError, match=f"{HEAL_SOURCES_ENV}='{value}'.*'all'"):
+        heal_sources_from_env({HEAL_SOURCES_ENV: value})
