@@ -596,15 +596,16 @@ class Manager:
                 )
             else:
                 metadata = self._metadata_of(result.recover_src_manager_address)
-                self._pending_state_dict = (
-                    transport.recv_checkpoint(
-                        result.recover_src_replica_rank, metadata, result.max_step, self._timeout,
-                        on_begun=self._collectives_ready.set,
-                    )
+                # Other transports (torchft's signature) cannot say when a
+                # transfer began: their heal's collectives wait for all of it.
+                begun: dict[str, Any] = (
+                    {"on_begun": self._collectives_ready.set}
                     if isinstance(transport, HTTPTransport)
-                    else transport.recv_checkpoint(  # collectives wait for the whole transfer
-                        result.recover_src_replica_rank, metadata, result.max_step, self._timeout
-                    )
+                    else {}
+                )
+                self._pending_state_dict = transport.recv_checkpoint(
+                    result.recover_src_replica_rank, metadata, result.max_step, self._timeout,
+                    **begun,
                 )  # fmt: skip
             self._timings["heal_recv_s"] = took = time.monotonic() - heal_start
             num_bytes = _tensor_bytes(self._pending_state_dict)
