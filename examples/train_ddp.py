@@ -55,6 +55,7 @@ from torchft_like import (  # noqa: E402
     StepBatches,
 )
 from torchft_like.checkpointing.durable import DurableCheckpointer  # noqa: E402
+from torchft_like.checkpointing.pg_transport import PGTransport  # noqa: E402
 from torchft_like.standby import take_replica_group, wait_for_replica_group  # noqa: E402
 
 # --- arguments --------------------------------------------------------------
@@ -135,6 +136,13 @@ parser.add_argument(
     "--checkpoint-every", type=int, default=100, help="committed steps between checkpoints"
 )
 parser.add_argument("--checkpoint-keep", type=int, default=2, help="checkpoints kept per rank")
+parser.add_argument(
+    "--transport",
+    choices=("http", "pg"),
+    default="http",
+    help="how a healing group copies the live state: http (HTTPTransport, striped over every "
+    "up-to-date group) or pg (PGTransport over the replicas' process group, one source)",
+)
 args = parser.parse_args()
 if missing := [name for name in TORCHRUN_ENV if name not in os.environ]:
     parser.exit(
@@ -267,9 +275,11 @@ sampler = DistributedSampler(
 )
 loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
 timeout = timedelta(seconds=args.timeout_s)
+pg = ProcessGroupGloo(timeout=timeout)
 try:
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=timeout),
+        pg=pg,
+        checkpoint_transport=PGTransport(pg, timeout, device) if args.transport == "pg" else None,
         load_state_dict=load_state_dict,
         state_dict=state_dict,
         min_replica_size=1,

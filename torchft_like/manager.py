@@ -46,7 +46,7 @@ from torchft_like.group_quorum import QuorumRequest
 from torchft_like.manager_client import ManagerClient, ManagerClientProtocol
 from torchft_like.manager_server import LocalManagerClient, ManagerServer
 from torchft_like.metrics import ManagerMetrics, metrics_port_from_env
-from torchft_like.recovery import QuorumResult, heal_sources, heal_sources_from_env
+from torchft_like.recovery import QuorumResult, heal_sources_from_env, transfer_plan
 
 logger = logging.getLogger(__name__)
 
@@ -157,9 +157,10 @@ class Manager:
             that no one sender's link bounds the heal; a peer that fails
             mid-transfer leaves its ranges to the others. None: read
             TORCHFT_HEAL_SOURCES (unset or "all": every up-to-date peer);
-            1: one peer, as torchft. Transports other than
-            HTTPTransport always use one. A striped heal's collectives wait
-            for the whole transfer (a one-peer heal's only for its start).
+            1: one peer, as torchft. A transport that cannot stripe
+            (`can_stripe` False, e.g. PGTransport) always uses one. A
+            striped heal's collectives wait for the whole transfer (a
+            one-peer heal's only for its start).
     """
 
     def __init__(
@@ -561,15 +562,14 @@ class Manager:
                 store, self.replica_id, result.replica_rank, result.replica_world_size
             )
             self._quorum_id = result.quorum_id
-        serve_to = result.recover_stripe_dst_replica_ranks or result.recover_dst_replica_ranks
-        if allow_heal and serve_to:
+        transport = self._checkpoint_transport
+        plan = transfer_plan(result, self._heal_sources if transport.can_stripe else 1)
+        if allow_heal and plan.serve_to:
             self._serving = True
-            self._logger.info("serving state to replica ranks %s", list(serve_to))
+            self._logger.info("serving state to replica ranks %s", list(plan.serve_to))
             with self._state_read_gate.read():
                 state = self.full_state_dict()
-            self._checkpoint_transport.send_checkpoint(
-                list(serve_to), self._step, state, self._timeout
-            )
+            transport.send_checkpoint(list(plan.serve_to), self._step, state, self._timeout)
         self._quorum_max_step = result.max_step
         if not (allow_heal and result.heal):
             self._collectives_ready.set()
@@ -577,7 +577,7 @@ class Manager:
             heal_start = time.monotonic()
             self._healing = self._healed = True
             assert result.recover_src_replica_rank is not None
-            sources = self._heal_sources_of(result)
+            sources = list(plan.sources)
             self._logger.info(
                 "healing from replica rank %d (%s) at step %d%s",
                 result.recover_src_replica_rank,
@@ -585,8 +585,7 @@ class Manager:
                 result.max_step,
                 f", striped with ranks {[r for r, _ in sources[1:]]}" if len(sources) > 1 else "",
             )
-            transport = self._checkpoint_transport
-            if len(sources) > 1 and isinstance(transport, HTTPTransport):
+            if len(sources) > 1:
                 # Striped, the collectives wait for the whole transfer: a
                 # source serves one range at a time, so having begun does not
                 # hold it to the end as one stream does; the sources stay at
@@ -599,9 +598,7 @@ class Manager:
                 # Other transports (torchft's signature) cannot say when a
                 # transfer began: their heal's collectives wait for all of it.
                 begun: dict[str, Any] = (
-                    {"on_begun": self._collectives_ready.set}
-                    if isinstance(transport, HTTPTransport)
-                    else {}
+                    {"on_begun": self._collectives_ready.set} if transport.reports_begun else {}
                 )
                 self._pending_state_dict = transport.recv_checkpoint(
                     result.recover_src_replica_rank, metadata, result.max_step, self._timeout,
@@ -620,12 +617,6 @@ class Manager:
                     "source": result.recover_src_manager_address,
                 }
             )
-
-    def _heal_sources_of(self, result: QuorumResult) -> list[tuple[int, str]]:
-        """(replica rank, ManagerServer address) of the peers to heal from,
-        the primary first; one where the transport cannot stripe."""
-        striping = isinstance(self._checkpoint_transport, HTTPTransport)
-        return heal_sources(result, self._heal_sources if striping else 1)
 
     def _metadata_of(self, manager_address: str) -> str:
         src = ManagerClient(manager_address, self._connect_timeout, self._secret, self._tls)

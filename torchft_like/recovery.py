@@ -227,6 +227,40 @@ def heal_sources(result: QuorumResult, cap: int | None) -> list[tuple[int, str]]
     return listed[:cap] if cap is not None else listed
 
 
+@dataclass(frozen=True)
+class TransferPlan:
+    """What one rank moves this step: whom it heals from, whom it serves."""
+
+    sources: tuple[tuple[int, str], ...] = ()
+    """(replica rank, ManagerServer address) to fetch from, the primary
+    first; empty when this rank does not heal."""
+    serve_to: tuple[int, ...] = ()
+    """Replica ranks that fetch from this rank."""
+
+
+def transfer_plan(result: QuorumResult, stripes: int | None) -> TransferPlan:
+    """The one rule both ends of a heal follow, so they cannot disagree.
+
+    `stripes` is how many sources a healer fetches from at once (None: all):
+    1 for a transport that cannot stripe. With 1, a healer fetches from its
+    primary alone and a source serves exactly the healers whose primary it
+    is: a push transport (PGTransport) sends to them and to nobody else, so
+    no send waits on a receiver that never comes. With more, every healer
+    may fetch a stripe from every up-to-date rank, so a source serves them
+    all; only a pull transport (a receiver asks for each range) stripes, so
+    serving a healer whose cap leaves this source out costs nothing.
+
+    Raises:
+        ValueError: `stripes` is below 1.
+    """
+    if stripes is not None and stripes < 1:
+        raise ValueError(f"stripes ({stripes}) must be at least 1, or None for every source")
+    sources = tuple(heal_sources(result, stripes)) if result.heal else ()
+    if stripes == 1 or not result.recover_stripe_dst_replica_ranks:
+        return TransferPlan(sources, result.recover_dst_replica_ranks)
+    return TransferPlan(sources, result.recover_stripe_dst_replica_ranks)
+
+
 HEAL_SOURCES_ENV = "TORCHFT_HEAL_SOURCES"
 
 

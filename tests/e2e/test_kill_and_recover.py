@@ -41,17 +41,20 @@ def start_lighthouse(
     return wait_for_line(proc, r"listening on (http://\S+)", timeout=15).group(1)
 
 
-def start_group(children, tmp_path: Path, lighthouse: str, group: int, step_sleep: float = 0.05):
+def start_group(
+    children, tmp_path: Path, lighthouse: str, group: int, step_sleep: float = 0.05,
+    groups: int = 2, transport: str = "http",
+):  # fmt: skip
     """Trains until the test writes a final step into the group's stop file, so
     no group can finish before a slow (re)start on a loaded machine catches up."""
     return children.spawn(
         [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
          "examples/train_ddp.py", "--steps", "100000", "--hidden", "64",
-         "--stop-file", str(tmp_path / f"group{group}.stop"),
+         "--stop-file", str(tmp_path / f"group{group}.stop"), "--transport", transport,
          "--step-sleep", str(step_sleep), "--log-json", str(tmp_path / f"group{group}.jsonl")],
         log=tmp_path / f"group{group}.log",
         env={"TORCHFT_LIGHTHOUSE": lighthouse, "REPLICA_GROUP_ID": str(group),
-             "NUM_REPLICA_GROUPS": "2", "TORCHFT_TIMEOUT_SEC": "5"},
+             "NUM_REPLICA_GROUPS": str(groups), "TORCHFT_TIMEOUT_SEC": "5"},
     )  # fmt: skip
 
 
@@ -64,19 +67,19 @@ def steps(path: Path) -> list[dict]:
     return [r for r in read_jsonl(path) if r["event"] == "step"]
 
 
-def finals(tmp_path: Path) -> list[dict]:
+def finals(tmp_path: Path, groups: int = 2) -> list[dict]:
     return [
         next(r for r in read_jsonl(tmp_path / f"group{g}.jsonl") if r["event"] == "final")
-        for g in range(2)
+        for g in range(groups)
     ]
 
 
 NUM_SAMPLES, BATCH_SIZE, SEED = 8192, 32, 0  # examples/train_ddp.py's data and defaults
 
 
-def shard_batches(group: int, num_steps: int) -> list[list[int]]:
+def shard_batches(group: int, num_steps: int, groups: int = 2) -> list[list[int]]:
     """The sample ids of a group's batches in step order, as its sampler defines them."""
-    sampler = DistributedSampler(range(NUM_SAMPLES), group, 2, group_rank=0, num_replicas=1,
+    sampler = DistributedSampler(range(NUM_SAMPLES), group, groups, group_rank=0, num_replicas=1,
                                  seed=SEED)  # fmt: skip
     out: list[list[int]] = []
     epoch = 0
@@ -90,14 +93,14 @@ def shard_batches(group: int, num_steps: int) -> list[list[int]]:
     return out
 
 
-def assert_exactly_once_data(tmp_path: Path, final: int) -> None:
+def assert_exactly_once_data(tmp_path: Path, final: int, groups: int = 2) -> None:
     """Each commit a group contributed to trained the batch of its own shard at
     the position of its step (the commit of step s trains batch s-1), no step
-    twice: nothing skipped, nothing repeated. The survivor contributed to every
-    step."""
+    twice: nothing skipped, nothing repeated. Group 0, a survivor,
+    contributed to every step."""
     batches = []
-    for group in (0, 1):
-        expected = shard_batches(group, final)
+    for group in range(groups):
+        expected = shard_batches(group, final, groups)
         contributed = [r for r in steps(tmp_path / f"group{group}.jsonl")
                        if r["committed"] and r["sample_ids"]]  # fmt: skip
         for r in contributed:
@@ -113,27 +116,38 @@ def assert_exactly_once_data(tmp_path: Path, final: int) -> None:
     assert data_exactly_once(batches) == []
 
 
-def test_a_killed_group_restarts_heals_and_ends_bit_identical(children, tmp_path):
+@pytest.mark.parametrize(
+    "transport, groups", [("http", 2), ("pg", 2), ("http", 3), ("pg", 3), ("pg", 4)]
+)
+def test_a_killed_group_restarts_heals_and_ends_bit_identical(
+    children, tmp_path, transport, groups
+):
+    """The last group is SIGKILLed and restarted; it heals from one of the
+    survivors (over PGTransport from exactly one: a second sender would wait
+    for a receiver that never comes, and stall every group)."""
     lighthouse = start_lighthouse(children, heartbeat_timeout_ms=1000)
-    survivor = start_group(children, tmp_path, lighthouse, 0)
-    victim = start_group(children, tmp_path, lighthouse, 1)
-    log0, log1 = tmp_path / "group0.jsonl", tmp_path / "group1.jsonl"
+    victim_id = groups - 1
+    procs = [start_group(children, tmp_path, lighthouse, g, groups=groups, transport=transport)
+             for g in range(groups)]  # fmt: skip
+    log0, log1 = tmp_path / "group0.jsonl", tmp_path / f"group{victim_id}.jsonl"
 
-    wait_until(lambda: last_step(log1) >= 30, 60, "the victim to reach step 30")
-    assert not kill_tree(victim.pid), "the victim's processes survived SIGKILL"
+    wait_until(lambda: last_step(log1) >= 30, 60 + 15 * groups, "the victim to reach step 30")
+    assert not kill_tree(procs[victim_id].pid), "the victim's processes survived SIGKILL"
     killed_at = time.time()
     time.sleep(1.0)
-    victim = start_group(children, tmp_path, lighthouse, 1)
+    procs[victim_id] = start_group(
+        children, tmp_path, lighthouse, victim_id, groups=groups, transport=transport
+    )
     wait_until(
         lambda: any(r["t"] > killed_at and r["committed"] for r in steps(log1)),
         90,
         "the restarted group to commit a step",
     )
     final = last_step(log0) + 20
-    for group in (0, 1):
+    for group in range(groups):
         stop_at(tmp_path, group, final)
-    assert survivor.wait(timeout=60) == 0
-    assert victim.wait(timeout=30) == 0
+    for proc in procs:
+        assert proc.wait(timeout=60) == 0
 
     after_restart = [r for r in steps(log1) if r["t"] > killed_at]
     assert after_restart[0]["healed"], "the restarted group did not heal first"
@@ -144,10 +158,11 @@ def test_a_killed_group_restarts_heals_and_ends_bit_identical(children, tmp_path
         if r["event"] == "step" and killed_at < r["t"] < rejoined_at and r["committed"]
     ]  # fmt: skip
     assert len(during_outage) >= 5, "the survivor stopped committing while its peer was down"
-    a, b = finals(tmp_path)
-    assert a["step"] == b["step"] == final
-    assert a["hash"] == b["hash"], "replicas are not bit-identical at the same step"
-    assert_exactly_once_data(tmp_path, final)
+    ends = finals(tmp_path, groups)
+    assert {(r["step"], r["hash"]) for r in ends} == {(final, ends[0]["hash"])}, (
+        f"replicas are not bit-identical at step {final}: {ends}"
+    )
+    assert_exactly_once_data(tmp_path, final, groups)
 
 
 def test_a_group_that_leaves_on_purpose_does_not_stall_the_other(children, tmp_path):

@@ -6,6 +6,8 @@ import dataclasses
 import json
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from lighthouse.quorum import Quorum, QuorumMember
 from torchft_like.recovery import (
@@ -15,6 +17,7 @@ from torchft_like.recovery import (
     heal_sources,
     heal_sources_from_env,
     member_fingerprint,
+    transfer_plan,
 )
 
 
@@ -438,3 +441,74 @@ def test_heal_sources_from_env(value, expected):
 def test_heal_sources_from_env_refuses_what_is_not_a_count_naming_the_variable(value):
     with pytest.raises(ValueError, match=f"{HEAL_SOURCES_ENV}='{value}'.*'all'"):
         heal_sources_from_env({HEAL_SOURCES_ENV: value})
+
+
+TRANSFER_PLAN_CASES = [
+    # name, steps, me, group_rank, stripes, (sources' ranks, serve_to)
+    ("a healer of 3 groups, one stripe: its primary alone", {"a": 7, "b": 7, "c": 1}, "c", 0, 1,
+     ((0,), ())),
+    ("the primary of that healer serves it", {"a": 7, "b": 7, "c": 1}, "a", 0, 1, ((), (2,))),
+    ("the other up-to-date group serves nobody (the stall of issue 23)",
+     {"a": 7, "b": 7, "c": 1}, "b", 0, 1, ((), ())),
+    ("group rank 1 takes the next primary", {"a": 7, "b": 7, "c": 1}, "b", 1, 1, ((), (2,))),
+    ("striped: a healer fetches from every source", {"a": 7, "b": 7, "c": 1}, "c", 0, None,
+     ((0, 1), ())),
+    ("striped: every source serves every healer", {"a": 7, "b": 7, "c": 1}, "b", 0, None,
+     ((), (2,))),
+    ("a cap of 2 of 3 sources", {"a": 7, "b": 7, "c": 7, "d": 1}, "d", 0, 2, ((0, 1), ())),
+    ("one source, two healers: it serves both", {"a": 7, "b": 1, "c": 0}, "a", 0, 1,
+     ((), (1, 2))),
+    ("nobody heals: nothing moves", {"a": 5, "b": 5, "c": 5}, "b", 0, 1, ((), ())),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("name, steps, me, group_rank, stripes, expected", TRANSFER_PLAN_CASES)
+def test_transfer_plan(name, steps, me, group_rank, stripes, expected):
+    plan = transfer_plan(compute_quorum_result(quorum(steps), me, group_rank, False), stripes)
+    assert (tuple(rank for rank, _ in plan.sources), plan.serve_to) == expected
+
+
+def test_transfer_plan_refuses_a_stripe_count_below_one():
+    with pytest.raises(ValueError, match="stripes \\(0\\) must be at least 1"):
+        transfer_plan(compute_quorum_result(quorum({"a": 1}), "a", 0, False), 0)
+
+
+def edges(steps: dict[str, int], group_rank: int, init_sync: bool, stripes: int | None):
+    """(source, healer) replica-rank pairs as the healers see them and as
+    the sources see them, every participant planning from its own result."""
+    results = {rid: compute_quorum_result(quorum(steps), rid, group_rank, init_sync)
+               for rid in steps}  # fmt: skip
+    plans = {rid: transfer_plan(r, stripes) for rid, r in results.items()}
+    received = {(src, results[rid].replica_rank) for rid, p in plans.items()
+                for src, _ in p.sources}  # fmt: skip
+    sent = {(results[rid].replica_rank, dst) for rid, p in plans.items() for dst in p.serve_to}
+    return received, sent
+
+
+@given(
+    steps=st.lists(st.integers(0, 3), min_size=1, max_size=7),
+    group_rank=st.integers(0, 3),
+    init_sync=st.booleans(),
+)
+def test_with_one_stripe_exactly_the_ranks_a_healer_receives_from_send_to_it(
+    steps, group_rank, init_sync
+):
+    """A push transport (PGTransport) sends to exactly the healers that
+    receive from it: any other send would wait forever for its receiver."""
+    by_id = {f"r{i}": s for i, s in enumerate(steps)}
+    received, sent = edges(by_id, group_rank, init_sync, 1)
+    assert received == sent
+    assert len({dst for _, dst in received}) == len(received), "a healer has two sources"
+
+
+@given(
+    steps=st.lists(st.integers(0, 3), min_size=1, max_size=7),
+    group_rank=st.integers(0, 3),
+    stripes=st.one_of(st.none(), st.integers(2, 4)),
+)
+def test_striped_every_source_a_healer_fetches_from_serves_it(steps, group_rank, stripes):
+    by_id = {f"r{i}": s for i, s in enumerate(steps)}
+    received, sent = edges(by_id, group_rank, False, stripes)
+    assert received <= sent
+    if stripes is None:
+        assert received == sent

@@ -143,6 +143,9 @@ class HTTPTransport(CheckpointTransport[Any]):
         OSError: the port cannot be bound (e.g. in use).
     """
 
+    can_stripe = True
+    reports_begun = True
+
     def __init__(
         self,
         timeout: timedelta,

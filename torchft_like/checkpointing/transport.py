@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from datetime import timedelta
-from typing import Generic, TypeVar
+from typing import ClassVar, Generic, TypeVar
 
 logger = logging.getLogger(__name__)
 
@@ -24,6 +25,16 @@ class CheckpointTransport(ABC, Generic[T]):
     gets the source's `metadata()` through the source's ManagerServer and
     calls `recv_checkpoint` with it, for the step the quorum names.
     """
+
+    can_stripe: ClassVar[bool] = False
+    """Serves ranges of its state to receivers that ask (pull), so a healer
+    may fetch from several sources at once (`recv_checkpoint_striped`). A
+    transport that pushes (sends to `dst_ranks`) cannot: its healers each
+    receive from one source, and a source sends only to its own."""
+    reports_begun: ClassVar[bool] = False
+    """`recv_checkpoint` takes `on_begun`, called once the source has begun
+    serving (and so will serve to the end); the Manager then lets the
+    healer's collectives run while the state still arrives."""
 
     @abstractmethod
     def metadata(self) -> str:
@@ -92,6 +103,17 @@ class CheckpointTransport(ABC, Generic[T]):
             ValueError: the source answered something that is not a valid
                 state stream.
         """
+
+    def recv_checkpoint_striped(
+        self, sources: Sequence[tuple[int, str]], step: int, timeout: timedelta
+    ) -> T:
+        """Fetches the state of `step` in stripes from every (replica rank,
+        metadata) of `sources` at once; only where `can_stripe`.
+
+        Raises:
+            NotImplementedError: this transport cannot stripe.
+        """
+        raise NotImplementedError(f"{type(self).__name__} cannot stripe (can_stripe is False)")
 
     def shutdown(self, wait: bool = True) -> None:
         """Releases sockets and threads; idempotent.
