@@ -42,8 +42,8 @@ import torch
 from torch import nn
 
 from bench._report import REPO, add_common_args, report, results_file
-from bench.step_overhead import start_lighthouse, wait_all
-from tools.procs import free_port
+from bench.step_overhead import start_lighthouse
+from tools.procs import free_port, wait_all
 
 EXAMPLE = str(REPO / "examples" / "train_diloco.py")
 

@@ -14,8 +14,10 @@ process CPU time per measured step, all threads, which other load inflates
 far less than wall time). In B and C, once
 the two groups have measured their steps, a third group of 2 ranks starts,
 and each of its ranks heals its shard from rank r of a live group: its
-heal_s is the Manager's receive time, shard_bytes the bytes of that rank's
-model and optimizer state (what moved), full_state_bytes the whole model's.
+heal_s is the Manager's receive time (the slower rank's), shard_mb the bytes
+of one rank's model and optimizer state, heal_mb what moved to the group
+(both ranks' shards), full_state_mb the whole model's. HTTP and PG heal
+figures come side by side: *_heal_s and *_heal_mb per transport.
 Every process has OMP_NUM_THREADS=1; all on 127.0.0.1.
 """
 
@@ -153,6 +155,7 @@ def main() -> None:
         row[f"{m}_ratio"] = round(statistics.median(ratios), 3)
         row[f"{m}_ratio_min_max"] = f"{min(ratios):.3f}-{max(ratios):.3f}"
         row[f"{m}_heal_s"] = round(statistics.median(r["heal_s"] for r in runs[m]), 3)
+        row[f"{m}_heal_mb"] = round(sum(runs[m][0]["shard_bytes"]) / 1e6, 2)
     row["shard_mb"] = round(runs["ft_http"][0]["shard_bytes"][0] / 1e6, 2)
     row["full_state_mb"] = round(runs["ft_http"][0]["full_state_bytes"] / 1e6, 2)
     report([row], results_file(args.out, "hsdp"))

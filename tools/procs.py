@@ -72,6 +72,31 @@ def kill_tree(pid: int, timeout: float = 10) -> list[psutil.Process]:
         time.sleep(0.01)
 
 
+def wait_all(procs: list[subprocess.Popen], what: str, timeout_s: float) -> None:
+    """Waits for every process (each with a `log` path attribute) to exit 0;
+    on a failure or the deadline raises with that one's log tail. Every tree
+    is killed on the way out, so nothing outlives the caller's run.
+
+    Raises:
+        RuntimeError: a process exited non-zero or ran past `timeout_s`.
+    """
+    deadline = time.monotonic() + timeout_s
+    try:
+        for p in procs:
+            try:
+                rc = p.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                rc = None
+            if rc != 0:
+                tail = p.log.read_text(errors="replace")[-3000:]  # type: ignore[attr-defined]
+                why = f"exited with {rc}" if rc is not None else f"ran past {timeout_s:.0f} s"
+                raise RuntimeError(f"{what} failed: a process {why}; its log ends:\n{tail}")
+    finally:
+        for p in procs:
+            kill_tree(p.pid)
+            p.wait()
+
+
 def _running(proc: psutil.Process) -> bool:
     try:
         return proc.status() != psutil.STATUS_ZOMBIE

@@ -127,7 +127,9 @@ def worker(args: argparse.Namespace) -> None:
         timeout=timeout,
         quorum_timeout=timedelta(seconds=60),
         connect_timeout=timeout,
-        checkpoint_transport=PGTransport(pg, timeout, torch.device("cpu")),
+        checkpoint_transport=(
+            PGTransport(pg, timeout, torch.device("cpu")) if args.transport == "pg" else None
+        ),
     )
     mesh = ft_init_device_mesh(
         device_type="cpu", mesh_shape=(2, 2), mesh_dim_names=("dp_replicate", "dp_shard"),
@@ -270,6 +272,80 @@ def test_ft_hsdp_matches_torch_hsdp_then_heals_per_shard_after_a_kill(children, 
         assert finals[0] == finals[1] and finals[0]["final"] == stop_at, finals
 
 
+@pytest.mark.parametrize("transport, groups", [("http", 3), ("pg", 3), ("pg", 4)])
+def test_an_fsdp2_group_joins_live_ones_and_a_killed_one_heals_per_shard(
+    children, tmp_path, transport, groups
+):
+    """The last group joins the others once they train (it heals each shard
+    from rank r of one live group), trains with them, is SIGKILLed and
+    restarted, and heals again; every rank r ends bit-identical across
+    groups. Over PGTransport rank r of exactly one live group sends."""
+    from tests.e2e.test_kill_and_recover import start_lighthouse
+    from tools.procs import free_port, kill_tree
+
+    lighthouse = start_lighthouse(children, heartbeat_timeout_ms=1000)
+    last_g = groups - 1
+    logs = [tmp_path / f"worker_g{g}_r{r}.log" for g in range(groups) for r in range(2)]
+
+    def start(group: int) -> list:
+        port = free_port()
+        return [
+            children.spawn(
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.e2e.test_hsdp",
+                    "--group",
+                    str(group),
+                    "--rank",
+                    str(r),
+                    "--group-port",
+                    str(port),
+                    "--lighthouse",
+                    lighthouse,
+                    "--out",
+                    str(tmp_path),
+                    "--ref-port",
+                    "0",
+                    "--transport",
+                    transport,
+                ],
+                log=tmp_path / f"worker_g{group}_r{r}.log",
+            )  # fmt: skip
+            for r in range(2)
+        ]
+
+    def records(g: int, r: int) -> list[dict]:
+        return _records(tmp_path / f"g{g}_r{r}.jsonl")
+
+    def last(g: int) -> int:
+        return max((x.get("step", 0) for x in records(g, 0)), default=0)
+
+    def healed_after(g: int, before: list[int]) -> bool:
+        return all(any(x.get("healed") for x in records(g, r)[before[r] :]) for r in range(2))
+
+    procs = {g: start(g) for g in range(last_g)}
+    live = lambda: [p for ps in procs.values() for p in ps]  # noqa: E731
+    _wait(lambda: min(last(g) for g in range(last_g)) >= 5, 60 + 15 * groups,
+          "the first groups to train", logs, live())  # fmt: skip
+    procs[last_g] = start(last_g)
+    _wait(lambda: healed_after(last_g, [0, 0]) and last(last_g) >= last(0) - 1 > 0, 60,
+          "the joining group to heal and train", logs, live())  # fmt: skip
+    for proc in procs[last_g]:
+        assert not kill_tree(proc.pid)
+    before = [len(records(last_g, r)) for r in range(2)]
+    procs[last_g] = start(last_g)
+    _wait(lambda: healed_after(last_g, before), 60, "the restarted group to heal", logs, live())
+    stop_at = max(last(g) for g in range(groups)) + 3
+    (tmp_path / "stop.tmp").write_text(str(stop_at))
+    (tmp_path / "stop.tmp").rename(tmp_path / "stop")
+    for proc in live():
+        assert proc.wait(timeout=60) == 0, "\n".join(p.read_text()[-2500:] for p in logs)
+    for r in range(2):
+        finals = [records(g, r)[-1] for g in range(groups)]
+        assert all(f == finals[0] for f in finals) and finals[0]["final"] == stop_at, finals
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser()
     for name in ("--group", "--rank", "--group-port", "--ref-port"):
@@ -277,6 +353,7 @@ if __name__ == "__main__":
     parser.add_argument("--lighthouse", required=True)
     parser.add_argument("--out", required=True)
     parser.add_argument("--step-sleep", type=float, default=0.05)
+    parser.add_argument("--transport", choices=("http", "pg"), default="pg")
     worker(parser.parse_args())
     sys.stdout.flush()
     os._exit(0)  # skip finalization, where gloo's threads can abort a finished process
