@@ -110,7 +110,10 @@ def run_once(mode: str, worker_args: list[str], tmp: Path, timeout_s: float) -> 
         procs += group(2)  # a new group: each rank heals its shard from a live group
         healed = [tmp / f"ft2_{r}.json" for r in range(2)]
         wait_for(lambda: all("heal_s" in read(f) for f in healed), procs, "heal", timeout_s)
-        stop.write_text("0")
+        # Every group ends at one step a little ahead, all in one quorum: a
+        # group that stopped at once would leave the others' collectives
+        # (and its own group's FSDP ones) waiting for it.
+        stop.write_text(str(max(read(f)["heal_step"] for f in healed) + 10))
         wait_for(lambda: all(p.poll() is not None for p in procs), procs, "stop", 60)
     finally:
         for p in procs:

@@ -18,7 +18,7 @@ from urllib.parse import urlsplit
 import pytest
 import torch
 
-from torchft_like.checkpointing import CheckpointTransport, HTTPTransport, _format, _http_fetch
+from torchft_like.checkpointing import HTTPTransport, _format, _http_fetch
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=5)
@@ -64,81 +64,6 @@ def assert_identical(a, b) -> None:
         assert b != b
     else:
         assert a == b
-
-
-class CheckpointTransportContract:
-    """What every CheckpointTransport must do; subclass and define `make`."""
-
-    __test__ = False
-
-    def make(self, **kwargs) -> CheckpointTransport:
-        raise NotImplementedError
-
-    @pytest.fixture(autouse=True)
-    def _cleanup(self) -> Iterator[None]:
-        self.made: list[CheckpointTransport] = []
-        yield
-        for transport in self.made:
-            transport.shutdown()
-
-    def pair(self) -> tuple[CheckpointTransport, CheckpointTransport]:
-        return self.make(), self.make()
-
-    def test_a_state_dict_round_trips_bit_identical(self):
-        source, receiver = self.pair()
-        state = rich_state()
-        source.send_checkpoint([1], 10, state, T)
-
-        assert_identical(state, receiver.recv_checkpoint(0, source.metadata(), 10, T))
-
-    def test_a_large_tensor_read_in_several_pieces_round_trips_bit_identical(self):
-        source, receiver = self.pair()
-        state = {"embedding": torch.arange(20_000_000, dtype=torch.int32), "tail": torch.ones(3)}
-        source.send_checkpoint([1], 2, state, T)
-
-        assert_identical(state, receiver.recv_checkpoint(0, source.metadata(), 2, T))
-
-    def test_a_request_for_another_step_fails_at_once_never_served_stale(self):
-        source, receiver = self.pair()
-        source.send_checkpoint([1], 10, rich_state(), T)
-        start = time.monotonic()
-
-        with pytest.raises(RuntimeError, match=r"fetch step 11 .*serving 10 but got step=11"):
-            receiver.recv_checkpoint(0, source.metadata(), 11, timedelta(seconds=20))
-        assert time.monotonic() - start < 2, "a wrong step cannot change: no retries"
-
-    def test_after_disallow_the_receiver_is_told_not_serving_and_times_out(self):
-        source, receiver = self.pair()
-        source.send_checkpoint([1], 10, rich_state(), T)
-        source.disallow_checkpoint()
-        start = time.monotonic()
-
-        with pytest.raises(RuntimeError, match=r"step 10 .* within 0.5 s .*not serving"):
-            receiver.recv_checkpoint(0, source.metadata(), 10, SHORT)
-        assert time.monotonic() - start < 2
-
-    def test_the_receiver_retries_until_the_source_stages(self):
-        source, receiver = self.pair()
-        state = rich_state()
-        stager = threading.Timer(0.3, source.send_checkpoint, args=([1], 4, state, T))
-        stager.start()
-
-        assert_identical(state, receiver.recv_checkpoint(0, source.metadata(), 4, T))
-        stager.join()
-
-
-class TestHTTPTransport(CheckpointTransportContract):
-    __test__ = True
-
-    def make(self, **kwargs) -> HTTPTransport:
-        transport = HTTPTransport(timeout=T, hostname="127.0.0.1", **kwargs)
-        self.made.append(transport)
-        return transport
-
-
-class TestHTTPTransportInFourChunks(TestHTTPTransport):
-    def pair(self) -> tuple[CheckpointTransport, CheckpointTransport]:
-        return self.make(), self.make(num_chunks=4)
 
 
 @pytest.fixture

@@ -55,7 +55,7 @@ def test_a_wrong_step_is_refused_and_a_silent_source_times_out():
             transport.send_checkpoint([1], 6, {"step": 6}, T)  # header only
             return None
         if rank == 1:
-            with pytest.raises(ValueError, match="the source sent step 6"):
+            with pytest.raises(RuntimeError, match="the source is serving step 6, not 7"):
                 transport.recv_checkpoint(0, "<n/a>", 7, T)
             return "refused"
         with pytest.raises(RuntimeError, match="recv of step 3 from replica rank 0 .*timed out"):

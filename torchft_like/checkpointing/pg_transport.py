@@ -64,8 +64,10 @@ class PGTransport(CheckpointTransport[T], Generic[T]):
 
         Raises:
             RuntimeError: the transfer did not finish within `timeout` (the
-                message says "timed out").
-            ValueError: the source sent another step or an invalid header.
+                message says "timed out"), or the source sent another step
+                (received to the end first, so the source is not left
+                waiting on a send nobody takes).
+            ValueError: the source sent an invalid header.
         """
         deadline = time.monotonic() + timeout.total_seconds()
         what = f"recv of step {step} from replica rank {src_rank}"
@@ -76,13 +78,13 @@ class PGTransport(CheckpointTransport[T], Generic[T]):
         raw = torch.empty(int(length), dtype=torch.uint8)
         _wait(self._pg.recv([raw], src_rank, 0), deadline, what)
         header = _format.decode_header(bytes(_format.memview(raw)))
-        if header.step != step:
-            raise ValueError(f"{what}: the source sent step {header.step}")
         received = [_format.empty(spec) for spec in header.specs]
         for tensor in received:
             if tensor.numel():
                 flat = tensor.reshape(-1).view(torch.uint8)
                 _wait(self._pg.recv([flat], src_rank, 0), deadline, what)
+        if header.step != step:
+            raise RuntimeError(f"{what}: the source is serving step {header.step}, not {step}")
         if self._device.type != "cpu":
             received = [t.to(self._device) for t in received]
         state: T = _format.unflatten(header.tree, received)
