@@ -11,6 +11,7 @@ from torchft_like.process_group import (
     ProcessGroupGloo,
 )
 from torchft_like.step_batches import StepBatches
+from torchft_like.torchft_alias import install_as_torchft
 
 __all__ = [
     "BufferSync",
@@ -26,4 +27,5 @@ __all__ = [
     "PureDistributedDataParallel",
     "StepBatches",
     "WorldSizeMode",
+    "install_as_torchft",
 ]

@@ -853,10 +853,18 @@ class Manager:
         return self._batches_committed
 
     def num_participants(self) -> int:
+        """Replicas that count in this step's collectives; 0 before the
+        first quorum (torchtitan's checkpointer asks after every step)."""
+        if self._quorum_future is None:
+            return 0
         self._wait_collectives_ready()
         return self._num_participants
 
     def participating_rank(self) -> int | None:
+        """Our rank among this step's participants; None when we do not
+        count (healing) or before the first quorum."""
+        if self._quorum_future is None:
+            return None
         self._wait_collectives_ready()
         return self._participating_rank
 

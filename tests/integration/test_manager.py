@@ -223,3 +223,20 @@ def test_a_healing_replica_allreduces_while_its_state_is_still_arriving(lighthou
     assert late["healed"]
     assert transport.saw_release, "the allreduces waited for the healing transfer to finish"
     assert late["step"] > 3
+
+
+def test_before_the_first_quorum_nobody_participates_and_nothing_blocks(lighthouse):
+    """As torchft: torchtitan's checkpointer asks after every step, the first
+    one included, before any quorum was started."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    model = nn.Linear(2, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = small_replica(0, 0, 1, store, lighthouse.address(), model, inner)
+    try:
+        assert manager.participating_rank() is None
+        assert manager.num_participants() == 0
+        assert not manager.is_participating()
+        manager.start_quorum()
+        assert manager.participating_rank() == 0 and manager.num_participants() == 1
+    finally:
+        manager.shutdown()
