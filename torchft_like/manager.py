@@ -40,6 +40,7 @@ from torchft_like import parent_watch
 from torchft_like._state_gate import StateReadGate
 from torchft_like._work import FutureWork, completed_work
 from torchft_like.checkpointing import CheckpointTransport, HTTPTransport
+from torchft_like.checkpointing._http_fetch import GONE_AFTER_S
 from torchft_like.collectives import InOrderCollectives, allreduce_quantized
 from torchft_like.fingerprint import fingerprint
 from torchft_like.group_quorum import QuorumRequest
@@ -619,7 +620,12 @@ class Manager:
             )
 
     def _metadata_of(self, manager_address: str) -> str:
-        src = ManagerClient(manager_address, self._connect_timeout, self._secret, self._tls)
+        # The source asked for this quorum moments ago, so it was listening;
+        # one that refuses connections for a second (GONE_AFTER_S) has died
+        # since: fail the heal (the next quorum leaves it out) rather than
+        # wait the whole connect timeout.
+        connect = min(self._connect_timeout, timedelta(seconds=GONE_AFTER_S))
+        src = ManagerClient(manager_address, connect, self._secret, self._tls)
         try:
             return src.checkpoint_metadata(self._group_rank, self._timeout)
         finally:

@@ -99,6 +99,23 @@ def test_an_unreachable_source_is_a_clear_error_within_the_timeout(make):
     assert time.monotonic() - start < 3
 
 
+@pytest.mark.parametrize("torchft_peer", [False, True])
+def test_a_source_that_died_fails_the_heal_within_a_second_not_the_timeout(make, torchft_peer):
+    """A dead source's port refuses connections: one second of that, not the
+    transfer timeout (torchtitan's 60 s), ends the heal, naming why."""
+    source = make()
+    source.send_checkpoint([1], 3, rich_state(), T)
+    metadata = source.metadata()
+    if torchft_peer:  # a torchft source's address, fetched in its own format
+        metadata = metadata.replace("/torchft_like/checkpoint/", "/checkpoint/")
+    source.shutdown()  # its port closes, as when its process dies
+    start = time.monotonic()
+
+    with pytest.raises(RuntimeError, match=r"refused every connection for 1 s .*process is gone"):
+        make().recv_checkpoint(0, metadata, 3, timedelta(seconds=30))
+    assert time.monotonic() - start < 3
+
+
 def test_a_wrong_step_is_torchfts_http_error_400_and_a_runtime_error(make):
     source = make()
     source.send_checkpoint([1], 2345, {"w": torch.ones(2)}, T)

@@ -240,3 +240,26 @@ def test_before_the_first_quorum_nobody_participates_and_nothing_blocks(lighthou
         assert manager.participating_rank() == 0 and manager.num_participants() == 1
     finally:
         manager.shutdown()
+
+
+def test_a_healing_source_that_died_costs_about_a_second_not_the_connect_timeout(lighthouse):
+    """Its ManagerServer's port refuses: the heal fails within about a second
+    (then the step, and the next quorum no longer lists it), though the
+    Manager's connect timeout is 30 s."""
+    import socket
+
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    model = nn.Linear(2, 2)
+    inner = torch.optim.SGD(model.parameters(), lr=0.1)
+    manager = small_replica(0, 0, 1, store, lighthouse.address(), model, inner,
+                            connect_timeout=timedelta(seconds=30))  # fmt: skip
+    with socket.socket() as s:  # a port nobody listens on, as after a death
+        s.bind(("127.0.0.1", 0))
+        dead = f"127.0.0.1:{s.getsockname()[1]}"
+    try:
+        start = time.monotonic()
+        with pytest.raises(Exception, match=rf"could not connect to .*{dead} within 1.0 s"):
+            manager._metadata_of(dead)
+        assert time.monotonic() - start < 3
+    finally:
+        manager.shutdown()

@@ -57,6 +57,24 @@ class FetchTimeout(urllib.error.URLError, TimeoutError, RuntimeError):
     RuntimeError, as `CheckpointTransport.recv_checkpoint` promises."""
 
 
+class FetchSourceGone(urllib.error.URLError, RuntimeError):
+    """The source refused every connection for `GONE_AFTER_S`: nothing
+    listens at its address, so its process is gone (its server listens from
+    the start to the end of its life). Raised then instead of retrying to the
+    transfer timeout: the heal fails, the step with it, and the next quorum,
+    which no longer lists the dead source, heals from another peer."""
+
+
+GONE_AFTER_S = 1.0
+
+
+def refused(error: BaseException) -> bool:
+    """A connection refused, bare or wrapped by urllib."""
+    return isinstance(error, ConnectionRefusedError) or isinstance(
+        getattr(error, "reason", None), ConnectionRefusedError
+    )
+
+
 class FetchTLSError(urllib.error.URLError, RuntimeError):
     """The TLS handshake with the source failed for good (its certificate
     not trusted, or ours refused): raised at once."""

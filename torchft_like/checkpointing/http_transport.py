@@ -61,6 +61,7 @@ from lighthouse.rpc.http_server import QuietHTTPServer
 from lighthouse.rpc.tls import FIX, TLSConfig, check_scheme, is_refusal, scheme
 from torchft_like.checkpointing import _checksum, _format, _striped, _torchft_http
 from torchft_like.checkpointing._http_fetch import (
+    GONE_AFTER_S,
     NOT_SERVING,
     SLICE,
     WRONG_STEP,
@@ -68,11 +69,13 @@ from torchft_like.checkpointing._http_fetch import (
     DeadlinePassed,
     Fetch,
     FetchRefused,
+    FetchSourceGone,
     FetchTimeout,
     FetchTLSError,
     NotReady,
     Refused,
     hang_up,
+    refused,
 )
 from torchft_like.checkpointing.transport import CheckpointTransport
 
@@ -293,9 +296,11 @@ class HTTPTransport(CheckpointTransport[Any]):
     ) -> Any:
         """See base class. Retries "not serving", connection errors (a
         truncated body among them) and checksum mismatches every 50 ms until
-        `timeout`. `on_begun` is called when a torchft_like source has
-        accepted the transfer, which it then serves to the end even once its
-        step moves on (disallow_checkpoint waits for it). The state is
+        `timeout`, but a source that refuses every connection for a second
+        (GONE_AFTER_S) is dead, and the heal fails then. `on_begun` is
+        called when a torchft_like source has accepted the transfer, which it
+        then serves to the end even once its step moves on
+        (disallow_checkpoint waits for it). The state is
         returned only once every tensor has its announced size and checksum.
         From a torchft source (its metadata's path is ``/checkpoint/``) the
         state comes in torchft's format, which has no checksums: it is
@@ -308,6 +313,8 @@ class HTTPTransport(CheckpointTransport[Any]):
                 for good, e.g. it serves another step: raised at once.
             FetchTLSError: (a URLError and a RuntimeError) the TLS handshake
                 failed for good (a certificate refused on either side).
+            FetchSourceGone: (a URLError and a RuntimeError) nothing listens at
+                the source's address any more: its process is gone.
             FetchTimeout: (a URLError and a RuntimeError) no state within
                 `timeout`; the message says the last answer.
             UnsafeStateError: (a ValueError) a torchft source's state needs
@@ -441,11 +448,20 @@ class HTTPTransport(CheckpointTransport[Any]):
     ) -> tuple[Any, int]:
         """Runs `attempt(deadline)` until it returns, retrying what may pass
         (not serving yet, broken connections, checksum mismatches) every
-        50 ms until `timeout`, and raising at once what cannot."""
+        50 ms until `timeout`, and raising at once what cannot. A source that
+        refuses every connection for GONE_AFTER_S is gone: FetchSourceGone."""
         deadline = time.monotonic() + timeout.total_seconds()
         last, attempts = "no answer", 0
+        refused_since: float | None = None
         while True:
             attempts += 1
+            refusing = False
+            if refused_since is not None and time.monotonic() - refused_since >= GONE_AFTER_S:
+                raise FetchSourceGone(
+                    f"could not fetch {where}: it refused every connection for "
+                    f"{GONE_AFTER_S:g} s ({attempts - 1} attempts; {last}), so nothing listens "
+                    "there: its process is gone, and the next quorum leaves it out"
+                )
             try:
                 return attempt(deadline)
             except NotReady as e:
@@ -466,10 +482,15 @@ class HTTPTransport(CheckpointTransport[Any]):
             except (OSError, http.client.HTTPException) as e:
                 if not (isinstance(e, DeadlinePassed) and attempts > 1):  # keep the reason
                     last = f"{type(e).__name__}: {e}"
+                if refused(e):
+                    refused_since = refused_since or time.monotonic()
+                    refusing = True
             except (_torchft_http.UnsafeStateError, _striped.LayoutMismatch):
                 raise
             except ValueError as e:
                 raise ValueError(f"{metadata} sent an invalid stream for step {step}: {e}") from e
+            if not refusing:  # a refusal streak is broken by any other answer
+                refused_since = None
             remaining = deadline - time.monotonic()
             if remaining <= _RETRY_S:
                 raise FetchTimeout(
