@@ -124,6 +124,20 @@ def test_a_wrong_step_is_torchfts_http_error_400_and_a_runtime_error(make):
         make().recv_checkpoint(0, source.metadata(), 1234, T)
 
 
+def test_a_step_ahead_of_the_staged_one_is_waited_for_not_refused(make):
+    """The source may still serve its last step when a healer asks for the
+    quorum's (torchft's multi-recovery test does exactly this)."""
+    source = make()
+    source.send_checkpoint([1], 1, {"w": torch.zeros(2)}, T)
+    nxt = {"w": torch.ones(2)}
+    timer = threading.Timer(0.3, source.send_checkpoint, ([1], 2, nxt, T))
+    timer.start()
+    try:
+        assert_identical(nxt, make().recv_checkpoint(0, source.metadata(), 2, T))
+    finally:
+        timer.join()
+
+
 @pytest.mark.parametrize("timeout_s", [0.0, 0.2])
 def test_a_step_not_served_retries_to_the_deadline_then_is_a_timed_out_url_error(make, timeout_s):
     source = make()  # nothing staged: 503, which staging could change
@@ -280,7 +294,8 @@ def test_a_peer_that_is_not_a_checkpoint_server_fails_at_once_naming_it(make):
         ("/checkpoint/1?of=4", 400, "bad query"),
         ("/checkpoint/1/metadata", 400, "serves torchft's checkpoint format whole only"),
         ("/torchft_like/checkpoint/1/0", 400, "key '0' is not served"),
-        ("/torchft_like/checkpoint/2", 400, "wrong step: serving 1"),
+        ("/torchft_like/checkpoint/0", 400, "wrong step: serving 1"),
+        ("/torchft_like/checkpoint/2", 503, "not serving step 2 yet: serving 1"),
     ],
 )
 def test_a_bad_request_gets_a_clear_4xx(make, path, code, message):

@@ -261,7 +261,9 @@ class HTTPTransport(CheckpointTransport[Any]):
             staged = self._staged
             if staged is None:
                 return None, NOT_SERVING, "not serving: no state is staged on this replica now"
-            if staged.step != step:
+            if staged.step < step:  # this source has not reached its quorum's step yet
+                return None, NOT_SERVING, f"not serving step {step} yet: serving {staged.step}"
+            if staged.step != step:  # it moved past the step: can never serve it
                 return (
                     None,
                     WRONG_STEP,
