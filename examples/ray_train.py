@@ -70,6 +70,8 @@ def train_func(config: dict) -> None:
         ),
         state_dict=lambda: {"model": model.state_dict(), "optim": inner.state_dict()},
         replica_id=f"ray_train_{group}",
+        rank=0,  # each worker is a replica group of one rank (Ray's RANK counts all workers)
+        world_size=1,
         timeout=timedelta(seconds=60),
         checkpoint_transport=PGTransport(pg, timeout=timeout, device=torch.device("cpu")),
     )
