@@ -188,6 +188,24 @@ def _wait(condition, timeout: float, what: str, logs: list[Path], procs: list) -
         time.sleep(0.1)
 
 
+def spawn_group(
+    children, tmp_path: Path, lighthouse: str, group: int, ref_port: int = 0, transport: str = "pg"
+) -> list:
+    """The 2 ranks of one replica group, each a worker process of this module."""
+    from tools.procs import free_port
+
+    common = ["--group", str(group), "--group-port", str(free_port()),
+              "--lighthouse", lighthouse, "--out", str(tmp_path), "--ref-port", str(ref_port),
+              "--transport", transport]  # fmt: skip
+    return [
+        children.spawn(
+            [sys.executable, "-m", "tests.e2e.test_hsdp", "--rank", str(r), *common],
+            log=tmp_path / f"worker_g{group}_r{r}.log",
+        )
+        for r in range(2)
+    ]
+
+
 def test_ft_hsdp_matches_torch_hsdp_then_heals_per_shard_after_a_kill(children, tmp_path):
     import torch
 
@@ -202,30 +220,7 @@ def test_ft_hsdp_matches_torch_hsdp_then_heals_per_shard_after_a_kill(children, 
     logs = [tmp_path / f"worker_g{g}_r{r}.log" for g in range(2) for r in range(2)]
 
     def start(group: int, with_reference: bool) -> list:
-        port = free_port()
-        return [
-            children.spawn(
-                [
-                    sys.executable,
-                    "-m",
-                    "tests.e2e.test_hsdp",
-                    "--group",
-                    str(group),
-                    "--rank",
-                    str(r),
-                    "--group-port",
-                    str(port),
-                    "--lighthouse",
-                    lighthouse,
-                    "--out",
-                    str(tmp_path),
-                    "--ref-port",
-                    str(ref_port if with_reference else 0),
-                ],
-                log=tmp_path / f"worker_g{group}_r{r}.log",
-            )  # fmt: skip
-            for r in range(2)
-        ]
+        return spawn_group(children, tmp_path, lighthouse, group, ref_port if with_reference else 0)
 
     groups = {0: start(0, True), 1: start(1, True)}
 
@@ -281,39 +276,14 @@ def test_an_fsdp2_group_joins_live_ones_and_a_killed_one_heals_per_shard(
     restarted, and heals again; every rank r ends bit-identical across
     groups. Over PGTransport rank r of exactly one live group sends."""
     from tests.e2e.test_kill_and_recover import start_lighthouse
-    from tools.procs import free_port, kill_tree
+    from tools.procs import kill_tree
 
     lighthouse = start_lighthouse(children, heartbeat_timeout_ms=1000)
     last_g = groups - 1
     logs = [tmp_path / f"worker_g{g}_r{r}.log" for g in range(groups) for r in range(2)]
 
     def start(group: int) -> list:
-        port = free_port()
-        return [
-            children.spawn(
-                [
-                    sys.executable,
-                    "-m",
-                    "tests.e2e.test_hsdp",
-                    "--group",
-                    str(group),
-                    "--rank",
-                    str(r),
-                    "--group-port",
-                    str(port),
-                    "--lighthouse",
-                    lighthouse,
-                    "--out",
-                    str(tmp_path),
-                    "--ref-port",
-                    "0",
-                    "--transport",
-                    transport,
-                ],
-                log=tmp_path / f"worker_g{group}_r{r}.log",
-            )  # fmt: skip
-            for r in range(2)
-        ]
+        return spawn_group(children, tmp_path, lighthouse, group, transport=transport)
 
     def records(g: int, r: int) -> list[dict]:
         return _records(tmp_path / f"g{g}_r{r}.jsonl")
