@@ -131,7 +131,7 @@ def test_a_killed_group_restarts_heals_and_ends_bit_identical(
              for g in range(groups)]  # fmt: skip
     log0, log1 = tmp_path / "group0.jsonl", tmp_path / f"group{victim_id}.jsonl"
 
-    wait_until(lambda: last_step(log1) >= 30, 60 + 15 * groups, "the victim to reach step 30")
+    wait_until(lambda: last_step(log1) >= 15, 60 + 15 * groups, "the victim to reach step 15")
     assert not kill_tree(procs[victim_id].pid), "the victim's processes survived SIGKILL"
     killed_at = time.time()
     time.sleep(1.0)
@@ -143,7 +143,7 @@ def test_a_killed_group_restarts_heals_and_ends_bit_identical(
         90,
         "the restarted group to commit a step",
     )
-    final = last_step(log0) + 20
+    final = last_step(log0) + 10
     for group in range(groups):
         stop_at(tmp_path, group, final)
     for proc in procs:

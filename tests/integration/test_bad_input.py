@@ -9,6 +9,7 @@ serializers, so the bytes reach the server exactly as generated.
 from __future__ import annotations
 
 import logging
+import re
 import socket
 import struct
 import threading
@@ -524,6 +525,7 @@ def http_exchange(port: int, request: bytes) -> bytes:
 @example(method="GET", path="//[/checkpoint/5", headers=[])
 @example(method="GET", path=f"/checkpoint/{STAGED_STEP}?chunk=" + "9" * 5000 + "&of=2", headers=[])
 @example(method="HEAD", path=f"/checkpoint/{STAGED_STEP}", headers=[])
+@example(method="GET", path=f"/checkpoint/{STAGED_STEP + 1}", headers=[])  # not yet: 503
 @example(method="GET", path="", headers=[])  # two words: an HTTP/0.9 request line
 @example(method="GET", path="/checkpoint/9" * 10000, headers=[])
 def test_bad_http_requests_get_a_4xx_and_never_a_hang_up(source, method, path, headers):
@@ -537,6 +539,9 @@ def test_bad_http_requests_get_a_4xx_and_never_a_hang_up(source, method, path, h
     code = int(status.split()[1])
     if code == 200:
         assert method == "GET" and path.startswith(f"/checkpoint/{STAGED_STEP}")
+    elif code == 503:  # well formed, for a step the source has not staged yet: retried
+        asked = re.fullmatch(r"(?:/torchft_like)?/checkpoint/(\d{1,19})", urlsplit(path).path)
+        assert method == "GET" and asked and int(asked[1]) > STAGED_STEP, status
     elif method not in HTTP_METHODS:
         assert code == 501 or 400 <= code < 500, status  # RFC 9110: 501, method unknown
     else:
