@@ -5,8 +5,8 @@ Each torchft module path is the same module object as torchft_like's of that
 path (`torchft.manager is torchft_like.manager`), so `isinstance`,
 `mock.patch("torchft.manager.X")` and the loggers' names (torchft_like's)
 behave as with any alias. A torchft module or name torchft_like does not
-have fails at import with an ImportError naming it and pointing to the
-README's table "Differences from torchft".
+have fails at import with an ImportError naming it and pointing to
+docs/differences.md ("Differences from torchft").
 
 Two ways in: `install_as_torchft()` before the first `import torchft`, or
 TORCHFT_LIKE_AS_TORCHFT=1 in the environment of a fresh interpreter
@@ -24,7 +24,7 @@ import types
 from collections.abc import Callable, Sequence
 from typing import Any
 
-DIFFERENCES = "see the table 'Differences from torchft' in torchft_like's README"
+DIFFERENCES = "see 'Differences from torchft' in torchft_like's docs/differences.md"
 
 MODULES = {
     "torchft": "torchft_like",

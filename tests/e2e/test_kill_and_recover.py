@@ -271,7 +271,7 @@ def test_a_stopped_group_is_left_out_within_a_second_and_heals_when_continued(ch
     # A long sleep after each step, and the stop sent right after a commit is
     # logged, so the hang lands between steps: the quorum is what must not
     # wait for it. (A group stopped inside a collective costs the others the
-    # collective timeout; README, "What happens when...".)
+    # collective timeout; docs/reference.md, "What happens when...".)
     victim = start_group(children, tmp_path, lighthouse, 1, step_sleep=0.5)
     log0, log1 = tmp_path / "group0.jsonl", tmp_path / "group1.jsonl"
     wait_until(
