@@ -9,6 +9,7 @@ from lighthouse.client import LighthouseClient
 from lighthouse.quorum import LighthouseConfig, Quorum, QuorumMember
 from lighthouse.rpc.errors import (
     DuplicateGroupError,
+    IncompatibleGroupError,
     LighthouseUnavailableError,
     QuorumError,
     QuorumTimeoutError,
@@ -16,6 +17,7 @@ from lighthouse.rpc.errors import (
 
 __all__ = [
     "DuplicateGroupError",
+    "IncompatibleGroupError",
     "LighthouseClient",
     "LighthouseConfig",
     "LighthouseServer",

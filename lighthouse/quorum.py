@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
+
+from lighthouse.compat import refusals
 
 
 @dataclass(frozen=True)
@@ -194,6 +196,9 @@ class LighthouseState:
     """Monotonic seconds when this lighthouse started (see compute_quorum)."""
     arrivals: Mapping[str, ArrivalStats] = field(default_factory=dict)
     """replica_id -> its heartbeat rhythm, for suspected_replicas."""
+    described: Mapping[str, QuorumMember] = field(default_factory=dict)
+    """replica_id -> its latest self-description (its last Quorum call), so a
+    live replica not waiting now still counts for lighthouse.compat."""
 
 
 @dataclass(frozen=True)
@@ -204,6 +209,9 @@ class QuorumDecision:
     """Why, in words; also the log line and the status-page text."""
     kind: str
     """Stable short code of the reason (`fast`, `valid`, `stragglers`, ...)."""
+    refused: Mapping[str, str] = field(default_factory=dict)
+    """Replicas left out because they cannot share an allreduce with the
+    others (lighthouse.compat) -> the error their Quorum call gets."""
 
 
 def stream_closed_since_heartbeat(
@@ -297,6 +305,16 @@ def compute_quorum(now: float, state: LighthouseState, config: LighthouseConfig)
         if rid in heard and rid not in gone
     }
     healthy = heard - gone - hung.keys()
+    # A group of another rendezvous (a torchft nightly beside torchft_like)
+    # would stall every configure: refused, and not counted as healthy, so
+    # it holds up neither the majority nor the join timeout.
+    described = {
+        rid: p.member if (p := state.participants.get(rid)) else state.described[rid]
+        for rid in healthy
+        if rid in state.participants or rid in state.described
+    }
+    refused = refusals(described, state.prev_quorum.replica_ids() if state.prev_quorum else ())
+    healthy -= refused.keys()
     joined = {rid: p for rid, p in state.participants.items() if rid in healthy}
     shrink_only = any(p.member.shrink_only for p in joined.values())
     prev_ids = set(state.prev_quorum.replica_ids()) if state.prev_quorum else set()
@@ -325,7 +343,24 @@ def compute_quorum(now: float, state: LighthouseState, config: LighthouseConfig)
     silent = state.heartbeats.keys() - heard - state.participants.keys()
     if silent:
         tally += f"[{len(silent)} silent past the heartbeat timeout: {_some(silent)}]"
+    if refused:
+        tally += f"[{len(refused)} refused, another rendezvous: {_some(set(refused))}]"
+    decision = _decide(now, state, config, candidates, joined, healthy, members, prev_ids, tally)
+    return replace(decision, refused=refused) if refused else decision
 
+
+def _decide(
+    now: float,
+    state: LighthouseState,
+    config: LighthouseConfig,
+    candidates: Mapping[str, Participant],
+    joined: Mapping[str, Participant],
+    healthy: set[str],
+    members: tuple[QuorumMember, ...],
+    prev_ids: set[str],
+    tally: str,
+) -> QuorumDecision:
+    """compute_quorum's rule, once the replicas are sorted out."""
     if state.prev_quorum is not None and prev_ids <= joined.keys() and members:
         return QuorumDecision(members, f"fast quorum: every previous member joined {tally}", "fast")
     if len(candidates) < config.min_replicas:

@@ -43,7 +43,12 @@ from lighthouse.quorum import (
 from lighthouse.quorum_log import waiting_report
 from lighthouse.rpc import auth, channel, errors, serve
 from lighthouse.rpc.address import advertised_host, join_host_port, parse_bind
-from lighthouse.rpc.errors import DuplicateGroupError, QuorumError, QuorumTimeoutError
+from lighthouse.rpc.errors import (
+    DuplicateGroupError,
+    IncompatibleGroupError,
+    QuorumError,
+    QuorumTimeoutError,
+)
 from lighthouse.rpc.loop import BackgroundLoop, reply_budget_s, wait_within
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
@@ -407,9 +412,12 @@ class _Coordinator:
             streams_closed=self.streams_closed,
             started_at=self.started_at,
             arrivals=self.arrivals,
+            described=self.members,
         )
         decision = compute_quorum(now, state, self.decide_config)
         self.reason = decision.reason
+        for rid, why in decision.refused.items():
+            self._refuse(rid, why)
         if decision.members is None:
             self._report_waiting(now, decision.kind, decision.reason)
             return
@@ -440,6 +448,17 @@ class _Coordinator:
         # Callers left out join again: their join timeout starts over.
         for waiter in self.waiters.values():
             waiter.participant = replace(waiter.participant, joined_at=now)
+
+    def _refuse(self, replica_id: str, why: str) -> None:
+        """Answers a waiting replica of another rendezvous with the reason (logged once)."""
+        waiter = self.waiters.pop(replica_id, None)
+        if waiter is None:
+            return
+        if replica_id not in self._refusals_logged and len(self._refusals_logged) < 10_000:
+            self._refusals_logged.add(replica_id)
+            logger.warning("refusing %s: %s", replica_id, why)
+        if not waiter.future.done():
+            waiter.future.set_exception(IncompatibleGroupError(why))
 
     def tick(self) -> None:
         now = time.monotonic()

@@ -10,6 +10,7 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
+from lighthouse.compat import LOCAL, RENDEZVOUS_KEY
 from lighthouse.heals import HEAL_KEY, merge_rank_reports
 from lighthouse.quorum import QuorumMember
 from torchft_like.recovery import fingerprint_data
@@ -56,6 +57,7 @@ def merge_requests(
     address: str,
     store_address: str,
     world_size: int,
+    local_collectives: bool = False,
 ) -> GroupRequest:
     """The group's request from every rank's (keyed by group rank).
 
@@ -66,6 +68,8 @@ def merge_requests(
     on; fingerprints travel only from the ranks at the group's step, since
     only those compare with other groups' states; the ranks' heal reports
     travel merged (lighthouse.heals.merge_rank_reports) for the status page.
+    A group whose process group never talks to other groups
+    (`local_collectives`) says so, for lighthouse.compat.
 
     Raises:
         ValueError: `requests` is empty.
@@ -78,6 +82,8 @@ def merge_requests(
     heal = merge_rank_reports(r.heal_report for r in requests.values())
     if heal is not None:
         data[HEAL_KEY] = heal
+    if local_collectives:
+        data[RENDEZVOUS_KEY] = LOCAL
     member = QuorumMember(
         replica_id=replica_id,
         address=address,

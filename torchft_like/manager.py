@@ -34,7 +34,7 @@ from lighthouse.rpc.address import (
     join_host_port,
     loopback_advertisement_warning,
 )
-from lighthouse.rpc.errors import DuplicateGroupError, QuorumError
+from lighthouse.rpc.errors import DuplicateGroupError, IncompatibleGroupError, QuorumError
 from lighthouse.rpc.tls import TLSConfig, tls_from_env
 from torchft_like import parent_watch
 from torchft_like._state_gate import StateReadGate
@@ -47,6 +47,7 @@ from torchft_like.group_quorum import QuorumRequest
 from torchft_like.manager_client import ManagerClient, ManagerClientProtocol
 from torchft_like.manager_server import LocalManagerClient, ManagerServer
 from torchft_like.metrics import ManagerMetrics, metrics_port_from_env
+from torchft_like.process_group import ProcessGroupDummy
 from torchft_like.recovery import QuorumResult, heal_sources_from_env, transfer_plan
 
 logger = logging.getLogger(__name__)
@@ -240,7 +241,7 @@ class Manager:
         self._commit_failures = 0
         self._quorum_id = -1
         self._errored: Exception | None = None
-        self._fatal: DuplicateGroupError | None = None
+        self._fatal: DuplicateGroupError | IncompatibleGroupError | None = None
         """An error that no retry can fix: raised by the next start_quorum/should_commit."""
         self._healing = False
         self._pending_state_dict: dict[str, Any] | None = None
@@ -336,6 +337,7 @@ class Manager:
                 quorum_retries=quorum_retries,
                 secret=self._secret,
                 tls=self._tls,
+                local_collectives=isinstance(pg, ProcessGroupDummy),
             )
             self._store.set(prefix + MANAGER_ADDR_KEY, self._manager_server.address())
             self._store.set(prefix + REPLICA_ID_KEY, full_id)
@@ -531,7 +533,7 @@ class Manager:
             self._timings["quorum_s"] = time.monotonic() - start
             self.metrics.quorum_seconds.observe(self._timings["quorum_s"])
             self._apply_quorum(result, allow_heal)
-        except DuplicateGroupError as e:
+        except (DuplicateGroupError, IncompatibleGroupError) as e:
             self._logger.error("quorum refused, stopping: %s", e)
             self._fatal = e
             self.report_error(e)
@@ -794,6 +796,9 @@ class Manager:
 
         Raises:
             RuntimeError: `max_retries` consecutive uncommitted steps.
+            IncompatibleGroupError: this group's process group cannot
+                rendezvous with the job's other groups (another torchft
+                release); they train on without it.
             DuplicateGroupError: the lighthouse refused this group because
                 another live group has the same name; retrying cannot help.
         """

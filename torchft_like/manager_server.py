@@ -13,18 +13,20 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from typing import Any, Generic, TypeVar
 
 from grpc import aio
 
 from lighthouse.client import AsyncLighthouseClient
+from lighthouse.compat import refusals
 from lighthouse.quorum import Quorum, QuorumMember
 from lighthouse.rpc import auth, errors, serve
 from lighthouse.rpc.address import advertised_host, join_host_port, parse_bind
 from lighthouse.rpc.errors import (
     DuplicateGroupError,
+    IncompatibleGroupError,
     LighthouseUnavailableError,
     NotServedError,
     QuorumError,
@@ -122,6 +124,9 @@ class ManagerServer:
             the lighthouse (lighthouse.rpc.auth); None: access control off.
         tls: serve TLS and reach the lighthouse over TLS (lighthouse.rpc.tls);
             `address()` is then https://. None: plaintext.
+        local_collectives: the group's process group never talks to other
+            groups (ProcessGroupDummy): it tells the lighthouse so, and
+            lighthouse.compat lets it share a job with any torchft release.
 
     Raises:
         ValueError: a bad option or bind address.
@@ -142,6 +147,7 @@ class ManagerServer:
         quorum_retries: int = 0,
         secret: str | None = None,
         tls: TLSConfig | None = None,
+        local_collectives: bool = False,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size ({world_size}) must be at least 1")
@@ -152,6 +158,9 @@ class ManagerServer:
         self._heartbeat_interval = heartbeat_interval
         self._connect_timeout = connect_timeout
         self._quorum_retries = quorum_retries
+        self._local_collectives = local_collectives
+        self._prev_quorum_ids: tuple[str, ...] = ()
+        """The members of the last quorum this group took part in (lighthouse.compat)."""
         self._secret = secret
         if tls is not None:
             tls.require_server("manager server")
@@ -237,11 +246,18 @@ class ManagerServer:
 
     async def _lighthouse_quorum(self, rnd: _Round[QuorumRequest]) -> None:
         group = merge_requests(
-            rnd.calls, self.replica_id, self._address, self._store_addr, self._world_size
+            rnd.calls,
+            self.replica_id,
+            self._address,
+            self._store_addr,
+            self._world_size,
+            local_collectives=self._local_collectives,
         )
         deadline = min(rnd.deadlines.values(), default=time.monotonic() + MAX_WAIT_S)
         try:
             quorum = await self._quorum_with_retries(group.member, deadline)
+            if not self._local_collectives:
+                quorum = self._compatible_members(quorum)
         except Exception as e:
             for f in rnd.futures.values():
                 if not f.done():
@@ -258,6 +274,30 @@ class ManagerServer:
             if result.divergence:
                 logger.error("[%s] DIVERGENCE: %s", self.replica_id, result.divergence)
             f.set_result(result)
+
+    def _compatible_members(self, quorum: Quorum) -> Quorum:
+        """The quorum less the members our process group cannot rendezvous
+        with (lighthouse.compat). Our lighthouse never mixes them; torchft's
+        does, and its nightly's members would stall our configure.
+
+        Raises:
+            IncompatibleGroupError: the rule keeps the other side; this
+                group must stop so that they train on.
+        """
+        refused = refusals({m.replica_id: m for m in quorum.participants}, self._prev_quorum_ids)
+        if self.replica_id in refused:
+            raise IncompatibleGroupError(refused[self.replica_id])
+        if refused:
+            logger.warning(
+                "[%s] leaving out of quorum %d: %s",
+                self.replica_id,
+                quorum.quorum_id,
+                "; ".join(refused.values()),
+            )
+            kept = tuple(m for m in quorum.participants if m.replica_id not in refused)
+            quorum = replace(quorum, participants=kept)
+        self._prev_quorum_ids = quorum.replica_ids()
+        return quorum
 
     async def _quorum_with_retries(self, member: QuorumMember, deadline: float) -> Quorum:
         """Asks the lighthouse until `deadline` (monotonic).
@@ -294,7 +334,7 @@ class ManagerServer:
                     ) from None
                 await asyncio.sleep(delay)
                 continue
-            except (QuorumTimeoutError, DuplicateGroupError):
+            except (QuorumTimeoutError, DuplicateGroupError, IncompatibleGroupError):
                 raise  # a retry cannot help: keep the lighthouse's reason
             except QuorumError as e:
                 if attempt >= self._quorum_retries:

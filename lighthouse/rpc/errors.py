@@ -52,6 +52,14 @@ class DuplicateGroupError(QuorumError):
     training on would train one data shard twice. Stop one of them."""
 
 
+class IncompatibleGroupError(QuorumError):
+    """This replica group cannot share an allreduce with the job's other
+    groups (another torchft rendezvous, lighthouse.compat); the text names
+    both versions and what to do.
+
+    Not retried: the other groups keep training without it."""
+
+
 MAX_DETAILS_CHARS = 4000
 """Longest status text sent: it travels in trailing metadata, which gRPC caps
 at 16 KiB, and a reason quoting huge ids (bad input) would break the answer."""
@@ -63,6 +71,7 @@ _STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (LighthouseUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (NotServedError, grpc.StatusCode.NOT_FOUND),
     (DuplicateGroupError, grpc.StatusCode.ALREADY_EXISTS),
+    (IncompatibleGroupError, grpc.StatusCode.FAILED_PRECONDITION),
     (PermissionError, grpc.StatusCode.PERMISSION_DENIED),
     (QuorumError, grpc.StatusCode.ABORTED),
 )

@@ -117,3 +117,11 @@ def test_a_rank_request_crosses_the_wire_with_every_field():
     # Every field set apart from its default, so a field wire.py forgets fails here.
     assert all(getattr(request, f.name) != f.default for f in fields(QuorumRequest))
     assert wire.quorum_request_from_proto(wire.quorum_request_to_proto(request)) == request
+
+
+def test_a_group_whose_collectives_stay_local_says_so_for_lighthouse_compat():
+    from lighthouse.compat import LOCAL, STORE, rendezvous_of
+
+    local = merge_requests({0: QuorumRequest(0, 3)}, "g:1", "", "", 1, local_collectives=True)
+    assert rendezvous_of(local.member) == LOCAL
+    assert rendezvous_of(merge(QuorumRequest(0, 3)).member) == STORE

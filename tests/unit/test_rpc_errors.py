@@ -5,6 +5,7 @@ import pytest
 
 from lighthouse.rpc.errors import (
     DuplicateGroupError,
+    IncompatibleGroupError,
     LighthouseUnavailableError,
     NotServedError,
     QuorumError,
@@ -22,6 +23,10 @@ from lighthouse.rpc.errors import (
         (LighthouseUnavailableError("could not connect"), grpc.StatusCode.UNAVAILABLE),
         (NotServedError("rank 1 has not asked"), grpc.StatusCode.NOT_FOUND),
         (DuplicateGroupError("group 'g' is already live"), grpc.StatusCode.ALREADY_EXISTS),
+        (
+            IncompatibleGroupError("replica r speaks another rendezvous"),
+            grpc.StatusCode.FAILED_PRECONDITION,
+        ),
         (PermissionError("Kill needs the job's secret"), grpc.StatusCode.PERMISSION_DENIED),
         (QuorumError("replica r left"), grpc.StatusCode.ABORTED),
     ],

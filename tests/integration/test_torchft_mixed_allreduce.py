@@ -1,0 +1,155 @@
+"""A pytorch/torchft nightly group and a torchft_like group asked to share a
+real allreduce (each on its side's ProcessGroupGloo) cannot: the nightly
+rendezvouses through reconfigure handles carried in the quorum, we through
+the store. The job must not stall: our lighthouse refuses one side at
+quorum time with an error naming both versions, and the other trains on
+(lighthouse.compat's rule; docs/differences.md).
+
+A refused torchft_like group raises IncompatibleGroupError at once. A
+refused torchft group's ManagerServer (Rust) logs our error ("lighthouse
+quorum failed. error: status: FailedPrecondition, message: ...") but does
+not hand it to its ranks: they raise torchft's own timeout at their
+quorum_timeout, which these tests set to the heartbeat timeout.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from lighthouse import IncompatibleGroupError, LighthouseServer
+from torchft_like import Manager, ProcessGroupGloo
+
+WHY = "pytorch/torchft is not installed (the bench extra installs it)"
+torchft_manager = pytest.importorskip("torchft.manager", reason=WHY)
+torchft_pg = pytest.importorskip("torchft.process_group", reason=WHY)
+
+pytestmark = pytest.mark.timeout(60)
+T = timedelta(seconds=10)
+HEARTBEAT_TIMEOUT_MS = 3000
+TORCHFT_QUORUM_TIMEOUT = timedelta(milliseconds=HEARTBEAT_TIMEOUT_MS)
+STEPS = 4
+
+
+def manager_kwargs(name: str, lighthouse: str, store: TCPStore) -> dict[str, Any]:
+    return dict(
+        load_state_dict=lambda _: None,
+        state_dict=lambda: {},
+        min_replica_size=1,
+        timeout=T,
+        quorum_timeout=T,
+        connect_timeout=T,
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        lighthouse_addr=lighthouse,
+        replica_id=name,
+        hostname="127.0.0.1",
+        use_async_quorum=False,
+    )
+
+
+class Group(threading.Thread):
+    """One replica group of one rank: `STEPS` committed steps, or the error
+    that stopped it, and how long it took to get that error."""
+
+    def __init__(self, kind: str, lighthouse: str) -> None:
+        super().__init__(name=kind, daemon=True)
+        self.kind, self.lighthouse = kind, lighthouse
+        self.committed: list[float] = []
+        self.error: BaseException | None = None
+        self.error_after_s: float | None = None
+        self.start()
+
+    def run(self) -> None:
+        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        kwargs = manager_kwargs(f"{self.kind}_group", self.lighthouse, store)
+        if self.kind == "torchft":
+            if not hasattr(torchft_pg.ProcessGroup, "get_reconfigure_handle"):
+                self.error = RuntimeError("skip: this torchft has no reconfigure handles")
+                return
+            pg = torchft_pg.ProcessGroupGloo(timeout=T)
+            kwargs["quorum_timeout"] = TORCHFT_QUORUM_TIMEOUT
+            manager: Any = torchft_manager.Manager(pg=pg, **kwargs)
+        else:
+            manager = Manager(pg=ProcessGroupGloo(timeout=T), exit_with_parent=False, **kwargs)
+        start = time.monotonic()
+        try:
+            for _ in range(2 * STEPS):  # bounded: a step that cannot commit ends the test
+                if len(self.committed) == STEPS:
+                    break
+                manager.start_quorum()
+                t = torch.tensor([1.0])
+                manager.allreduce(t).wait()
+                if manager.should_commit():
+                    self.committed.append(t.item())
+        except BaseException as e:  # reported by the test
+            self.error, self.error_after_s = e, time.monotonic() - start
+        finally:
+            manager.shutdown()
+
+
+def test_a_torchft_nightly_group_is_refused_and_the_torchft_like_group_trains(capfd):
+    lighthouse = LighthouseServer(
+        bind="127.0.0.1:0",
+        min_replicas=1,
+        join_timeout_ms=500,
+        heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
+    )
+    try:
+        ours = Group("torchft_like", lighthouse.address())
+        theirs = Group("torchft", lighthouse.address())
+        ours.join(timeout=40)
+        theirs.join(timeout=40)
+    finally:
+        lighthouse.shutdown()
+    if isinstance(theirs.error, RuntimeError) and str(theirs.error).startswith("skip:"):
+        pytest.skip(str(theirs.error))
+    assert ours.error is None, f"torchft_like group failed: {ours.error!r}"
+    assert ours.committed == [1.0] * STEPS  # alone: the torchft group never joined it
+    assert theirs.error is not None and not theirs.committed
+    assert theirs.error_after_s is not None
+    assert theirs.error_after_s < HEARTBEAT_TIMEOUT_MS / 1000 + 1.5  # its quorum_timeout
+    # Our error, as torchft's ManagerServer logs it (its ranks get a timeout).
+    log = capfd.readouterr().err
+    refused = [line for line in log.splitlines() if "FailedPrecondition" in line]
+    assert refused, log[-3000:]
+    assert "speaks torchft's reconfigure-handle rendezvous (pytorch/torchft nightly" in refused[0]
+    assert "use store rendezvous (torchft_like 0.1.0" in refused[0]
+    assert "torchft_like_group" in refused[0]  # the groups it was refused for
+
+
+def test_a_torchft_like_group_joining_a_training_torchft_job_is_refused():
+    """The side that holds the quorum keeps it, whichever it is."""
+    lighthouse = LighthouseServer(
+        bind="127.0.0.1:0",
+        min_replicas=1,
+        join_timeout_ms=500,
+        heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
+    )
+    try:
+        theirs = Group("torchft", lighthouse.address())
+        deadline = time.monotonic() + 20
+        while not theirs.committed and theirs.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        ours = Group("torchft_like", lighthouse.address())
+        ours.join(timeout=40)
+        theirs.join(timeout=40)
+    finally:
+        lighthouse.shutdown()
+    if isinstance(theirs.error, RuntimeError) and str(theirs.error).startswith("skip:"):
+        pytest.skip(str(theirs.error))
+    assert theirs.error is None, f"torchft group failed: {theirs.error!r}"
+    assert theirs.committed == [1.0] * STEPS
+    assert isinstance(ours.error, IncompatibleGroupError), repr(ours.error)
+    assert "speaks store rendezvous (torchft_like 0.1.0" in str(ours.error)
+    assert "use torchft's reconfigure-handle rendezvous" in str(ours.error)
+    assert ours.error_after_s is not None
+    assert ours.error_after_s < HEARTBEAT_TIMEOUT_MS / 1000
