@@ -114,6 +114,15 @@ def kept_rendezvous(kinds: Mapping[str, str], prev_members: Iterable[str]) -> st
     return HANDLES if num_handles > len(kinds) - num_handles else STORE
 
 
+def training_members(members: Iterable[QuorumMember]) -> tuple[str, ...]:
+    """The members at the furthest step, when it is past 0: the side already
+    training, for a caller that has no previous quorum of its own (our
+    ManagerServer's first quorum under torchft's lighthouse)."""
+    listed = list(members)
+    top = max((m.step for m in listed), default=0)
+    return tuple(m.replica_id for m in listed if m.step == top) if top > 0 else ()
+
+
 def refusals(members: Mapping[str, QuorumMember], prev_members: Iterable[str]) -> dict[str, str]:
     """Members that cannot share an allreduce with the rest -> why, in words.
 

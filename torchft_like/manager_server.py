@@ -20,7 +20,7 @@ from typing import Any, Generic, TypeVar
 from grpc import aio
 
 from lighthouse.client import AsyncLighthouseClient
-from lighthouse.compat import refusals
+from lighthouse.compat import refusals, training_members
 from lighthouse.quorum import Quorum, QuorumMember
 from lighthouse.rpc import auth, errors, serve
 from lighthouse.rpc.address import advertised_host, join_host_port, parse_bind
@@ -161,6 +161,7 @@ class ManagerServer:
         self._local_collectives = local_collectives
         self._prev_quorum_ids: tuple[str, ...] = ()
         """The members of the last quorum this group took part in (lighthouse.compat)."""
+        self._left_out_logged: set[str] = set()
         self._secret = secret
         if tls is not None:
             tls.require_server("manager server")
@@ -284,16 +285,20 @@ class ManagerServer:
             IncompatibleGroupError: the rule keeps the other side; this
                 group must stop so that they train on.
         """
-        refused = refusals({m.replica_id: m for m in quorum.participants}, self._prev_quorum_ids)
+        members = quorum.participants
+        prev = self._prev_quorum_ids or training_members(members)
+        refused = refusals({m.replica_id: m for m in members}, prev)
         if self.replica_id in refused:
             raise IncompatibleGroupError(refused[self.replica_id])
         if refused:
-            logger.warning(
-                "[%s] leaving out of quorum %d: %s",
-                self.replica_id,
-                quorum.quorum_id,
-                "; ".join(refused.values()),
-            )
+            if not refused.keys() <= self._left_out_logged:
+                self._left_out_logged.update(refused)
+                logger.warning(
+                    "[%s] leaving out of quorum %d: %s",
+                    self.replica_id,
+                    quorum.quorum_id,
+                    "; ".join(refused.values()),
+                )
             kept = tuple(m for m in quorum.participants if m.replica_id not in refused)
             quorum = replace(quorum, participants=kept)
         self._prev_quorum_ids = quorum.replica_ids()

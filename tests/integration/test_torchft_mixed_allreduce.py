@@ -57,12 +57,13 @@ def manager_kwargs(name: str, lighthouse: str, store: TCPStore) -> dict[str, Any
 
 
 class Group(threading.Thread):
-    """One replica group of one rank: `STEPS` committed steps, or the error
-    that stopped it, and how long it took to get that error."""
+    """One replica group of one rank: `steps` committed steps (or until
+    `stop`), or the error that stopped it, and how long it took to get it."""
 
-    def __init__(self, kind: str, lighthouse: str) -> None:
+    def __init__(self, kind: str, lighthouse: str, steps: int = STEPS) -> None:
         super().__init__(name=kind, daemon=True)
-        self.kind, self.lighthouse = kind, lighthouse
+        self.kind, self.lighthouse, self.steps = kind, lighthouse, steps
+        self.stop = threading.Event()
         self.committed: list[float] = []
         self.error: BaseException | None = None
         self.error_after_s: float | None = None
@@ -82,9 +83,10 @@ class Group(threading.Thread):
             manager = Manager(pg=ProcessGroupGloo(timeout=T), exit_with_parent=False, **kwargs)
         start = time.monotonic()
         try:
-            for _ in range(2 * STEPS):  # bounded: a step that cannot commit ends the test
-                if len(self.committed) == STEPS:
+            for _ in range(2 * self.steps):  # bounded: a step that cannot commit ends the test
+                if len(self.committed) == self.steps or self.stop.is_set():
                     break
+                time.sleep(0.01)  # a long-running group leaves the other CPU time
                 manager.start_quorum()
                 t = torch.tensor([1.0])
                 manager.allreduce(t).wait()
@@ -126,6 +128,27 @@ def test_a_torchft_nightly_group_is_refused_and_the_torchft_like_group_trains(ca
     assert "torchft_like_group" in refused[0]  # the groups it was refused for
 
 
+def joining_a_training_torchft_job(lighthouse: Any) -> tuple[Group, Group, int]:
+    """A torchft group trains; a torchft_like group joins. Returns both and
+    how many steps the torchft group had committed when ours stopped."""
+    try:
+        theirs = Group("torchft", lighthouse.address(), steps=1000)
+        deadline = time.monotonic() + 20
+        while len(theirs.committed) < 2 and theirs.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        ours = Group("torchft_like", lighthouse.address())
+        ours.join(timeout=40)
+        at_refusal = len(theirs.committed)
+        deadline = time.monotonic() + 3 * HEARTBEAT_TIMEOUT_MS / 1000
+        while len(theirs.committed) < at_refusal + STEPS and time.monotonic() < deadline:
+            time.sleep(0.02)
+        theirs.stop.set()
+        theirs.join(timeout=40)
+    finally:
+        lighthouse.shutdown()
+    return ours, theirs, at_refusal
+
+
 def test_a_torchft_like_group_joining_a_training_torchft_job_is_refused():
     """The side that holds the quorum keeps it, whichever it is."""
     lighthouse = LighthouseServer(
@@ -134,22 +157,51 @@ def test_a_torchft_like_group_joining_a_training_torchft_job_is_refused():
         join_timeout_ms=500,
         heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
     )
-    try:
-        theirs = Group("torchft", lighthouse.address())
-        deadline = time.monotonic() + 20
-        while not theirs.committed and theirs.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        ours = Group("torchft_like", lighthouse.address())
-        ours.join(timeout=40)
-        theirs.join(timeout=40)
-    finally:
-        lighthouse.shutdown()
-    if isinstance(theirs.error, RuntimeError) and str(theirs.error).startswith("skip:"):
-        pytest.skip(str(theirs.error))
-    assert theirs.error is None, f"torchft group failed: {theirs.error!r}"
-    assert theirs.committed == [1.0] * STEPS
+    ours, theirs, at_refusal = joining_a_training_torchft_job(lighthouse)
     assert isinstance(ours.error, IncompatibleGroupError), repr(ours.error)
     assert "speaks store rendezvous (torchft_like 0.1.0" in str(ours.error)
     assert "use torchft's reconfigure-handle rendezvous" in str(ours.error)
     assert ours.error_after_s is not None
     assert ours.error_after_s < HEARTBEAT_TIMEOUT_MS / 1000
+    assert theirs.error is None, f"torchft group failed: {theirs.error!r}"
+    assert len(theirs.committed) >= at_refusal + STEPS  # it trained on
+
+
+def rust_lighthouse() -> Any:
+    from torchft._torchft import LighthouseServer as TorchftLighthouse
+
+    return TorchftLighthouse(
+        bind="[::]:0",
+        min_replicas=1,
+        join_timeout_ms=500,
+        heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
+    )
+
+
+def test_under_torchfts_lighthouse_a_torchft_like_group_joining_a_torchft_job_stops():
+    """torchft's lighthouse mixes the two; our ManagerServer applies the rule:
+    the side already training (the furthest step) keeps the job."""
+    ours, theirs, at_refusal = joining_a_training_torchft_job(rust_lighthouse())
+    assert isinstance(ours.error, IncompatibleGroupError), repr(ours.error)
+    assert "speaks store rendezvous (torchft_like 0.1.0" in str(ours.error)
+    assert ours.error_after_s is not None
+    assert ours.error_after_s < HEARTBEAT_TIMEOUT_MS / 1000
+    assert theirs.error is None, f"torchft group failed: {theirs.error!r}"
+    assert len(theirs.committed) >= at_refusal + STEPS  # it trained on once ours stopped
+
+
+def test_under_torchfts_lighthouse_torchft_like_groups_leave_torchft_ones_out():
+    """Started together (a tie: store is kept), our group trains, leaving the
+    torchft member out of its view. What the torchft group then does is
+    torchft's own affair (it may train alone or fail in its configure), so
+    only ours is asserted."""
+    lighthouse = rust_lighthouse()
+    try:
+        ours = Group("torchft_like", lighthouse.address())
+        theirs = Group("torchft", lighthouse.address())
+        ours.join(timeout=40)
+        theirs.join(timeout=40)
+    finally:
+        lighthouse.shutdown()
+    assert ours.error is None, f"torchft_like group failed: {ours.error!r}"
+    assert ours.committed == [1.0] * STEPS

@@ -11,6 +11,7 @@ from lighthouse.compat import (
     field_numbers,
     refusals,
     rendezvous_of,
+    training_members,
 )
 from lighthouse.quorum import (
     LighthouseConfig,
@@ -137,3 +138,12 @@ def test_a_live_replica_of_the_other_side_not_waiting_now_is_not_a_straggler():
 def test_without_mixed_members_nothing_is_refused():
     st = LighthouseState({"s1": Participant(member("s1"), NOW)}, {"s1": NOW})
     assert compute_quorum(NOW, st, CONFIG).refused == {}
+
+
+def test_the_training_side_is_the_members_at_the_furthest_step_past_zero():
+    def at(rid: str, step: int) -> QuorumMember:
+        return QuorumMember(replica_id=rid, step=step)
+
+    assert training_members([at("h1", 7), at("s1", 0), at("h2", 7)]) == ("h1", "h2")
+    assert training_members([at("h1", 0), at("s1", 0)]) == ()
+    assert training_members([]) == ()
