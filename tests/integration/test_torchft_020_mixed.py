@@ -30,10 +30,12 @@ from torchft_like import Manager, ProcessGroupGloo
 
 
 def _torchft_version() -> str | None:
-    try:
-        return metadata.version("torchft")
-    except metadata.PackageNotFoundError:
-        return None
+    for dist in ("torchft", "torchft-nightly"):  # the nightly installs as the latter
+        try:
+            return f"{dist} {metadata.version(dist)}"
+        except metadata.PackageNotFoundError:
+            pass
+    return None
 
 
 VERSION = _torchft_version()
@@ -41,7 +43,7 @@ pytestmark = [
     pytest.mark.integration,
     pytest.mark.timeout(60),
     pytest.mark.skipif(
-        VERSION is None or not VERSION.startswith("0.2."),
+        VERSION is None or not VERSION.startswith("torchft 0.2."),
         reason=f"needs torchft 0.2.x installed (found {VERSION or 'none'}); see the docstring",
     ),
 ]
