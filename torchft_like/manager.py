@@ -38,6 +38,7 @@ from lighthouse.rpc.errors import DuplicateGroupError, IncompatibleGroupError, Q
 from lighthouse.rpc.tls import TLSConfig, tls_from_env
 from torchft_like import parent_watch
 from torchft_like._state_gate import StateReadGate
+from torchft_like._training_thread import TrainingThreadReads
 from torchft_like._work import FutureWork, completed_work
 from torchft_like.checkpointing import CheckpointTransport, HTTPTransport
 from torchft_like.checkpointing._http_fetch import GONE_AFTER_S
@@ -248,7 +249,8 @@ class Manager:
         self._participating_rank: int | None = None
         self._num_participants = 0
         self._quorum_future: Future[None] | None = None
-        self._collectives_ready = threading.Event()
+        self._training_thread = TrainingThreadReads()
+        self._collectives_ready = self._training_thread.event()
         """Set once this step's quorum is applied and any healing transfer
         has begun at its source (or the quorum failed): a healing replica's
         collectives wait for no more, so its state arrives while its
@@ -442,7 +444,7 @@ class Manager:
     ) -> None:
         """Begins the step: asks for a quorum, in the background when async."""
         if self._quorum_future is not None:
-            self._quorum_future.result()
+            self.wait_quorum()
         if self._fatal is not None:
             raise self._fatal
         self._errored = None
@@ -460,6 +462,7 @@ class Manager:
             timeout or self._quorum_timeout,
             state_fingerprint,
         )
+        self._quorum_future.add_done_callback(lambda _: self._training_thread.wake())
         # A replica of a fresh job (every replica at step 0) may receive the
         # initial weights (init_sync): applying them before the forward pass
         # makes its first gradient valid, so every replica counts from the
@@ -482,13 +485,14 @@ class Manager:
     def wait_quorum(self) -> None:
         """Blocks until the quorum of this step is known and healing state received."""
         assert self._quorum_future is not None, "call start_quorum() first"
+        self._training_thread.wait(self._quorum_future.done)
         self._quorum_future.result()
 
     def _wait_collectives_ready(self) -> None:
         """Blocks until this step's quorum is known and any healing transfer
         has begun (should_commit waits for it to end)."""
         assert self._quorum_future is not None, "call start_quorum() first"
-        self._collectives_ready.wait()
+        self._training_thread.wait(self._collectives_ready.is_set)
 
     def _take_fingerprint(self) -> str:
         """Every `fingerprint_interval` committed steps, a fingerprint of our
@@ -570,8 +574,9 @@ class Manager:
         if allow_heal and plan.serve_to:
             self._serving = True
             self._logger.info("serving state to replica ranks %s", list(plan.serve_to))
-            with self._state_read_gate.read():
-                state = self.full_state_dict()
+            # Read by the training thread (see _training_thread): no gate, it
+            # cannot be writing the state while it waits on us.
+            state = self._training_thread.read(self.full_state_dict, self._timeout.total_seconds())
             transport.send_checkpoint(list(plan.serve_to), self._step, state, self._timeout)
         self._quorum_max_step = result.max_step
         if not (allow_heal and result.heal):

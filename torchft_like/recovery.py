@@ -166,7 +166,9 @@ def compute_quorum_result(
 
     recovering = [m for m in participants if m.step != max_step or m.replica_id in odd]
     if init_sync and max_step == 0:
-        recovering = [m for m in participants if m.replica_id != primary.replica_id]
+        # One group keeps its weights for every group rank: a group's ranks
+        # serve or heal together, as a state_dict with collectives needs.
+        recovering = [m for m in participants if m.replica_id != at_max[0].replica_id]
     recovering_ids = {m.replica_id for m in recovering}
     up_to_date = [m for m in at_max if m.replica_id not in recovering_ids]
 

@@ -90,6 +90,24 @@ CASES = [
         (0, 3, 0, 0, 3, False, None, "", (1, 2), "a:2"),
     ),
     (
+        # Every rank of one group serves (or heals) together: a state_dict
+        # with collectives over the group (torchtitan's) needs them all.
+        "init_sync at step 0, group rank 1: the same group keeps its weights",
+        {"a": 0, "b": 0, "c": 0},
+        "a",
+        1,
+        True,
+        (0, 3, 0, 0, 3, False, None, "", (1, 2), "b:2"),
+    ),
+    (
+        "init_sync at step 0, group rank 1: the other groups heal from it",
+        {"a": 0, "b": 0, "c": 0},
+        "b",
+        1,
+        True,
+        (1, 3, 0, 1, 3, True, 0, "http://a:1", (), "b:2"),
+    ),
+    (
         "no init_sync at step 0: nobody heals",
         {"a": 0, "b": 0},
         "b",
