@@ -1,15 +1,34 @@
 #!/usr/bin/env bash
-# The opt-in integration suite: real client frameworks (Ray Train) driving
-# torchft_like through `import torchft`. Installs them, pinned, into a venv of
-# their own (.venv-integration: torch pinned first, then .[dev,integration]),
-# then runs `pytest -m integration`. Extra arguments go to pytest.
+# The opt-in integration suite: real client frameworks driving torchft_like
+# through `import torchft`, beside pytorch/torchft running the same jobs.
+#
+#   scripts/integration.sh            Ray Train and torchtitan (tests/clients), in
+#                                     .venv-integration: torch pinned first, then
+#                                     .[dev,integration,bench] (bench: torchft nightly)
+#   scripts/integration.sh torchft-0.2
+#                                     a torchft 0.2.0 group sharing an allreduce with
+#                                     ours, in .venv-torchft020 (one torchft per venv)
+#
+# Extra arguments go to pytest.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 TORCH_SPEC=${TORCH_SPEC:-torch==2.13.0}
-VENV=.venv-integration
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-"$VENV/bin/python" -m pip install -q --upgrade pip
-"$VENV/bin/python" -m pip install -q "$TORCH_SPEC"
-"$VENV/bin/python" -m pip install -q -e ".[dev,integration]"
-exec "$VENV/bin/python" -m pytest -m integration tests/clients "$@"
+
+venv() {  # venv DIR EXTRA_SPEC...: torch pinned first, so no CUDA build is pulled
+    local dir=$1
+    shift
+    [ -x "$dir/bin/python" ] || "$PYTHON" -m venv "$dir"
+    "$dir/bin/python" -m pip install -q --upgrade pip
+    "$dir/bin/python" -m pip install -q "$TORCH_SPEC"
+    "$dir/bin/python" -m pip install -q "$@"
+}
+
+if [ "${1:-}" = "torchft-0.2" ]; then
+    shift
+    venv .venv-torchft020 "torchft==0.2.0" -e ".[dev]"
+    exec .venv-torchft020/bin/python -m pytest -m integration \
+        tests/integration/test_torchft_020_mixed.py "$@"
+fi
+venv .venv-integration -e ".[dev,integration,bench]"
+exec .venv-integration/bin/python -m pytest -m integration tests/clients "$@"
