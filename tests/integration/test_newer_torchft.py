@@ -12,6 +12,7 @@ import torch
 from torch.distributed import TCPStore
 
 from lighthouse import LighthouseServer
+from tests.integration._one_rank import manager_kwargs
 
 torchft = pytest.importorskip("torchft")
 torchft_manager = pytest.importorskip("torchft.manager")
@@ -29,20 +30,7 @@ def torchft_group(group: int, lighthouse: str) -> tuple[int, list[float]]:
         pytest.skip("this torchft release has no reconfigure handles")
     manager = torchft_manager.Manager(
         pg=torchft_pg.ProcessGroupGloo(timeout=T),
-        load_state_dict=lambda _: None,
-        state_dict=lambda: {},
-        min_replica_size=2,
-        use_async_quorum=False,
-        timeout=T,
-        quorum_timeout=T,
-        connect_timeout=T,
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        lighthouse_addr=lighthouse,
-        replica_id=f"torchft_group{group}",
-        hostname="127.0.0.1",
+        **manager_kwargs(f"torchft_group{group}", lighthouse, store, 2, T),
     )
     values = []
     try:

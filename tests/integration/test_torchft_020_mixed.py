@@ -26,6 +26,7 @@ import torch
 from torch.distributed import TCPStore
 
 from lighthouse import LighthouseServer
+from tests.integration._one_rank import manager_kwargs
 from torchft_like import Manager, ProcessGroupGloo
 
 
@@ -55,22 +56,7 @@ def group(kind: str, lighthouse: str) -> tuple[int, list[float]]:
     """One replica group of one rank: its committed steps and allreduced values."""
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     value = 1.0 if kind == "torchft" else 2.0
-    kwargs: dict[str, Any] = dict(
-        load_state_dict=lambda _: None,
-        state_dict=lambda: {},
-        min_replica_size=2,
-        use_async_quorum=False,
-        timeout=T,
-        quorum_timeout=T,
-        connect_timeout=T,
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        lighthouse_addr=lighthouse,
-        replica_id=f"{kind}_group",
-        hostname="127.0.0.1",
-    )
+    kwargs = manager_kwargs(f"{kind}_group", lighthouse, store, 2, T)
     if kind == "torchft":
         from torchft.manager import Manager as TorchftManager
         from torchft.process_group import ProcessGroupGloo as TorchftGloo

@@ -24,6 +24,7 @@ import torch
 from torch.distributed import TCPStore
 
 from lighthouse import IncompatibleGroupError, LighthouseServer
+from tests.integration._one_rank import manager_kwargs
 from torchft_like import Manager, ProcessGroupGloo
 
 WHY = "pytorch/torchft is not installed (the bench extra installs it)"
@@ -35,25 +36,6 @@ T = timedelta(seconds=10)
 HEARTBEAT_TIMEOUT_MS = 3000
 TORCHFT_QUORUM_TIMEOUT = timedelta(milliseconds=HEARTBEAT_TIMEOUT_MS)
 STEPS = 4
-
-
-def manager_kwargs(name: str, lighthouse: str, store: TCPStore) -> dict[str, Any]:
-    return dict(
-        load_state_dict=lambda _: None,
-        state_dict=lambda: {},
-        min_replica_size=1,
-        timeout=T,
-        quorum_timeout=T,
-        connect_timeout=T,
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        lighthouse_addr=lighthouse,
-        replica_id=name,
-        hostname="127.0.0.1",
-        use_async_quorum=False,
-    )
 
 
 class Group(threading.Thread):
@@ -71,7 +53,7 @@ class Group(threading.Thread):
 
     def run(self) -> None:
         store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        kwargs = manager_kwargs(f"{self.kind}_group", self.lighthouse, store)
+        kwargs = manager_kwargs(f"{self.kind}_group", self.lighthouse, store, 1, T)
         if self.kind == "torchft":
             if not hasattr(torchft_pg.ProcessGroup, "get_reconfigure_handle"):
                 self.error = RuntimeError("skip: this torchft has no reconfigure handles")
