@@ -381,18 +381,14 @@ class Manager:
         self.register_state_dict_fn("default", load_state_dict, state_dict)
 
     def allow_state_dict_read(self) -> None:
-        """Lets healing peers read our state again; idempotent."""
+        """Ends a `disallow_state_dict_read`; idempotent."""
         self._state_read_gate.allow()
 
     def disallow_state_dict_read(self) -> None:
-        """Holds back reads of our state (serving it to a healing peer) while
-        the caller writes it in place, e.g. averaged weights of a LocalSGD
-        sync; waits for a read already running. Idempotent; undo with
-        `allow_state_dict_read`. A source kept disallowed longer than the
-        Manager's timeout fails that heal (the step does not commit).
-
-        Raises:
-            TimeoutError: a read still ran after the Manager's timeout.
+        """Marks our state as being written in place (torchft's API). The
+        state served to a healing peer is read on the training thread, which
+        cannot be writing it then; while disallowed, only the state
+        fingerprint is skipped. Idempotent; undo with `allow_state_dict_read`.
         """
         self._state_read_gate.disallow()
 
