@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
-from torchft_like.process_group import ManagedProcessGroup
+from torchft_like.process_group.managed import ManagedProcessGroup
 
 
 def managed_device_mesh(
