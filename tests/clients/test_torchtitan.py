@@ -26,7 +26,6 @@ pytest.importorskip("torchft.coordination", reason="torchft, the reference: scri
 LAUNCH = REPO / "tests" / "clients" / "titan" / "launch.py"
 ANSI = re.compile(r"\x1b\[[0-9;]*m")
 STEP = re.compile(r"step:\s+(\d+)\s+loss:\s+([\d.]+)")
-STAMP = r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})"
 
 
 @dataclass
@@ -65,9 +64,8 @@ def start_lighthouse(children, impl: str) -> str:
 
 
 def start_group(children, impl: str, mode: Mode, lighthouse: str, group: int, log: Path):
-    env = {"TORCHFT_LIGHTHOUSE": lighthouse, "TORCHFT_LIKE_AS_TORCHFT": ""}
-    if impl == "torchft_like":
-        env["TORCHFT_LIKE_AS_TORCHFT"] = "1"
+    alias = "1" if impl == "torchft_like" else ""
+    env = {"TORCHFT_LIGHTHOUSE": lighthouse, "TORCHFT_LIKE_AS_TORCHFT": alias}
     return children.spawn(
         [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
          str(mode.ranks), str(LAUNCH), "--module", "configs", "--config", mode.config,
