@@ -70,8 +70,8 @@ def _sum_reduction_on_gloo() -> None:
 
     factors = c._get_gradient_divide_factors
 
-    def sum_reduction(group, all_reduce_group, dtype, device_type="", factor=None, _force=False):  # type: ignore[no-untyped-def]  # noqa: E501
-        return factors(group, all_reduce_group, dtype, device_type, factor, True)
+    def sum_reduction(*args: object) -> object:  # the caller passes all six positionally
+        return factors(*args[:5], True)  # type: ignore[arg-type]
 
     c._get_gradient_divide_factors = sum_reduction
 
