@@ -13,9 +13,10 @@ and tell those why.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
+
+from lighthouse.member_data import LOCAL_RENDEZVOUS, is_local_rendezvous
 
 if TYPE_CHECKING:  # quorum.py imports this module
     from lighthouse.quorum import QuorumMember
@@ -24,14 +25,13 @@ HANDLES = "handles"
 """Rendezvous through reconfigure handles carried in the quorum (torchft nightly)."""
 STORE = "store"
 """Rendezvous through a store prefix from the quorum id (torchft_like, torchft 0.2.0)."""
-LOCAL = "local"
+LOCAL = LOCAL_RENDEZVOUS
 """A group whose process group never talks to other groups (ProcessGroupDummy):
-compatible with either side, so mixed jobs can still heal from each other."""
+compatible with either side, so mixed jobs can still heal from each other.
+Such a group says so in its QuorumMember.data (lighthouse.member_data)."""
 
 HANDLES_FIELD = 9
 """QuorumMember's field number of torchft's `reconfigure_handles`."""
-RENDEZVOUS_KEY = "rendezvous"
-"""Key in QuorumMember.data by which a torchft_like group says it is LOCAL."""
 
 _SPEAKERS = {
     HANDLES: "torchft's reconfigure-handle rendezvous (pytorch/torchft nightly >= 2026.10)",
@@ -89,17 +89,7 @@ def rendezvous_of(member: QuorumMember) -> str:
     """HANDLES, STORE or LOCAL (see the constants) for one member."""
     if member.unknown_fields and HANDLES_FIELD in field_numbers(member.unknown_fields):
         return HANDLES
-    data = member.data
-    if isinstance(data, str):
-        if RENDEZVOUS_KEY not in data:  # the usual case: no JSON to parse
-            return STORE
-        try:
-            data = json.loads(data)
-        except ValueError:
-            return STORE
-    if isinstance(data, dict) and data.get(RENDEZVOUS_KEY) == LOCAL:
-        return LOCAL
-    return STORE
+    return LOCAL if is_local_rendezvous(member.data) else STORE
 
 
 def kept_rendezvous(kinds: Mapping[str, str], prev_members: Iterable[str]) -> str:

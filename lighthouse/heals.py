@@ -7,7 +7,8 @@ the members at it, DESIGN.md's rule), so heals of pytorch/torchft groups show
 too. Duration and bytes only the group knows; the step after a heal, each rank
 reports its heal in `ManagerQuorumRequest.heal_report` (field 101, additive)
 and the ManagerServer merges them into `QuorumMember.data["heal"]`, a key of
-the JSON dict that `data` already is (the fingerprint travels the same way).
+the JSON dict that `data` already is (the fingerprint travels the same way;
+lighthouse.member_data owns the keys and their JSON).
 A pytorch/torchft ManagerServer ignores field 101 and a pytorch/torchft
 lighthouse forwards `data` unchanged, so nothing breaks; a torchft user who
 reads `data` sees one more key, once per heal. The other option, the status
@@ -19,29 +20,14 @@ Pure: no clock, no I/O.
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import Any
 
+# HEAL_KEY: the status page's server skips members whose data lacks it
+# without parsing; it imports it from here.
+from lighthouse.member_data import HEAL_KEY as HEAL_KEY
+from lighthouse.member_data import HealReport, heal_report_of
 from lighthouse.quorum import QuorumMember
-
-HEAL_KEY = "heal"
-"""Key of QuorumMember.data: {"step", "seconds", "bytes", "sources"}."""
-
-
-@dataclass(frozen=True)
-class HealReport:
-    """What a group says of its last heal (all ranks together)."""
-
-    step: int
-    """The step whose state it copied (the quorum's max step)."""
-    seconds: float
-    """The slowest rank's time from the quorum's answer to the state received."""
-    num_bytes: int
-    """Tensor bytes received, summed over the group's ranks."""
-    sources: tuple[str, ...] = ()
-    """ManagerServer addresses the ranks copied from."""
 
 
 @dataclass(frozen=True)
@@ -59,52 +45,10 @@ class HealEvent:
     num_bytes: int | None = None
 
 
-def merge_rank_reports(reports: Iterable[str]) -> dict[str, Any] | None:
-    """The group's `data["heal"]` from its ranks' JSON reports (empty ones
-    skipped, unreadable ones too: a report is an aid, never a reason to fail
-    a quorum). Ranks that healed to different steps: the latest step wins."""
-    parsed: list[dict[str, Any]] = []
-    for text in reports:
-        if not text:
-            continue
-        try:
-            value = json.loads(text)
-            parsed.append(
-                {
-                    "step": int(value["step"]),
-                    "seconds": float(value["seconds"]),
-                    "bytes": int(value["bytes"]),
-                    "source": str(value.get("source", "")),
-                }
-            )
-        except (ValueError, TypeError, KeyError):
-            continue
-    if not parsed:
-        return None
-    step = max(r["step"] for r in parsed)
-    same = [r for r in parsed if r["step"] == step]
-    return {
-        "step": step,
-        "seconds": max(r["seconds"] for r in same),
-        "bytes": sum(r["bytes"] for r in same),
-        "sources": sorted({r["source"] for r in same if r["source"]}),
-    }
-
-
 def report_of(member: QuorumMember) -> HealReport | None:
     """The heal report in `member.data`, or None (none, or not ours: a
     pytorch/torchft peer may put anything in `data`)."""
-    try:
-        data = json.loads(member.data) if isinstance(member.data, str) else member.data
-        entry = data[HEAL_KEY]  # type: ignore[index]
-        return HealReport(
-            step=int(entry["step"]),
-            seconds=float(entry["seconds"]),
-            num_bytes=int(entry["bytes"]),
-            sources=tuple(str(s) for s in entry.get("sources", ())),
-        )
-    except (ValueError, TypeError, KeyError, AttributeError):
-        return None
+    return heal_report_of(member.data)
 
 
 def heals_in_quorum(

@@ -6,14 +6,11 @@ this rule decides what the group as a whole tells the lighthouse.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lighthouse.compat import LOCAL, RENDEZVOUS_KEY
-from lighthouse.heals import HEAL_KEY, merge_rank_reports
+from lighthouse.member_data import group_data
 from lighthouse.quorum import QuorumMember
-from torchft_like.recovery import fingerprint_data
 
 
 @dataclass(frozen=True)
@@ -32,7 +29,8 @@ class QuorumRequest:
     fingerprint: str = ""
     """State fingerprint after `step` commits, or empty (see Manager fingerprint_interval)."""
     heal_report: str = ""
-    """JSON of the heal this rank finished last step, or empty (lighthouse.heals)."""
+    """JSON of the heal this rank finished last step, or empty
+    (lighthouse.member_data.rank_heal_report)."""
 
     def check(self, world_size: int) -> None:
         """Raises ValueError naming the first field out of range for a group of `world_size`."""
@@ -67,9 +65,10 @@ def merge_requests(
     its worst commit_failures, so a failure on any rank moves the quorum id
     on; fingerprints travel only from the ranks at the group's step, since
     only those compare with other groups' states; the ranks' heal reports
-    travel merged (lighthouse.heals.merge_rank_reports) for the status page.
-    A group whose process group never talks to other groups
-    (`local_collectives`) says so, for lighthouse.compat.
+    travel merged for the status page. A group whose process group never
+    talks to other groups (`local_collectives`) says so, for
+    lighthouse.compat. All three travel in `QuorumMember.data`
+    (lighthouse.member_data).
 
     Raises:
         ValueError: `requests` is empty.
@@ -77,13 +76,13 @@ def merge_requests(
     if not requests:
         raise ValueError("a group request needs at least one rank's request")
     step = max(r.step for r in requests.values())
-    fingerprints = {g: r.fingerprint for g, r in requests.items() if r.step == step}
-    data: dict[str, object] = dict(fingerprint_data(step, fingerprints, world_size))
-    heal = merge_rank_reports(r.heal_report for r in requests.values())
-    if heal is not None:
-        data[HEAL_KEY] = heal
-    if local_collectives:
-        data[RENDEZVOUS_KEY] = LOCAL
+    data = group_data(
+        step=step,
+        fingerprints={g: r.fingerprint for g, r in requests.items() if r.step == step},
+        world_size=world_size,
+        heal_reports=[r.heal_report for r in requests.values()],
+        local_rendezvous=local_collectives,
+    )
     member = QuorumMember(
         replica_id=replica_id,
         address=address,
@@ -91,7 +90,7 @@ def merge_requests(
         step=step,
         world_size=world_size,
         shrink_only=any(r.shrink_only for r in requests.values()),
-        data=json.dumps(data) if data else "",
+        data=data,
         commit_failures=max(r.commit_failures for r in requests.values()),
     )
     return GroupRequest(member=member, init_sync=any(r.init_sync for r in requests.values()))

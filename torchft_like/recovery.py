@@ -9,10 +9,10 @@ heal like replicas that are behind.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
+from lighthouse.member_data import fingerprint_of
 from lighthouse.quorum import Quorum, QuorumMember
 
 
@@ -50,38 +50,10 @@ class QuorumResult:
     fingerprint is the odd one out), or empty. Not sent to the ranks."""
 
 
-FINGERPRINT_KEY = "fingerprint"
-"""Key of QuorumMember.data: {"step": s, "values": [one per group rank]}."""
-
-
-def fingerprint_data(
-    step: int, values: Mapping[int, str], world_size: int
-) -> dict[str, dict[str, object]]:
-    """The group's entry for QuorumMember.data: its ranks' fingerprints of
-    their state after `step` commits ("" for a rank that sent none); an empty
-    dict when no rank sent one."""
-    if not any(values.values()):
-        return {}
-    listed = [values.get(rank, "") for rank in range(world_size)]
-    return {FINGERPRINT_KEY: {"step": step, "values": listed}}
-
-
 def member_fingerprint(member: QuorumMember, group_rank: int) -> str | None:
-    """The fingerprint `member` shared for `group_rank` at its current step.
-
-    None when it shared none: data empty, not ours (a pytorch/torchft peer is
-    free to put anything there), or taken at another step, so a fingerprint
-    is only ever compared with one of the same step.
-    """
-    try:
-        data = json.loads(member.data) if isinstance(member.data, str) else member.data
-        entry = data[FINGERPRINT_KEY]  # type: ignore[index]
-        value = entry["values"][group_rank]
-        if entry["step"] == member.step and isinstance(value, str) and value:
-            return value
-    except (ValueError, TypeError, KeyError, IndexError):
-        pass
-    return None
+    """The fingerprint `member` shared for `group_rank` at its current step
+    (lighthouse.member_data.fingerprint_of), or None."""
+    return fingerprint_of(member.data, member.step, group_rank)
 
 
 @dataclass(frozen=True)

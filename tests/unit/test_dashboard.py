@@ -11,15 +11,9 @@ import pytest
 
 from lighthouse.chart import MAX_LINES, render_chart
 from lighthouse.dashboard import render_page
-from lighthouse.heals import (
-    HealEvent,
-    HealReport,
-    apply_report,
-    heals_in_quorum,
-    merge_rank_reports,
-    report_of,
-)
+from lighthouse.heals import HealEvent, apply_report, heals_in_quorum, report_of
 from lighthouse.history import quorum_entry, why_absent, why_joined
+from lighthouse.member_data import HealReport
 from lighthouse.progress import MAX_CHARTED, Progress, add_point, goodput, step_rate
 from lighthouse.quorum import ArrivalStats, LighthouseConfig, QuorumMember
 from torchft_like.metrics import metrics_port_from_env
@@ -95,25 +89,6 @@ def test_members_behind_the_max_step_heal_from_the_rank0_source(steps, expected)
     events = heals_in_quorum(9, members(*steps), 1.0)
     assert [(e.replica_id, e.step, e.sources) for e in events] == expected
     assert all(e.quorum_id == 9 and e.seconds is None for e in events)
-
-
-@pytest.mark.parametrize(
-    "reports, expected",
-    [
-        ([], None),
-        (["", "not json", '{"step": 1}'], None),
-        (
-            [
-                '{"step": 4, "seconds": 0.5, "bytes": 100, "source": "http://a:1"}',
-                '{"step": 4, "seconds": 0.7, "bytes": 50, "source": "http://b:1"}',
-                '{"step": 3, "seconds": 9.0, "bytes": 1, "source": "http://c:1"}',
-            ],
-            {"step": 4, "seconds": 0.7, "bytes": 150, "sources": ["http://a:1", "http://b:1"]},
-        ),
-    ],
-)
-def test_a_groups_ranks_reports_merge_into_one(reports, expected):
-    assert merge_rank_reports(reports) == expected
 
 
 @pytest.mark.parametrize(

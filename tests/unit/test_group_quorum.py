@@ -4,9 +4,8 @@ import json
 
 import pytest
 
-from lighthouse.heals import report_of
+from lighthouse.member_data import FINGERPRINT_KEY, heal_report_of
 from torchft_like.group_quorum import QuorumRequest, merge_requests
-from torchft_like.recovery import FINGERPRINT_KEY
 
 
 def merge(*requests: QuorumRequest, world_size: int | None = None):
@@ -83,7 +82,7 @@ def test_the_ranks_heal_reports_travel_merged_beside_the_fingerprints():
     data = json.loads(member.data)
     assert data["heal"] == {"step": 9, "seconds": 0.75, "bytes": 160, "sources": ["http://src:1"]}
     assert data[FINGERPRINT_KEY]["values"] == ["a", ""]
-    assert report_of(member) is not None
+    assert heal_report_of(member.data) is not None
 
 
 def test_an_empty_group_request_is_refused():

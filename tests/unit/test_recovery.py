@@ -9,11 +9,11 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from lighthouse.member_data import fingerprint_entry
 from lighthouse.quorum import Quorum, QuorumMember
 from torchft_like.recovery import (
     HEAL_SOURCES_ENV,
     compute_quorum_result,
-    fingerprint_data,
     heal_sources,
     heal_sources_from_env,
     member_fingerprint,
@@ -250,7 +250,7 @@ def fp_quorum(members: dict[str, tuple[int, object]]) -> Quorum:
 
 
 def fp(step: int, *values: str) -> dict:
-    return fingerprint_data(step, dict(enumerate(values)), len(values))
+    return fingerprint_entry(step, dict(enumerate(values)), len(values))
 
 
 # Columns: replica ids that heal because they diverged (in sorted order), and
@@ -369,16 +369,6 @@ def test_a_divergent_replica_heals_from_a_kept_one_and_does_not_count_as_up_to_d
     assert kept.recover_dst_replica_ranks == (0,)
     assert kept.max_replica_rank == 0 and kept.max_world_size == 2
     assert odd.store_address == kept.store_address == "a:2"  # the store does not move
-
-
-def test_fingerprint_data_lists_one_value_per_group_rank():
-    assert fingerprint_data(7, {1: "q", 0: "p"}, 3) == {
-        "fingerprint": {"step": 7, "values": ["p", "q", ""]}
-    }
-
-
-def test_fingerprint_data_is_empty_when_no_rank_sent_one():
-    assert fingerprint_data(7, {0: "", 1: ""}, 2) == {}
 
 
 @pytest.mark.parametrize(
