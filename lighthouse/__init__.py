@@ -3,6 +3,7 @@
 It never imports torch, so it starts fast and runs on a small machine.
 """
 
+from importlib import metadata as _metadata
 from typing import Any
 
 from lighthouse.client import LighthouseClient
@@ -15,6 +16,12 @@ from lighthouse.rpc.errors import (
     QuorumTimeoutError,
 )
 
+try:
+    # The distribution that ships both packages, torchft_like and lighthouse.
+    __version__ = _metadata.version("torchft-like")
+except _metadata.PackageNotFoundError:  # run from a source tree that was never installed
+    __version__ = "0+unknown"
+
 __all__ = [
     "DuplicateGroupError",
     "IncompatibleGroupError",
@@ -26,6 +33,7 @@ __all__ = [
     "QuorumError",
     "QuorumMember",
     "QuorumTimeoutError",
+    "__version__",
 ]
 
 

@@ -380,8 +380,10 @@ class HTTPTransport(CheckpointTransport[Any]):
         `last_stripe_report` then says which source sent what.
 
         Raises:
-            As `recv_checkpoint`, and ValueError (LayoutMismatch) when two
-            sources describe different states, or for an empty `sources`.
+            ValueError: (LayoutMismatch) two sources describe different
+                states, or `sources` is empty.
+            RuntimeError: as `recv_checkpoint` (its errors are RuntimeErrors
+                too), when every source failed.
         """
         if not sources:
             raise ValueError("recv_checkpoint_striped needs at least one (rank, metadata) source")
