@@ -22,7 +22,7 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
-parser = argparse.ArgumentParser()
+parser = argparse.ArgumentParser(allow_abbrev=False)
 parser.add_argument("--mode", choices=("plain", "ft"), required=True)
 parser.add_argument("--transport", choices=("http", "pg"), default="http")
 parser.add_argument("--groups", type=int, default=2, help="plain: replicate size of the mesh")

@@ -37,7 +37,7 @@ from torchft import (  # noqa: E402
     ProcessGroupGloo,
 )
 
-parser = argparse.ArgumentParser()
+parser = argparse.ArgumentParser(allow_abbrev=False)
 parser.add_argument("--steps", type=int, default=500)
 parser.add_argument("--hidden", type=int, default=256)
 parser.add_argument("--layers", type=int, default=3)

@@ -33,7 +33,7 @@ from torch import nn
 
 from bench import _rpc_count
 
-parser = argparse.ArgumentParser()
+parser = argparse.ArgumentParser(allow_abbrev=False)
 parser.add_argument("--mode", choices=["plain", "ft", "torchft"], required=True)
 parser.add_argument("--name", required=True, help="the contender's name for the driver")
 parser.add_argument("--control", required=True, help="HOST:PORT of the driver")

@@ -41,7 +41,7 @@ async def aio_round(client: AsyncLighthouseClient, calls: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     p.add_argument("--calls", type=int, default=500)
     p.add_argument("--rounds", type=int, default=7)
     add_common_args(p)

@@ -65,7 +65,7 @@ class _Trainer:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--hidden", type=int, default=2500, help="MLP width (2500: 25M params)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--every", type=int, default=100, help="steps per checkpoint (window)")

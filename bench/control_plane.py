@@ -109,7 +109,7 @@ def run(mode: str, groups: int, steps: int) -> tuple[list[float], float]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--groups", type=int, nargs="+", default=[2, 8])
     parser.add_argument("--steps", type=int, default=300)
     parser.add_argument("--repeats", type=int, default=2)

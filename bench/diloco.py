@@ -255,7 +255,7 @@ def sync_time(width: int, quantize: bool, syncs: int) -> dict[str, Any]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--part", nargs="+", default=["table", "overhead", "sync"])
     parser.add_argument("--inner-steps", type=int, default=400, help="per group (table)")
     parser.add_argument("--widths", type=int, nargs="+", default=[256, 512, 1024, 2048])

@@ -25,7 +25,7 @@ from torchft_like.fingerprint import fingerprint
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--hidden", type=int, default=2500, help="MLP width (2500: 25M params)")
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--repeats", type=int, default=9, help="interleaved rounds A B C")

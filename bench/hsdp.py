@@ -130,7 +130,7 @@ def run_once(mode: str, worker_args: list[str], tmp: Path, timeout_s: float) -> 
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup", type=int, default=5)

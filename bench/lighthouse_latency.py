@@ -62,7 +62,7 @@ def quorum_round(address: str, clients: list[LighthouseClient], round_id: int) -
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--clients", type=int, nargs="+", default=[2, 50])
     parser.add_argument("--rounds", type=int, default=20)
     add_common_args(parser)

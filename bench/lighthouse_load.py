@@ -326,7 +326,7 @@ def run_one(contender: str, n: int, args: argparse.Namespace) -> dict:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--groups", type=int, nargs="+", default=[10, 100, 300, 1000])
     parser.add_argument("--servers", nargs="+", default=list(CONTENDERS), choices=CONTENDERS)
     parser.add_argument("--seconds", type=float, default=15, help="window per run (default 15)")

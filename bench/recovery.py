@@ -57,7 +57,7 @@ CONTENDERS = {
 REPLACEMENT = {"standby": "standby", "spare": "spare"}
 """Contenders whose replacement is a process started before the kill: its log name."""
 
-parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
 add_common_args(parser)  # --smoke: tiny model, 1 repeat, short run
 parser.add_argument("--repeats", type=int, default=3, help="runs per contender, interleaved")
 parser.add_argument(

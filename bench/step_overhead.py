@@ -283,7 +283,7 @@ def measure(hidden: int, modes: list[str], allocators: list[str], args: argparse
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--hidden", type=int, nargs="+", default=[1000, 2500])
     parser.add_argument("--allocator", nargs="+", default=["default", "keep"],
                         choices=sorted(ALLOCATORS))  # fmt: skip

@@ -390,7 +390,7 @@ def run_size(mb: float, repeats: int, contenders: list[Contender]) -> list[dict]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--mb", type=float, nargs="+", default=[100, 1000],
                         help="state sizes in MB (default 100 1000)")  # fmt: skip
     parser.add_argument("--repeats", type=int, default=3)

@@ -22,6 +22,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import NoReturn, TextIO
 
 REPO = Path(__file__).resolve().parent.parent
 # Run as a script, Python puts examples/ on sys.path, not the repository root
@@ -32,7 +33,16 @@ from tools.procs import free_port, kill_tree, read_jsonl, spawn  # noqa: E402
 
 # --- arguments --------------------------------------------------------------
 
-parser = argparse.ArgumentParser(
+
+class OneLineErrorParser(argparse.ArgumentParser):
+    """Says a mistake in one line, not under the whole usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (--help lists every option)\n")
+
+
+parser = OneLineErrorParser(
+    allow_abbrev=False,  # a misspelled flag is an error, not a prefix match
     description="torchft_like kill-and-recover demo",
     epilog="""\
 environment: the demo reads none itself; its lighthouse and training groups
@@ -93,21 +103,71 @@ class Job:
             self.kill(proc)
 
 
-def progress(done: int, total: int, note: str) -> None:
-    """A progress bar on a terminal; nothing when the output goes to a file."""
-    if not sys.stderr.isatty():
-        return
-    width = 30
-    filled = int(width * min(done, total) / total)
-    sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {done}/{total} steps  {note:<40}")
-    sys.stderr.flush()
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The options with their defaults filled in; a bad value exits with one line."""
+    args = parser.parse_args(argv)
+    if args.steps is None:
+        args.steps = 30 if args.example == "diloco" else 400
+    if args.kill_at_step is None:
+        args.kill_at_step = args.steps // 3
+    for name in ("groups", "nproc_per_group", "steps", "sync_every", "hidden"):
+        if getattr(args, name) < 1:
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"{flag} ({getattr(args, name)}) must be at least 1")
+    if not 0 <= args.victim < args.groups:
+        parser.error(
+            f"--victim ({args.victim}) must name one of the replica groups, 0 to "
+            f"{args.groups - 1} (--groups {args.groups})"
+        )
+    if not 0 <= args.kill_at_step < args.steps:
+        parser.error(
+            f"--kill-at-step ({args.kill_at_step}) must be below --steps ({args.steps}) "
+            "and not negative, so the restarted group has steps left to train"
+        )
+    for name in ("restart_after", "step_sleep"):
+        if getattr(args, name) < 0:
+            flag = "--" + name.replace("_", "-")
+            parser.error(f"{flag} ({getattr(args, name)}) must not be negative")
+    if args.timeout <= 0:
+        parser.error(f"--timeout ({args.timeout}) must be positive (seconds)")
+    return args
+
+
+class Progress:
+    """A bar redrawn in place on a terminal. Piped to a file or a CI job log,
+    where a carriage return draws nothing, one line every `every_s` seconds
+    and whenever the note changes, so a long run still shows it is alive."""
+
+    def __init__(self, stream: TextIO, every_s: float = 5.0) -> None:
+        self.stream = stream
+        self.tty = stream.isatty()
+        self.every_s = every_s
+        self.last_t: float | None = None
+        self.last_note = ""
+
+    def update(self, done: int, total: int, note: str, now: float) -> None:
+        if self.tty:
+            width = 30
+            filled = int(width * min(done, total) / total)
+            bar = f"[{'#' * filled}{'.' * (width - filled)}]"
+            self.stream.write(f"\r{bar} {done}/{total} steps  {note:<40}")
+        elif self.last_t is None or now - self.last_t >= self.every_s or note != self.last_note:
+            self.last_t, self.last_note = now, note
+            self.stream.write(f"progress: {done}/{total} steps{'  ' + note if note else ''}\n")
+        else:
+            return
+        self.stream.flush()
+
+    def end(self) -> None:
+        """Ends the bar's line on a terminal."""
+        if self.tty:
+            self.stream.write("\n")
+            self.stream.flush()
 
 
 def main() -> int:
-    args = parser.parse_args()
-    if args.steps is None:
-        args.steps = 30 if args.example == "diloco" else 400
-    kill_at = args.kill_at_step if args.kill_at_step is not None else args.steps // 3
+    args = parse_args()
+    kill_at = args.kill_at_step
     out = REPO / args.out
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -178,6 +238,7 @@ def main() -> int:
             f"kill group {args.victim} at step {kill_at}"
         )
         events: dict[str, float] = {}
+        progress = Progress(sys.stderr)
         deadline = time.time() + args.timeout
         while time.time() < deadline:
             steps = {
@@ -193,7 +254,7 @@ def main() -> int:
             }
             finished = {g: groups[g].poll() is not None for g in groups}
             note = "killed, restarting" if "kill" in events and "restart" not in events else ""
-            progress(max(steps.values()), args.steps, note)
+            progress.update(max(steps.values()), args.steps, note, time.monotonic())
             if "kill" not in events and steps[args.victim] >= kill_at:
                 events["kill"] = time.time()
                 job.kill(groups[args.victim])
@@ -214,7 +275,7 @@ def main() -> int:
         else:
             print(f"\ngave up after {args.timeout:.0f} s; logs in {out}")
             return 1
-        sys.stderr.write("\n")
+        progress.end()
     except KeyboardInterrupt:
         print("\ninterrupted; stopping every process")
         return 130

@@ -121,7 +121,7 @@ def _optimizer_tensors(optimizer: torch.optim.Optimizer) -> list[torch.Tensor]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     parser.add_argument("--workers", type=int, default=3, help="replica groups (Ray workers)")
     parser.add_argument("--steps", type=int, default=60, help="committed steps to train")
     parser.add_argument("--fail-at", type=int, default=20, help="step at which a group fails")

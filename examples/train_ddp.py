@@ -86,6 +86,7 @@ example: after `torchft-lighthouse --min-replicas 1 --bind 127.0.0.1:29510`, per
 """
 
 parser = argparse.ArgumentParser(
+    allow_abbrev=False,  # a misspelled flag is an error, not a prefix match
     description=__doc__.split("\n")[0] + " Runs under torchrun, one process per rank.",
     epilog=ENVIRONMENT,
     formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -44,6 +44,7 @@ from torchft_like.local_sgd import DiLoCo, LocalSGD  # noqa: E402
 # --- arguments --------------------------------------------------------------
 
 parser = argparse.ArgumentParser(
+    allow_abbrev=False,  # a misspelled flag is an error, not a prefix match
     description=__doc__.split("\n")[0] + " Runs under torchrun, one process per rank.",
     epilog="environment: as examples/train_ddp.py (REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, "
     "TORCHFT_LIGHTHOUSE, and torchrun's MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)",

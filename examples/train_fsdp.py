@@ -53,6 +53,7 @@ from torchft_like.hsdp import HSDPState  # noqa: E402
 # --- arguments --------------------------------------------------------------
 
 parser = argparse.ArgumentParser(
+    allow_abbrev=False,  # a misspelled flag is an error, not a prefix match
     description=__doc__.split("\n")[0] + " Runs under torchrun, one process per rank.",
     epilog="environment: as examples/train_ddp.py (see its --help): torchrun's variables, "
     "REPLICA_GROUP_ID, NUM_REPLICA_GROUPS, TORCHFT_LIGHTHOUSE, TORCHFT_*",

@@ -8,15 +8,28 @@ import os
 import signal
 import sys
 import threading
+from typing import NoReturn
 
+from lighthouse import __version__
 from lighthouse.rpc import auth, tls
 from lighthouse.server import LighthouseServer
 
 logger = logging.getLogger(__name__)
 
+LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
+
+
+class _OneLineErrorParser(argparse.ArgumentParser):
+    """Says a command-line mistake in one line, as the other start-up errors do,
+    not under a 13-line usage block."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message} (--help lists every option)\n")
+
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _OneLineErrorParser(
+        allow_abbrev=False,  # a misspelled flag is an error, not a prefix match
         prog="torchft-lighthouse",
         description="Coordinator of torchft_like replica groups: forms a quorum each step.",
         epilog=f"""\
@@ -110,8 +123,8 @@ example:
         help="put a kill form on the status page: POST /kill sends Kill to a replica group's "
         "ManagerServer once the operator types the job's secret (needs a secret; default off)",
     )
-    # Defined only to refuse it: without it argparse would take `--secret X`
-    # as an abbreviation of --secret-file.
+    # Defined only to refuse it with the reason: a secret on the command line
+    # is readable by every user; "unrecognized argument" would not say so.
     p.add_argument("--secret", action=_RefuseSecretValue, help=argparse.SUPPRESS)
     p.add_argument(
         "--tls-cert",
@@ -136,7 +149,14 @@ example:
         help=f"require a client certificate signed by --tls-ca from every caller "
         f"(mutual TLS; default: ${tls.CLIENT_AUTH_ENV}=1, else off)",
     )
-    p.add_argument("--log-level", default="INFO", help="logging level (default INFO)")
+    p.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=LOG_LEVELS,
+        help="logging level, any case: " + ", ".join(LOG_LEVELS) + " (default INFO)",
+    )
+    p.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     return p
 
 
@@ -152,7 +172,7 @@ class _RefuseSecretValue(argparse.Action):
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     logging.basicConfig(
-        level=args.log_level.upper(),
+        level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     try:

@@ -40,6 +40,7 @@ def demo(out: Path, width: int, height: int) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(
+        allow_abbrev=False,  # a misspelled flag is an error, not a prefix match
         description=__doc__.split("\n\n")[0],
         epilog=f"environment: {CHROMIUM_ENV}  the Chromium binary (default: chromium on PATH)",
     )

@@ -1,5 +1,6 @@
 """Every command line says, in --help, which environment variables it reads
-and gives an example; train_ddp.py outside torchrun says what it needs."""
+and gives an example; train_ddp.py outside torchrun says what it needs; the
+installed lighthouse says its version, and a flag mistake in one line."""
 
 from __future__ import annotations
 
@@ -70,3 +71,19 @@ def test_a_replica_group_id_that_is_not_a_number_is_named_with_the_rule():
     assert "REPLICA_GROUP_ID='one'" in proc.stderr
     assert "an integer in [0, NUM_REPLICA_GROUPS)" in proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_the_installed_torchft_lighthouse_says_its_version():
+    import lighthouse
+
+    script = Path(sys.executable).with_name("torchft-lighthouse")
+    proc = run([str(script), "--version"])
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout == f"torchft-lighthouse {lighthouse.__version__}\n"
+
+
+def test_a_lighthouse_flag_mistake_exits_with_one_line_not_a_traceback():
+    proc = run([sys.executable, "-m", "lighthouse", "--min-replicas", "1", "--log-level", "LOUD"])
+    assert proc.returncode == 2
+    assert proc.stderr.startswith("torchft-lighthouse: error: argument --log-level: invalid")
+    assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr

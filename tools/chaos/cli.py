@@ -18,6 +18,7 @@ logger = logging.getLogger(__name__)
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
+        allow_abbrev=False,  # a misspelled flag is an error, not a prefix match
         prog="python -m tools.chaos",
         description="torchft_like chaos runner",
         epilog=SCRIPT_CONTRACT,
