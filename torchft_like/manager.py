@@ -5,38 +5,31 @@ ManagerServer for a quorum in a background thread, overlapping the forward
 pass; `allreduce()` averages over the replicas of the quorum; `should_commit()`
 (from Optimizer.step) applies a healed state if any, then votes. Errors in
 the step path are data: the first one is recorded, later collectives of the
-step become no-ops and the group votes no.
+step become no-ops and the group votes no. Arguments and environment are
+resolved in torchft_like.manager_config; a healing state is received in
+torchft_like.healing.
 """
 
 from __future__ import annotations
 
-import json
 import logging
 import os
-import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
-from enum import Enum
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp, TCPStore
 
-from lighthouse.rpc import auth
-from lighthouse.rpc.address import (
-    BIND_HOST_ENV,
-    HOSTNAME_ENV,
-    join_host_port,
-    loopback_advertisement_warning,
-)
+from lighthouse.rpc.address import join_host_port, loopback_advertisement_warning
 from lighthouse.rpc.errors import DuplicateGroupError, IncompatibleGroupError, QuorumError
-from lighthouse.rpc.tls import TLSConfig, tls_from_env
-from torchft_like import parent_watch
+from lighthouse.rpc.tls import TLSConfig
+from torchft_like import healing, parent_watch
 from torchft_like._state_gate import StateReadGate
 from torchft_like._training_thread import TrainingThreadReads
 from torchft_like._work import FutureWork, completed_work
@@ -46,46 +39,18 @@ from torchft_like.collectives import InOrderCollectives, allreduce_quantized
 from torchft_like.fingerprint import fingerprint
 from torchft_like.group_quorum import QuorumRequest
 from torchft_like.manager_client import ManagerClient, ManagerClientProtocol
+from torchft_like.manager_config import WorldSizeMode, resolve_config
 from torchft_like.manager_server import LocalManagerClient, ManagerServer
-from torchft_like.metrics import ManagerMetrics, metrics_port_from_env
+from torchft_like.metrics import ManagerMetrics
 from torchft_like.process_group import ProcessGroupDummy
-from torchft_like.recovery import QuorumResult, heal_sources_from_env, transfer_plan
+from torchft_like.recovery import QuorumResult, transfer_plan
 
 logger = logging.getLogger(__name__)
 
 MANAGER_ADDR_KEY = "manager_addr"
 REPLICA_ID_KEY = "replica_id"
-LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
-MANAGER_PORT_ENV = "TORCHFT_MANAGER_PORT"
-TIMEOUT_SEC_ENV = "TORCHFT_TIMEOUT_SEC"
-QUORUM_TIMEOUT_SEC_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"
-CONNECT_TIMEOUT_SEC_ENV = "TORCHFT_CONNECT_TIMEOUT_SEC"
-QUORUM_RETRIES_ENV = "TORCHFT_QUORUM_RETRIES"
 
-
-class WorldSizeMode(Enum):
-    """How many replicas a step averages over.
-
-    DYNAMIC: every up-to-date replica of the quorum.
-    FIXED_WITH_SPARES: exactly `min_replica_size`; extra replicas are spares
-    that contribute zeros and are not counted, so the effective batch size
-    never changes.
-    """
-
-    DYNAMIC = 0
-    FIXED_WITH_SPARES = 1
-
-
-def _env_timeout(name: str, value: timedelta) -> timedelta:
-    """TORCHFT_*_SEC overrides win over arguments, so operators can change
-    timeouts without touching code."""
-    text = os.environ.get(name)
-    if not text:
-        return value
-    try:
-        return timedelta(seconds=float(text))
-    except ValueError:
-        raise ValueError(f"{name}={text!r} is not a number of seconds") from None
+__all__ = ["MANAGER_ADDR_KEY", "REPLICA_ID_KEY", "Manager", "WorldSizeMode"]
 
 
 class _ManagerLogger(logging.LoggerAdapter):
@@ -97,14 +62,16 @@ class _ManagerLogger(logging.LoggerAdapter):
 class Manager:
     """Quorum, fault-tolerant allreduce, commit vote and live healing for one rank.
 
-    Argument names follow pytorch/torchft's Manager. Unset arguments come from
-    torchrun's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE) and
-    TORCHFT_LIGHTHOUSE / TORCHFT_MANAGER_PORT / TORCHFT_HOSTNAME; the servers listen on `hostname`
-    (what peers are told) unless TORCHFT_BIND_HOST names another host (0.0.0.0
-    or :: for all interfaces); TORCHFT_*_SEC override the
-    timeouts and TORCHFT_QUORUM_RETRIES the retries; TORCHFT_SECRET_FILE or
-    TORCHFT_SECRET give the job's shared secret; TORCHFT_TLS_CERT / _KEY / _CA
-    (and TORCHFT_TLS_CLIENT_AUTH) turn on TLS.
+    Argument names follow pytorch/torchft's Manager. Every argument but the
+    objects (pg, the state functions, checkpoint_transport, fingerprint_fn)
+    is resolved with the environment by `manager_config.resolve_config`,
+    whose `ManagerConfig` documents each with its variable: unset ones come
+    from torchrun's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)
+    and TORCHFT_LIGHTHOUSE / TORCHFT_MANAGER_PORT / TORCHFT_HOSTNAME /
+    TORCHFT_BIND_HOST; TORCHFT_*_SEC override the timeouts and
+    TORCHFT_QUORUM_RETRIES the retries; TORCHFT_SECRET_FILE or TORCHFT_SECRET
+    give the job's shared secret; TORCHFT_TLS_CERT / _KEY / _CA (and
+    TORCHFT_TLS_CLIENT_AUTH) turn on TLS.
 
     Args:
         pg: reconfigurable process group for the cross-replica allreduce.
@@ -115,17 +82,16 @@ class Manager:
             False, a failed quorum raises from start_quorum and a failed
             vote from should_commit (a timeout as TimeoutError), as in
             torchft; when True they are recorded and the step is skipped.
-        timeout: bound on collectives, votes and state transfers.
-        quorum_timeout: bound on one quorum.
-        connect_timeout: bound on reaching the lighthouse and the servers.
+        timeout, quorum_timeout, connect_timeout: bounds on collectives,
+            votes and state transfers; on one quorum; on reaching the
+            lighthouse and the servers. A timedelta or seconds, positive.
         rank, world_size: this rank in its replica group, and the group size.
         replica_id: name of the replica group; a uuid is appended per start.
         port: ManagerServer port on group rank 0 (0 picks one).
         hostname: how peers on other machines reach this rank: the address
             the ManagerServer and the checkpoint server advertise (and
             listen on, unless TORCHFT_BIND_HOST says otherwise). None:
-            TORCHFT_HOSTNAME, else this machine's name. Give an address
-            where the name does not resolve to one peers can reach.
+            TORCHFT_HOSTNAME, else this machine's name.
         checkpoint_transport: how healing state travels (HTTPTransport).
         init_sync: at step 0 every replica copies the primary's weights.
         max_retries: raise after this many consecutive uncommitted steps.
@@ -133,37 +99,33 @@ class Manager:
         fingerprint_interval: every this many committed steps, compare a
             fingerprint of the state across replicas; a replica whose state
             differs from the others' at the same step is logged (ERROR) and
-            heals from one that agrees (rule: torchft_like.recovery
-            find_divergence). None: off.
+            heals from one that agrees. None: off.
         fingerprint_fn: returns what to fingerprint (tensors, nested in
-            dicts/lists), e.g. `model.parameters` or a state dict without
-            buffers that replicas keep apart on purpose. None: the state
-            that healing copies (every registered state dict).
-        secret: the job's shared secret (lighthouse.rpc.auth), sent with every
-            call and required by our servers; None reads TORCHFT_SECRET_FILE
-            or TORCHFT_SECRET, and without either access control is off.
-        tls: TLS for every connection this Manager opens or serves (the
-            ManagerServer, the checkpoint server, the lighthouse;
-            lighthouse.rpc.tls); None reads TORCHFT_TLS_CERT, TORCHFT_TLS_KEY,
-            TORCHFT_TLS_CA and TORCHFT_TLS_CLIENT_AUTH, and without them the
-            connections are plaintext. Peers' addresses are then https://.
+            dicts/lists), e.g. `model.parameters`. None: every registered
+            state dict.
+        secret: the job's shared secret (lighthouse.rpc.auth); None reads
+            the variables, and without them access control is off.
+        tls: TLS for every connection this Manager opens or serves
+            (lighthouse.rpc.tls); None reads the variables, and without
+            them the connections are plaintext.
         exit_with_parent: end this process within about 0.1 s of its parent
             (torchrun) dying, so that `kill -9` of torchrun is a group death
             rather than an orphan that trains on (torchft_like.parent_watch).
         metrics_port: serve this rank's Prometheus metrics at
             http://{host}:{port}/metrics (0 picks a free port, logged); None
-            reads TORCHFT_METRICS_PORT (torchft_like.metrics), unset: off.
-            `metrics` holds them either way.
+            reads TORCHFT_METRICS_PORT, unset: off. `metrics` holds them
+            either way.
         heal_sources: at most this many up-to-date peers a healing rank
             fetches its state from at once, a distinct byte range from each
-            (striped healing, `HTTPTransport.recv_checkpoint_striped`), so
-            that no one sender's link bounds the heal; a peer that fails
-            mid-transfer leaves its ranges to the others. None: read
+            (`HTTPTransport.recv_checkpoint_striped`). None: read
             TORCHFT_HEAL_SOURCES (unset or "all": every up-to-date peer);
-            1: one peer, as torchft. A transport that cannot stripe
-            (`can_stripe` False, e.g. PGTransport) always uses one. A
-            striped heal's collectives wait for the whole transfer (a
-            one-peer heal's only for its start).
+            1: one peer, as torchft. A transport that cannot stripe always
+            uses one.
+
+    Raises:
+        ValueError: an invalid argument or variable (ManagerConfigError
+            names it), or a checkpoint_transport whose secret or TLS
+            differs from the Manager's.
     """
 
     def __init__(
@@ -198,41 +160,40 @@ class Manager:
         metrics_port: int | None = None,
         heal_sources: int | None = None,
     ) -> None:
-        if heal_sources is None:
-            heal_sources = heal_sources_from_env(os.environ)
-        if heal_sources is not None and heal_sources < 1:
-            raise ValueError(
-                f"heal_sources ({heal_sources}) must be at least 1 (1 heals from one peer), "
-                "or None for every up-to-date peer"
-            )
-        self._heal_sources = heal_sources
-        if min_replica_size < 1:
-            raise ValueError(f"min_replica_size ({min_replica_size}) must be at least 1")
-        if fingerprint_interval is not None and fingerprint_interval < 1:
-            raise ValueError(
-                f"fingerprint_interval ({fingerprint_interval}) must be at least 1, "
-                "or None to turn fingerprints off"
-            )
-        if exit_with_parent:
+        config = resolve_config(
+            min_replica_size=min_replica_size, use_async_quorum=use_async_quorum,
+            timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=connect_timeout,
+            rank=rank, world_size=world_size, world_size_mode=world_size_mode,
+            store_addr=store_addr, store_port=store_port, lighthouse_addr=lighthouse_addr,
+            replica_id=replica_id, port=port, hostname=hostname,
+            heartbeat_interval=heartbeat_interval, init_sync=init_sync,
+            max_retries=max_retries, quorum_retries=quorum_retries,
+            fingerprint_interval=fingerprint_interval, secret=secret, tls=tls,
+            exit_with_parent=exit_with_parent, metrics_port=metrics_port,
+            heal_sources=heal_sources, environ=os.environ,
+        )  # fmt: skip
+        self.config = config
+        """Every argument and variable, resolved (torchft_like.manager_config)."""
+        _check_transport(checkpoint_transport, config.secret, config.tls)
+        if config.exit_with_parent:
             parent_watch.exit_with_parent()
-        self._fingerprint_interval = fingerprint_interval
+        # The names torchft's Manager has (and tests read), from the config.
+        self._heal_sources = config.heal_sources
+        self._fingerprint_interval = config.fingerprint_interval
         self._fingerprint_fn = fingerprint_fn
         self._pg = pg
-        self._min_replica_size = min_replica_size
-        self._use_async_quorum = use_async_quorum
-        self._timeout = _env_timeout(TIMEOUT_SEC_ENV, timeout)
-        self._quorum_timeout = _env_timeout(QUORUM_TIMEOUT_SEC_ENV, quorum_timeout)
-        self._connect_timeout = _env_timeout(CONNECT_TIMEOUT_SEC_ENV, connect_timeout)
-        self._world_size_mode = world_size_mode
-        self._init_sync = init_sync
-        self._max_retries = max_retries
-        quorum_retries = int(os.environ.get(QUORUM_RETRIES_ENV, quorum_retries))
-        self._secret = secret if secret is not None else auth.load_secret()
-        self._tls = tls if tls is not None else tls_from_env(os.environ)
-        self._group_rank = rank if rank is not None else int(os.environ.get("RANK", 0))
-        self._group_world_size = (
-            world_size if world_size is not None else int(os.environ.get("WORLD_SIZE", 1))
-        )
+        self._min_replica_size = config.min_replica_size
+        self._use_async_quorum = config.use_async_quorum
+        self._timeout = config.timeout
+        self._quorum_timeout = config.quorum_timeout
+        self._connect_timeout = config.connect_timeout
+        self._world_size_mode = config.world_size_mode
+        self._init_sync = config.init_sync
+        self._max_retries = config.max_retries
+        self._secret = config.secret
+        self._tls = config.tls
+        self._group_rank = config.rank
+        self._group_world_size = config.world_size
         self._user_state: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
         if load_state_dict is not None and state_dict is not None:
             self.register_state_dict_fn("default", load_state_dict, state_dict)
@@ -272,71 +233,44 @@ class Manager:
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_quorum")
         self._lock = threading.Lock()
         self._state_read_gate = StateReadGate(self._timeout.total_seconds())
-        self.replica_id = replica_id or "replica"
+        self.replica_id = config.replica_id
         self._logger = _ManagerLogger(logger, {"manager": self})
         self.metrics = ManagerMetrics(self.replica_id, self._group_rank)
         """This rank's Prometheus metrics (torchft_like.metrics)."""
-        if metrics_port is None:
-            metrics_port = metrics_port_from_env(os.environ)
 
-        store_addr = store_addr or os.environ.get("MASTER_ADDR", "127.0.0.1")
-        store_port = store_port if store_port is not None else int(os.environ["MASTER_PORT"])
         self._store = TCPStore(
-            store_addr,
-            store_port,
+            config.store_addr,
+            config.store_port,
             is_master=False,
             wait_for_workers=False,
             timeout=self._connect_timeout,
         )
-        # A key per torchrun restart, so ranks never read a dead incarnation's address.
-        prefix = f"torchft/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}/"
-        if isinstance(checkpoint_transport, HTTPTransport) and (
-            checkpoint_transport.secret != self._secret
-        ):
-            raise ValueError(
-                "checkpoint_transport's secret differs from the Manager's (TORCHFT_SECRET_FILE "
-                "or TORCHFT_SECRET): pass HTTPTransport(..., secret=...) the same secret, or "
-                "the peers cannot fetch from each other"
-            )
-        if isinstance(checkpoint_transport, HTTPTransport) and (
-            checkpoint_transport.tls != self._tls
-        ):
-            raise ValueError(
-                "checkpoint_transport's TLS configuration differs from the Manager's "
-                "(TORCHFT_TLS_*): pass HTTPTransport(..., tls=...) the same TLSConfig"
-            )
-        hostname = hostname or os.environ.get(HOSTNAME_ENV) or socket.gethostname()
-        bind_host = os.environ.get(BIND_HOST_ENV) or None
+        listen_host = config.bind_host or config.hostname
         self._checkpoint_transport = checkpoint_transport or HTTPTransport(
             timeout=self._timeout,
-            hostname=hostname,
+            hostname=config.hostname,
             secret=self._secret,
-            bind_host=bind_host,
+            bind_host=config.bind_host,
             tls=self._tls,
         )
         self._manager_server: ManagerServer | None = None
+        prefix = config.store_prefix
         if self._group_rank == 0:
-            lighthouse_addr = lighthouse_addr or os.environ.get(LIGHTHOUSE_ENV)
-            if not lighthouse_addr:
-                raise ValueError(
-                    f"no lighthouse address: pass lighthouse_addr or set {LIGHTHOUSE_ENV}, "
-                    "e.g. http://localhost:29510"
-                )
-            warning = loopback_advertisement_warning(hostname, lighthouse_addr)
+            assert config.lighthouse_addr is not None  # resolve_config requires it on rank 0
+            warning = loopback_advertisement_warning(config.hostname, config.lighthouse_addr)
             if warning:
                 self._logger.warning("%s", warning)
             full_id = f"{self.replica_id}:{uuid.uuid4()}"
-            port = port if port is not None else int(os.environ.get(MANAGER_PORT_ENV, 0))
             self._manager_server = ManagerServer(
                 replica_id=full_id,
-                lighthouse_addr=lighthouse_addr,
-                hostname=hostname,
-                bind=join_host_port(bind_host or hostname, port),
-                store_addr=join_host_port(store_addr, store_port),
+                lighthouse_addr=config.lighthouse_addr,
+                hostname=config.hostname,
+                bind=join_host_port(listen_host, config.port),
+                store_addr=join_host_port(config.store_addr, config.store_port),
                 world_size=self._group_world_size,
-                heartbeat_interval=heartbeat_interval,
+                heartbeat_interval=config.heartbeat_interval,
                 connect_timeout=self._connect_timeout,
-                quorum_retries=quorum_retries,
+                quorum_retries=config.quorum_retries,
                 secret=self._secret,
                 tls=self._tls,
                 local_collectives=isinstance(pg, ProcessGroupDummy),
@@ -352,8 +286,8 @@ class Manager:
         )
         # Last, so a failed start leaves no server behind.
         self._metrics_server = (
-            self.metrics.serve(bind_host or hostname, metrics_port)
-            if metrics_port is not None
+            self.metrics.serve(listen_host, config.metrics_port)
+            if config.metrics_port is not None
             else None
         )
         self._logger.info("manager ready, server %s", manager_addr)
@@ -578,49 +512,17 @@ class Manager:
         if not (allow_heal and result.heal):
             self._collectives_ready.set()
         if allow_heal and result.heal:
-            heal_start = time.monotonic()
             self._healing = self._healed = True
-            assert result.recover_src_replica_rank is not None
-            sources = list(plan.sources)
-            self._logger.info(
-                "healing from replica rank %d (%s) at step %d%s",
-                result.recover_src_replica_rank,
-                result.recover_src_manager_address,
-                result.max_step,
-                f", striped with ranks {[r for r, _ in sources[1:]]}" if len(sources) > 1 else "",
-            )
-            if len(sources) > 1:
-                # Striped, the collectives wait for the whole transfer: a
-                # source serves one range at a time, so having begun does not
-                # hold it to the end as one stream does; the sources stay at
-                # this step (their allreduce waits for ours) until all came.
-                self._pending_state_dict = transport.recv_checkpoint_striped(
-                    self._source_metadata(sources), result.max_step, self._timeout
-                )
-            else:
-                metadata = self._metadata_of(result.recover_src_manager_address)
-                # Other transports (torchft's signature) cannot say when a
-                # transfer began: their heal's collectives wait for all of it.
-                begun: dict[str, Any] = (
-                    {"on_begun": self._collectives_ready.set} if transport.reports_begun else {}
-                )
-                self._pending_state_dict = transport.recv_checkpoint(
-                    result.recover_src_replica_rank, metadata, result.max_step, self._timeout,
-                    **begun,
-                )  # fmt: skip
-            self._timings["heal_recv_s"] = took = time.monotonic() - heal_start
-            num_bytes = _tensor_bytes(self._pending_state_dict)
+            heal = healing.receive_state(
+                transport, result, plan, self._timeout, self._metadata_of,
+                self._collectives_ready.set, self._logger,
+            )  # fmt: skip
+            self._pending_state_dict = heal.state
+            self._timings["heal_recv_s"] = heal.seconds
+            self._heal_report = heal.report
             self.metrics.heals.inc()
-            self.metrics.heal_bytes.inc(num_bytes)
-            self.metrics.heal_seconds.observe(took)
-            self._heal_report = json.dumps(
-                {
-                    "step": result.max_step,
-                    "seconds": round(took, 4),
-                    "bytes": num_bytes,
-                    "source": result.recover_src_manager_address,
-                }
-            )
+            self.metrics.heal_bytes.inc(heal.num_bytes)
+            self.metrics.heal_seconds.observe(heal.seconds)
 
     def _metadata_of(self, manager_address: str) -> str:
         # The source asked for this quorum moments ago, so it was listening;
@@ -633,24 +535,6 @@ class Manager:
             return src.checkpoint_metadata(self._group_rank, self._timeout)
         finally:
             src.close()
-
-    def _source_metadata(self, sources: list[tuple[int, str]]) -> list[tuple[int, str]]:
-        """(replica rank, checkpoint metadata) of every source that answers,
-        asked at once; a source that does not is left out (logged), and only
-        when none answers does the heal fail."""
-        with ThreadPoolExecutor(len(sources), thread_name_prefix="heal-metadata") as pool:
-            futures = [pool.submit(self._metadata_of, address) for _, address in sources]
-        found, errors = [], []
-        for (rank, address), future in zip(sources, futures):
-            try:
-                found.append((rank, future.result()))
-            except Exception as e:
-                errors.append(e)
-                self._logger.warning("healing without replica rank %d (%s): %s: %s",
-                                     rank, address, type(e).__name__, e)  # fmt: skip
-        if not found:
-            raise errors[0]
-        return found
 
     def _set_participation(self, result: QuorumResult, allow_heal: bool) -> None:
         """Replicas at max_step count; every replica derives the same count
@@ -921,12 +805,20 @@ class Manager:
             self._pg.shutdown()
 
 
-def _tensor_bytes(tree: Any) -> int:
-    """Bytes of the tensors in a state tree (dicts, lists, tuples), the size of a heal."""
-    if isinstance(tree, torch.Tensor):
-        return tree.numel() * tree.element_size()
-    if isinstance(tree, dict):
-        return sum(_tensor_bytes(v) for v in tree.values())
-    if isinstance(tree, (list, tuple)):
-        return sum(_tensor_bytes(v) for v in tree)
-    return 0
+def _check_transport(
+    transport: CheckpointTransport | None, secret: str | None, tls: TLSConfig | None
+) -> None:
+    """A given HTTPTransport must share the Manager's secret and TLS, or peers cannot fetch."""
+    if not isinstance(transport, HTTPTransport):
+        return
+    if transport.secret != secret:
+        raise ValueError(
+            "checkpoint_transport's secret differs from the Manager's (TORCHFT_SECRET_FILE "
+            "or TORCHFT_SECRET): pass HTTPTransport(..., secret=...) the same secret, or "
+            "the peers cannot fetch from each other"
+        )
+    if transport.tls != tls:
+        raise ValueError(
+            "checkpoint_transport's TLS configuration differs from the Manager's "
+            "(TORCHFT_TLS_*): pass HTTPTransport(..., tls=...) the same TLSConfig"
+        )

@@ -1,0 +1,127 @@
+"""Receiving a healing rank's state from up-to-date peers, and the record of one heal.
+
+Apart from manager.py because it is the one part of a step that talks to
+other groups' checkpoint servers: ask every source for its checkpoint
+metadata at once, fetch over one stream or striped over several, and
+measure what the heal cost (the metrics and the report the lighthouse's
+heal log gets). The Manager keeps the decisions: whether this step heals,
+which peers (recovery.transfer_plan), and when the state is applied.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from torchft_like.checkpointing import CheckpointTransport
+from torchft_like.recovery import QuorumResult, TransferPlan
+
+
+@dataclass(frozen=True)
+class Heal:
+    """One received state and what receiving it cost."""
+
+    state: dict[str, Any]
+    seconds: float
+    num_bytes: int
+    report: str
+    """JSON sent with the next quorum request (lighthouse.heals)."""
+
+
+def receive_state(
+    transport: CheckpointTransport,
+    result: QuorumResult,
+    plan: TransferPlan,
+    timeout: timedelta,
+    metadata_of: Callable[[str], str],
+    on_begun: Callable[[], None],
+    log: logging.LoggerAdapter[logging.Logger],
+) -> Heal:
+    """Fetches the state at `result.max_step` from the plan's sources.
+
+    `metadata_of(manager_address)` asks a source's ManagerServer how to
+    reach its checkpoint server. `on_begun` is called once a one-source
+    transfer has begun at the source (when the transport can say so);
+    a striped heal, or a transport that cannot, calls it only after this
+    returns (the caller does).
+
+    Raises:
+        Exception: the transfer failed, or no source answered for its metadata.
+    """
+    start = time.monotonic()
+    assert result.recover_src_replica_rank is not None, "healing without a source"
+    sources = list(plan.sources)
+    log.info(
+        "healing from replica rank %d (%s) at step %d%s",
+        result.recover_src_replica_rank,
+        result.recover_src_manager_address,
+        result.max_step,
+        f", striped with ranks {[r for r, _ in sources[1:]]}" if len(sources) > 1 else "",
+    )
+    if len(sources) > 1:
+        # Striped, the collectives wait for the whole transfer: a source
+        # serves one range at a time, so having begun does not hold it to
+        # the end as one stream does; the sources stay at this step (their
+        # allreduce waits for ours) until all came.
+        state = transport.recv_checkpoint_striped(
+            _source_metadata(sources, metadata_of, log), result.max_step, timeout
+        )
+    else:
+        metadata = metadata_of(result.recover_src_manager_address)
+        # Other transports (torchft's signature) cannot say when a transfer
+        # began: their heal's collectives wait for all of it.
+        begun: dict[str, Any] = {"on_begun": on_begun} if transport.reports_begun else {}
+        state = transport.recv_checkpoint(
+            result.recover_src_replica_rank, metadata, result.max_step, timeout, **begun
+        )
+    took = time.monotonic() - start
+    num_bytes = tensor_bytes(state)
+    report = {
+        "step": result.max_step,
+        "seconds": round(took, 4),
+        "bytes": num_bytes,
+        "source": result.recover_src_manager_address,
+    }
+    return Heal(state=state, seconds=took, num_bytes=num_bytes, report=json.dumps(report))
+
+
+def _source_metadata(
+    sources: list[tuple[int, str]],
+    metadata_of: Callable[[str], str],
+    log: logging.LoggerAdapter[logging.Logger],
+) -> list[tuple[int, str]]:
+    """(replica rank, checkpoint metadata) of every source that answers,
+    asked at once; a source that does not is left out (logged), and only
+    when none answers does the heal fail."""
+    with ThreadPoolExecutor(len(sources), thread_name_prefix="heal-metadata") as pool:
+        futures = [pool.submit(metadata_of, address) for _, address in sources]
+    found, errors = [], []
+    for (rank, address), future in zip(sources, futures):
+        try:
+            found.append((rank, future.result()))
+        except Exception as e:
+            errors.append(e)
+            log.warning("healing without replica rank %d (%s): %s: %s",
+                        rank, address, type(e).__name__, e)  # fmt: skip
+    if not found:
+        raise errors[0]
+    return found
+
+
+def tensor_bytes(tree: Any) -> int:
+    """Bytes of the tensors in a state tree (dicts, lists, tuples), the size of a heal."""
+    if isinstance(tree, torch.Tensor):
+        return tree.numel() * tree.element_size()
+    if isinstance(tree, dict):
+        return sum(tensor_bytes(v) for v in tree.values())
+    if isinstance(tree, (list, tuple)):
+        return sum(tensor_bytes(v) for v in tree)
+    return 0
