@@ -3,7 +3,7 @@ which step, and (when the group reports it) how long it took and how many bytes.
 
 How the numbers reach the lighthouse, and why this way: the lighthouse derives
 who heals from the quorums it issues (a member behind the max step heals from
-the members at it, DESIGN.md's rule), so heals of pytorch/torchft groups show
+the members at it: docs/architecture.md, "Healing"), so heals of pytorch/torchft groups show
 too. Duration and bytes only the group knows; the step after a heal, each rank
 reports its heal in `ManagerQuorumRequest.heal_report` (field 101, additive)
 and the ManagerServer merges them into `QuorumMember.data["heal"]`, a key of
@@ -55,7 +55,7 @@ def heals_in_quorum(
     quorum_id: int, members: tuple[QuorumMember, ...], time: float
 ) -> list[HealEvent]:
     """Members behind the quorum's max step, each with the replica its group
-    rank 0 copies from: DESIGN.md's rule, the i-th behind (in replica id
+    rank 0 copies from (docs/architecture.md, "Healing"): the i-th behind (in replica id
     order) takes the up-to-date member at index i mod their count (rank r:
     (i + r) mod count). Members are sorted by replica id, as in a quorum."""
     if not members:

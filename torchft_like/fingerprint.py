@@ -1,7 +1,7 @@
 """A cheap fingerprint of a replica's state, to find replicas that diverged.
 
-Replicas at the same committed step must hold bit-identical state (DESIGN.md
-invariants). Comparing a short fingerprint every few steps catches the ones
+Replicas at the same committed step must hold bit-identical state (docs/architecture.md,
+"Invariants"). Comparing a short fingerprint every few steps catches the ones
 that do not (a flipped bit, a non-deterministic kernel, a bad host) before
 they train further on wrong weights.
 """

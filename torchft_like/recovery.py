@@ -106,7 +106,7 @@ def find_divergence(at_max: Sequence[QuorumMember], group_rank: int) -> Divergen
 def compute_quorum_result(
     quorum: Quorum, replica_id: str, group_rank: int, init_sync: bool
 ) -> QuorumResult:
-    """Follows DESIGN.md "One training step", point 2.
+    """Follows docs/architecture.md, "One training step", point 2.
 
     Sources are spread: the i-th recovering replica copies from up-to-date
     replica (i + group_rank) mod (number up to date), so recoveries of several

@@ -7,7 +7,6 @@ it) imports just this, while the package re-exports the mesh function
 
 # torch's stubs declare ProcessGroup's methods as overloads of the bound C++
 # methods, which a Python override cannot restate.
-# mypy: disable-error-code="override,call-arg,attr-defined"
 
 from __future__ import annotations
 
