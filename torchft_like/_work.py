@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -36,3 +38,40 @@ def completed_future(value: Any) -> torch.futures.Future[Any]:
 def completed_work(value: Any) -> FutureWork:
     """Work that is already done with `value` (a no-op collective)."""
     return FutureWork(completed_future(value))
+
+
+def or_default(
+    fut: torch.futures.Future[Any],
+    default: Any,
+    on_error: Callable[[Exception], None],
+    timeout: timedelta | None = None,
+) -> torch.futures.Future[Any]:
+    """A future with `fut`'s value, or `default` if `fut` fails (or, with
+    `timeout`, is not done in time); the error goes to `on_error`. Settled
+    once: a late value after the timeout is dropped."""
+    out: torch.futures.Future[Any] = torch.futures.Future()
+    settled = threading.Lock()
+
+    def settle(value: Any = None, error: Exception | None = None) -> None:
+        if not settled.acquire(blocking=False):
+            return
+        if error is not None:
+            on_error(error)
+            value = default
+        out.set_result(value)
+
+    def done(f: torch.futures.Future[Any]) -> None:
+        try:
+            settle(f.value())
+        except Exception as e:
+            settle(error=e)
+
+    if timeout is not None:
+        timer = threading.Timer(
+            timeout.total_seconds(),
+            lambda: settle(error=TimeoutError(f"future not done within {timeout}")),
+        )
+        timer.daemon = True
+        timer.start()
+    fut.add_done_callback(done)
+    return out

@@ -32,7 +32,7 @@ from lighthouse.rpc.tls import TLSConfig
 from torchft_like import healing, parent_watch
 from torchft_like._state_gate import StateReadGate
 from torchft_like._training_thread import TrainingThreadReads
-from torchft_like._work import FutureWork, completed_work
+from torchft_like._work import FutureWork, completed_work, or_default
 from torchft_like.checkpointing import CheckpointTransport, HTTPTransport
 from torchft_like.checkpointing._http_fetch import GONE_AFTER_S
 from torchft_like.collectives import InOrderCollectives, allreduce_quantized
@@ -63,69 +63,31 @@ class Manager:
     """Quorum, fault-tolerant allreduce, commit vote and live healing for one rank.
 
     Argument names follow pytorch/torchft's Manager. Every argument but the
-    objects (pg, the state functions, checkpoint_transport, fingerprint_fn)
-    is resolved with the environment by `manager_config.resolve_config`,
-    whose `ManagerConfig` documents each with its variable: unset ones come
-    from torchrun's environment (MASTER_ADDR, MASTER_PORT, RANK, WORLD_SIZE)
-    and TORCHFT_LIGHTHOUSE / TORCHFT_MANAGER_PORT / TORCHFT_HOSTNAME /
-    TORCHFT_BIND_HOST; TORCHFT_*_SEC override the timeouts and
-    TORCHFT_QUORUM_RETRIES the retries; TORCHFT_SECRET_FILE or TORCHFT_SECRET
-    give the job's shared secret; TORCHFT_TLS_CERT / _KEY / _CA (and
-    TORCHFT_TLS_CLIENT_AUTH) turn on TLS.
+    four objects below is a field of `ManagerConfig` (torchft_like.
+    manager_config), which documents it and the environment variable that
+    sets it when the argument is not given: torchrun's MASTER_ADDR,
+    MASTER_PORT, RANK and WORLD_SIZE, and TORCHFT_LIGHTHOUSE,
+    TORCHFT_MANAGER_PORT, TORCHFT_HOSTNAME, TORCHFT_BIND_HOST, the
+    TORCHFT_*_SEC timeouts and TORCHFT_QUORUM_RETRIES (these two win over
+    arguments), TORCHFT_SECRET_FILE / TORCHFT_SECRET, TORCHFT_TLS_*,
+    TORCHFT_METRICS_PORT and TORCHFT_HEAL_SOURCES. `config` holds them
+    resolved. Timeouts take a timedelta or a number of seconds.
 
     Args:
         pg: reconfigurable process group for the cross-replica allreduce.
         load_state_dict, state_dict: the user state to heal, registered as
             "default" (more with `register_state_dict_fn`).
-        min_replica_size: fewest replicas a step may commit with.
-        use_async_quorum: overlap the quorum with the forward pass. When
-            False, a failed quorum raises from start_quorum and a failed
-            vote from should_commit (a timeout as TimeoutError), as in
-            torchft; when True they are recorded and the step is skipped.
-        timeout, quorum_timeout, connect_timeout: bounds on collectives,
-            votes and state transfers; on one quorum; on reaching the
-            lighthouse and the servers. A timedelta or seconds, positive.
-        rank, world_size: this rank in its replica group, and the group size.
-        replica_id: name of the replica group; a uuid is appended per start.
-        port: ManagerServer port on group rank 0 (0 picks one).
-        hostname: how peers on other machines reach this rank: the address
-            the ManagerServer and the checkpoint server advertise (and
-            listen on, unless TORCHFT_BIND_HOST says otherwise). None:
-            TORCHFT_HOSTNAME, else this machine's name.
-        checkpoint_transport: how healing state travels (HTTPTransport).
-        init_sync: at step 0 every replica copies the primary's weights.
-        max_retries: raise after this many consecutive uncommitted steps.
-        quorum_retries: lighthouse quorum failures retried by the server.
-        fingerprint_interval: every this many committed steps, compare a
-            fingerprint of the state across replicas; a replica whose state
-            differs from the others' at the same step is logged (ERROR) and
-            heals from one that agrees. None: off.
-        fingerprint_fn: returns what to fingerprint (tensors, nested in
-            dicts/lists), e.g. `model.parameters`. None: every registered
-            state dict.
-        secret: the job's shared secret (lighthouse.rpc.auth); None reads
-            the variables, and without them access control is off.
-        tls: TLS for every connection this Manager opens or serves
-            (lighthouse.rpc.tls); None reads the variables, and without
-            them the connections are plaintext.
-        exit_with_parent: end this process within about 0.1 s of its parent
-            (torchrun) dying, so that `kill -9` of torchrun is a group death
-            rather than an orphan that trains on (torchft_like.parent_watch).
-        metrics_port: serve this rank's Prometheus metrics at
-            http://{host}:{port}/metrics (0 picks a free port, logged); None
-            reads TORCHFT_METRICS_PORT, unset: off. `metrics` holds them
-            either way.
-        heal_sources: at most this many up-to-date peers a healing rank
-            fetches its state from at once, a distinct byte range from each
-            (`HTTPTransport.recv_checkpoint_striped`). None: read
-            TORCHFT_HEAL_SOURCES (unset or "all": every up-to-date peer);
-            1: one peer, as torchft. A transport that cannot stripe always
-            uses one.
+        checkpoint_transport: how healing state travels (HTTPTransport,
+            which must have the Manager's secret and TLS configuration).
+        fingerprint_fn: returns what `fingerprint_interval` compares
+            (tensors, nested in dicts/lists), e.g. `model.parameters` or a
+            state dict without buffers that replicas keep apart on purpose.
+            None: the state that healing copies (every registered state dict).
 
     Raises:
         ValueError: an invalid argument or variable (ManagerConfigError
-            names it), or a checkpoint_transport whose secret or TLS
-            differs from the Manager's.
+            names it and what to set), or a checkpoint_transport whose
+            secret or TLS differs from the Manager's.
     """
 
     def __init__(
@@ -177,23 +139,13 @@ class Manager:
         _check_transport(checkpoint_transport, config.secret, config.tls)
         if config.exit_with_parent:
             parent_watch.exit_with_parent()
-        # The names torchft's Manager has (and tests read), from the config.
-        self._heal_sources = config.heal_sources
-        self._fingerprint_interval = config.fingerprint_interval
+        # Names torchft's Manager has, which its tests and our wrappers read.
         self._fingerprint_fn = fingerprint_fn
         self._pg = pg
-        self._min_replica_size = config.min_replica_size
         self._use_async_quorum = config.use_async_quorum
         self._timeout = config.timeout
-        self._quorum_timeout = config.quorum_timeout
-        self._connect_timeout = config.connect_timeout
-        self._world_size_mode = config.world_size_mode
         self._init_sync = config.init_sync
-        self._max_retries = config.max_retries
-        self._secret = config.secret
-        self._tls = config.tls
         self._group_rank = config.rank
-        self._group_world_size = config.world_size
         self._user_state: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
         if load_state_dict is not None and state_dict is not None:
             self.register_state_dict_fn("default", load_state_dict, state_dict)
@@ -243,15 +195,15 @@ class Manager:
             config.store_port,
             is_master=False,
             wait_for_workers=False,
-            timeout=self._connect_timeout,
+            timeout=self.config.connect_timeout,
         )
         listen_host = config.bind_host or config.hostname
         self._checkpoint_transport = checkpoint_transport or HTTPTransport(
             timeout=self._timeout,
             hostname=config.hostname,
-            secret=self._secret,
+            secret=self.config.secret,
             bind_host=config.bind_host,
-            tls=self._tls,
+            tls=self.config.tls,
         )
         self._manager_server: ManagerServer | None = None
         prefix = config.store_prefix
@@ -267,12 +219,12 @@ class Manager:
                 hostname=config.hostname,
                 bind=join_host_port(listen_host, config.port),
                 store_addr=join_host_port(config.store_addr, config.store_port),
-                world_size=self._group_world_size,
+                world_size=self.config.world_size,
                 heartbeat_interval=config.heartbeat_interval,
-                connect_timeout=self._connect_timeout,
+                connect_timeout=self.config.connect_timeout,
                 quorum_retries=config.quorum_retries,
-                secret=self._secret,
-                tls=self._tls,
+                secret=self.config.secret,
+                tls=self.config.tls,
                 local_collectives=isinstance(pg, ProcessGroupDummy),
             )
             self._store.set(prefix + MANAGER_ADDR_KEY, self._manager_server.address())
@@ -282,7 +234,9 @@ class Manager:
         self._client: ManagerClientProtocol = (
             LocalManagerClient(self._manager_server)
             if self._manager_server is not None
-            else ManagerClient(manager_addr, self._connect_timeout, self._secret, self._tls)
+            else ManagerClient(
+                manager_addr, self.config.connect_timeout, self.config.secret, self.config.tls
+            )
         )
         # Last, so a failed start leaves no server behind.
         self._metrics_server = (
@@ -389,7 +343,7 @@ class Manager:
             self._async_quorum,
             allow_heal,
             shrink_only,
-            timeout or self._quorum_timeout,
+            timeout or self.config.quorum_timeout,
             state_fingerprint,
         )
         self._quorum_future.add_done_callback(lambda _: self._training_thread.wake())
@@ -431,7 +385,7 @@ class Manager:
         commit; this step's forward pass, which may update buffers, has not
         begun). Each rank sends its own: ranks of one group need not hold the
         same state, and rank r is compared with rank r of the other groups."""
-        interval = self._fingerprint_interval
+        interval = self.config.fingerprint_interval
         if interval is None or self._step == 0 or self._step % interval:
             return ""
         if not self._state_read_gate.allowed:  # being written: compare another step
@@ -500,7 +454,7 @@ class Manager:
             )
             self._quorum_id = result.quorum_id
         transport = self._checkpoint_transport
-        plan = transfer_plan(result, self._heal_sources if transport.can_stripe else 1)
+        plan = transfer_plan(result, self.config.heal_sources if transport.can_stripe else 1)
         if allow_heal and plan.serve_to:
             self._serving = True
             self._logger.info("serving state to replica ranks %s", list(plan.serve_to))
@@ -529,8 +483,8 @@ class Manager:
         # one that refuses connections for a second (GONE_AFTER_S) has died
         # since: fail the heal (the next quorum leaves it out) rather than
         # wait the whole connect timeout.
-        connect = min(self._connect_timeout, timedelta(seconds=GONE_AFTER_S))
-        src = ManagerClient(manager_address, connect, self._secret, self._tls)
+        connect = min(self.config.connect_timeout, timedelta(seconds=GONE_AFTER_S))
+        src = ManagerClient(manager_address, connect, self.config.secret, self.config.tls)
         try:
             return src.checkpoint_metadata(self._group_rank, self._timeout)
         finally:
@@ -547,8 +501,8 @@ class Manager:
             count, rank = result.max_world_size, result.max_replica_rank
         else:
             count, rank = result.replica_world_size, result.replica_rank
-        if self._world_size_mode == WorldSizeMode.FIXED_WITH_SPARES:
-            count = min(count, self._min_replica_size)
+        if self.config.world_size_mode == WorldSizeMode.FIXED_WITH_SPARES:
+            count = min(count, self.config.min_replica_size)
             if rank is not None and rank >= count:
                 rank = None
         self._num_participants = count
@@ -634,32 +588,7 @@ class Manager:
     ) -> torch.futures.Future[Any]:
         """Turns a failing (or, with `timeout`, late) future into `default`,
         recording the error so the step does not commit."""
-        out: torch.futures.Future[Any] = torch.futures.Future()
-        settled = threading.Lock()
-
-        def settle(value: Any = None, error: Exception | None = None) -> None:
-            if not settled.acquire(blocking=False):
-                return
-            if error is not None:
-                self.report_error(error)
-                value = default
-            out.set_result(value)
-
-        def done(f: torch.futures.Future[Any]) -> None:
-            try:
-                settle(f.value())
-            except Exception as e:
-                settle(error=e)
-
-        if timeout is not None:
-            timer = threading.Timer(
-                timeout.total_seconds(),
-                lambda: settle(error=TimeoutError(f"future not done within {timeout}")),
-            )
-            timer.daemon = True
-            timer.start()
-        fut.add_done_callback(done)
-        return out
+        return or_default(fut, default, self.report_error, timeout)
 
     def report_error(self, e: Exception) -> None:
         """Records the first error of the step; the step will not commit."""
@@ -704,13 +633,13 @@ class Manager:
         pg_error = self._pg.errored() if hasattr(self._pg, "errored") else None
         if pg_error is not None:
             self.report_error(pg_error)
-        enough = self._num_participants >= self._min_replica_size
+        enough = self._num_participants >= self.config.min_replica_size
         vote = self._errored is None and enough and not self._healing
         if self._errored is None and not enough:
             self._logger.info(
                 "too few replicas to commit: %d < min_replica_size %d",
                 self._num_participants,
-                self._min_replica_size,
+                self.config.min_replica_size,
             )
         vote_error: Exception | None = None
         try:
@@ -733,10 +662,13 @@ class Manager:
             self._logger.info("step not committed (%d in a row)", self._commit_failures)
             if vote_error is not None and not self._use_async_quorum:
                 raise vote_error  # synchronous callers get it, as from torchft
-            if self._max_retries is not None and self._commit_failures > self._max_retries:
+            if (
+                self.config.max_retries is not None
+                and self._commit_failures > self.config.max_retries
+            ):
                 raise RuntimeError(
                     f"{self._commit_failures} steps in a row failed to commit, more than "
-                    f"max_retries={self._max_retries}; last error: {self._errored}"
+                    f"max_retries={self.config.max_retries}; last error: {self._errored}"
                 )
         return decision
 

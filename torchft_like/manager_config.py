@@ -68,7 +68,10 @@ class ManagerConfig:
     min_replica_size: int = 1
     """Fewest replicas a step may commit with."""
     use_async_quorum: bool = True
-    """Overlap the quorum with the forward pass (else a failed quorum or vote raises)."""
+    """Overlap the quorum with the forward pass. When False, a failed quorum
+    raises from start_quorum and a failed vote from should_commit (a timeout
+    as TimeoutError), as in torchft; when True they are recorded and the
+    step is skipped."""
     timeout: timedelta = timedelta(seconds=60)
     """Bound on collectives, votes and state transfers (TORCHFT_TIMEOUT_SEC)."""
     quorum_timeout: timedelta = timedelta(seconds=60)
@@ -95,9 +98,13 @@ class ManagerConfig:
     port: int = 0
     """ManagerServer port on group rank 0, 0 for any free one (TORCHFT_MANAGER_PORT)."""
     hostname: str
-    """How peers reach this rank (TORCHFT_HOSTNAME, else this machine's name)."""
+    """How peers on other machines reach this rank: the address the
+    ManagerServer and the checkpoint server advertise (and listen on, unless
+    `bind_host`). TORCHFT_HOSTNAME, else this machine's name; give an address
+    where the name does not resolve to one peers can reach."""
     bind_host: str | None = None
-    """Host the servers listen on instead of `hostname` (TORCHFT_BIND_HOST)."""
+    """Host the servers listen on instead of `hostname`, e.g. 0.0.0.0 or ::
+    for all interfaces (TORCHFT_BIND_HOST)."""
     heartbeat_interval: timedelta = timedelta(milliseconds=100)
     """Between two heartbeats of rank 0 to the lighthouse."""
     init_sync: bool = True
@@ -107,17 +114,37 @@ class ManagerConfig:
     quorum_retries: int = 0
     """Lighthouse quorum failures retried by the server (TORCHFT_QUORUM_RETRIES)."""
     fingerprint_interval: int | None = None
-    """Compare a fingerprint of the state every this many committed steps; None: off."""
+    """Every this many committed steps, compare a fingerprint of the state
+    across replicas; a replica whose state differs from the others' at the
+    same step is logged (ERROR) and heals from one that agrees (rule:
+    recovery.find_divergence). None: off."""
     secret: str | None = None
-    """The job's shared secret (TORCHFT_SECRET_FILE, TORCHFT_SECRET); None: access control off."""
+    """The job's shared secret (lighthouse.rpc.auth), sent with every call and
+    required by our servers (TORCHFT_SECRET_FILE or TORCHFT_SECRET). None:
+    access control off."""
     tls: TLSConfig | None = None
-    """TLS for every connection (TORCHFT_TLS_*); None: plaintext."""
+    """TLS for every connection this Manager opens or serves: the
+    ManagerServer, the checkpoint server, the lighthouse (lighthouse.rpc.tls;
+    TORCHFT_TLS_CERT, _KEY, _CA, _CLIENT_AUTH). Peers' addresses are then
+    https://. None: plaintext."""
     exit_with_parent: bool = True
-    """End this process soon after its parent (torchrun) dies."""
+    """End this process within about 0.1 s of its parent (torchrun) dying, so
+    that `kill -9` of torchrun is a group death rather than an orphan that
+    trains on (torchft_like.parent_watch)."""
     metrics_port: int | None = None
-    """Serve Prometheus metrics on this port (TORCHFT_METRICS_PORT); None: off."""
+    """Serve this rank's Prometheus metrics at http://{host}:{port}/metrics,
+    0 for a free port (logged). TORCHFT_METRICS_PORT's N serves local rank r
+    on N + r (torchft_like.metrics). None: off; `Manager.metrics` holds them
+    either way."""
     heal_sources: int | None = None
-    """Most peers a healing rank fetches from at once (TORCHFT_HEAL_SOURCES); None: all."""
+    """At most this many up-to-date peers a healing rank fetches its state
+    from at once, a distinct byte range from each (striped healing,
+    `HTTPTransport.recv_checkpoint_striped`), so that no one sender's link
+    bounds the heal; a peer that fails mid-transfer leaves its ranges to the
+    others. TORCHFT_HEAL_SOURCES (unset or "all": None, every up-to-date
+    peer); 1: one peer, as torchft. A transport that cannot stripe (e.g.
+    PGTransport) always uses one. A striped heal's collectives wait for the
+    whole transfer (a one-peer heal's only for its start)."""
 
     def __post_init__(self) -> None:
         # resolve_config has checked all this, naming the argument or variable;
