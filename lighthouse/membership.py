@@ -1,0 +1,537 @@
+"""The lighthouse's membership as a state machine: events in, effects out.
+
+Who is known, healthy, waiting for a quorum or waiting as a spare, and what
+follows from each event: a heartbeat, a Quorum call (join), a Leave, a
+heartbeat stream opened or ended, a tick, a spare asking for a group. Each
+event takes the time (`now`, monotonic seconds; `wall`, epoch seconds where
+an issued quorum needs it) and returns an `Outcome`: the calling RPC's
+refusal, if any, and the effects the server acts on (quorums to deliver,
+calls to fail, spares to answer, lines worth logging, a decision to run
+soon). The server owns the futures, the clock, the metrics and the
+transport; the status page (lighthouse.status_view) observes the effects.
+
+Pure: no futures, no clock reads, no metrics, no asyncio. The quorum itself
+is lighthouse.quorum's `compute_quorum`; spare placement is
+lighthouse.spares' `assign_groups`. Tested as a table (tests/unit/test_membership.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+from lighthouse.history import why_absent
+from lighthouse.pacing import advised_interval_ms, suspect_floor_ms
+from lighthouse.quorum import (
+    ArrivalStats,
+    LighthouseConfig,
+    LighthouseState,
+    Participant,
+    Quorum,
+    QuorumMember,
+    compute_quorum,
+    forgotten_replicas,
+    group_name,
+    healthy_replicas,
+    next_quorum_id,
+    quorum_changed,
+    record_arrival,
+    twin_refusal,
+)
+from lighthouse.quorum_log import waiting_report
+from lighthouse.rpc.errors import DuplicateGroupError, IncompatibleGroupError, QuorumError
+from lighthouse.spares import SpareRequest, assign_groups
+
+MAX_REFUSALS_LOGGED = 10_000
+"""Refused replicas remembered so each is logged once (bounds memory under churn)."""
+
+
+@dataclass(frozen=True)
+class Fail:
+    """The waiting call `ticket` ends with `error` (superseded, left, another rendezvous)."""
+
+    ticket: int
+    error: QuorumError
+
+
+@dataclass(frozen=True)
+class Issued:
+    """A quorum was issued; the calls `tickets` get it."""
+
+    quorum: Quorum
+    tickets: tuple[int, ...]
+    changed: bool
+    """Its members (or a commit failure) changed, so it has a new id."""
+    news: bool
+    """Worth an INFO line: a change, or the end of a logged stall."""
+    reason: str
+    prev_ids: tuple[str, ...]
+    """The previous quorum's members."""
+    absent: dict[str, str] = field(default_factory=dict)
+    """Previous members not in this quorum -> why (lighthouse.history.why_absent);
+    filled only when `changed`."""
+
+
+@dataclass(frozen=True)
+class Placed:
+    """The waiting TakeReplicaGroup call `ticket` trains as `group`."""
+
+    ticket: int
+    group: str
+
+
+@dataclass(frozen=True)
+class Handed:
+    """`group` was handed to `spare_id` (its first rank to be placed)."""
+
+    spare_id: str
+    group: str
+    wanted: str
+
+    @property
+    def promotion(self) -> bool:
+        """A spare took a dead group's name (not the one it asked for)."""
+        return self.group != self.wanted
+
+
+@dataclass(frozen=True)
+class Joined:
+    """A Quorum call described `member` (its step, any heal report)."""
+
+    member: QuorumMember
+
+
+@dataclass(frozen=True)
+class Forgotten:
+    """Every trace of `replica_id` was dropped (a Leave, or a long silence)."""
+
+    replica_id: str
+    why: str
+
+
+@dataclass(frozen=True)
+class TwinRefused:
+    """A second live replica of one group was refused (once per replica)."""
+
+    replica_id: str
+    reason: str
+
+
+@dataclass(frozen=True)
+class AdviceChanged:
+    """The heartbeat period advised on HeartbeatPaced streams changed."""
+
+    advice_ms: int
+
+
+@dataclass(frozen=True)
+class DecideSoon:
+    """Waiting calls changed: run `decide` soon (the server batches calls)."""
+
+
+@dataclass(frozen=True)
+class Log:
+    """A change worth a log line, %-style."""
+
+    level: int
+    msg: str
+    args: tuple[object, ...] = ()
+
+
+Effect = (
+    Fail
+    | Issued
+    | Placed
+    | Handed
+    | Joined
+    | Forgotten
+    | TwinRefused
+    | AdviceChanged
+    | DecideSoon
+    | Log
+)
+"""Each effect an event may have (`Outcome.effects`)."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What an event leads to."""
+
+    effects: tuple[Effect, ...] = ()
+    error: Exception | None = None
+    """The calling RPC's refusal (a twin, bad input); its effects still apply."""
+    ticket: int = 0
+    """The call's ticket (join, spare_waits): name it to `withdraw`/`spare_ends`."""
+
+
+NOTHING = Outcome()
+_DECIDE_SOON = DecideSoon()
+
+
+class Membership:
+    """The lighthouse's state: replicas known, waiting calls, spares.
+
+    Args:
+        config: the quorum rule's options.
+        started_at: monotonic seconds when the lighthouse started (see
+            compute_quorum's restart grace).
+    """
+
+    def __init__(self, config: LighthouseConfig, started_at: float) -> None:
+        self.config = config
+        self.started_at = started_at
+        self.heartbeats: dict[str, float] = {}
+        """replica_id -> monotonic seconds of its last heartbeat or Quorum call."""
+        self.arrivals: dict[str, ArrivalStats] = {}
+        """replica_id -> its heartbeat rhythm (quorum.suspected_replicas)."""
+        self.open_streams: dict[str, int] = {}
+        """replica_id -> heartbeat streams open (a reconnect may overlap the old one)."""
+        self.streams_closed: dict[str, float] = {}
+        """replica_id -> when its last open heartbeat stream ended without a Leave."""
+        self.by_name: dict[str, set[str]] = {}
+        """Group name -> known replica ids of that name (see twin_refusal)."""
+        self.described: dict[str, QuorumMember] = {}
+        """Last self-description of each replica (its last Quorum call)."""
+        self.participants: dict[str, Participant] = {}
+        """Replicas waiting in a Quorum call."""
+        self.tickets: dict[str, int] = {}
+        """replica_id -> the ticket of its waiting call."""
+        self.spares: list[tuple[int, SpareRequest]] = []
+        """Waiting TakeReplicaGroup calls (ticket, request), oldest first."""
+        self.held: dict[str, tuple[str, float]] = {}
+        """spare_id -> (group it was handed, when), so each of its ranks gets the same."""
+        self.reserved: dict[str, float] = {}
+        """group -> when it was handed out, until a replica of it is live."""
+        self.prev_quorum: Quorum | None = None
+        self.quorum_id = 0
+        self.departed: dict[str, str] = {}
+        """Members of the last quorum dropped since (Leave, forgotten) -> why."""
+        self.reason = "no replica has asked for a quorum yet"
+        """The latest decision's reason (a timed-out caller hears it)."""
+        self.summary = self.reason
+        """The status page's line: the last issued quorum's reason, a calm
+        count mid-step, or the reason of a stall (lighthouse.quorum_log)."""
+        self._logged_status: tuple[str, int] | None = None
+        self._refusals_logged: set[str] = set()
+        self._next_ticket = 0
+        self.advice_ms = 0
+        """The heartbeat period advised on HeartbeatPaced streams (lighthouse.pacing)."""
+        self.decide_config = config
+        """`config` with the suspicion floor raised to the advice (see _repace)."""
+        self._repace([])
+
+    # -- queries ----------------------------------------------------------
+
+    def healthy(self, now: float) -> set[str]:
+        return healthy_replicas(
+            now, self.heartbeats, self.config.heartbeat_timeout_ms, self.streams_closed
+        )
+
+    def num_spares_waiting(self) -> int:
+        """Spare processes waiting (a spare's ranks count once)."""
+        return len({request.spare_id for _, request in self.spares})
+
+    # -- events -----------------------------------------------------------
+
+    def heartbeat(self, now: float, replica_id: str) -> Outcome:
+        """A heartbeat; refused with DuplicateGroupError for a second live
+        replica of one group."""
+        refusal = self._admit(now, replica_id)
+        if refusal is not None:
+            return refusal
+        self._heard(now, replica_id)
+        return NOTHING
+
+    def join(self, now: float, member: QuorumMember) -> Outcome:
+        """A Quorum call: the caller waits under the returned ticket for the
+        first issued quorum that contains `member` (an `Issued` naming the
+        ticket), and must `withdraw` it when its call ends."""
+        rid = member.replica_id
+        refusal = self._admit(now, rid)
+        if refusal is not None:
+            return refusal
+        self._heard(now, rid)
+        self.described[rid] = member
+        effects: list[Effect] = [Joined(member)]
+        old = self.tickets.get(rid)
+        if old is not None:
+            superseded = f"replica {rid} called Quorum again; this call is superseded"
+            effects.append(Fail(old, QuorumError(superseded)))
+        self._next_ticket += 1
+        self.participants[rid] = Participant(member, now)
+        self.tickets[rid] = self._next_ticket
+        effects.append(_DECIDE_SOON)
+        return Outcome(tuple(effects), ticket=self._next_ticket)
+
+    def withdraw(self, replica_id: str, ticket: int) -> None:
+        """A call that ended (answered, cancelled or past its deadline) must
+        not be put into a quorum it will never hear of."""
+        if self.tickets.get(replica_id) == ticket:
+            del self.tickets[replica_id]
+            del self.participants[replica_id]
+
+    def leave(self, now: float, wall: float, replica_id: str) -> Outcome:
+        """Forgets a replica that stops on purpose, and re-decides at once."""
+        effects: list[Effect] = [Log(logging.INFO, "replica %s left", (replica_id,))]
+        effects += self._forget(replica_id, "left on purpose (Leave)")
+        ticket = self.tickets.pop(replica_id, None)
+        if ticket is not None:
+            del self.participants[replica_id]
+            effects.append(Fail(ticket, QuorumError(f"replica {replica_id} left")))
+        if self.participants:
+            effects += self.decide(now, wall).effects
+        return Outcome(tuple(effects))
+
+    def stream_opened(self, replica_id: str) -> None:
+        self.open_streams[replica_id] = self.open_streams.get(replica_id, 0) + 1
+
+    def stream_ended(self, now: float, replica_id: str) -> Outcome:
+        """A heartbeat stream ended. Its last one ending without a Leave (the
+        replica is still known) is taken as the replica being gone, now."""
+        left = self.open_streams.get(replica_id, 1) - 1
+        if left > 0:
+            self.open_streams[replica_id] = left
+            return NOTHING
+        self.open_streams.pop(replica_id, None)
+        if replica_id not in self.heartbeats:
+            return NOTHING
+        # A replica that stops on purpose closes its stream just before its
+        # Leave (no heartbeat may follow a Leave), so this is not yet a death.
+        effects: list[Effect] = [
+            Log(
+                logging.INFO,
+                "replica %s: heartbeat stream closed; unhealthy until it heartbeats again "
+                "(a 'left' line follows if it stopped on purpose)",
+                (replica_id,),
+            )
+        ]
+        self.streams_closed[replica_id] = now
+        effects += self.place_spares(now).effects  # a death frees its name for a spare, now
+        if self.participants:
+            effects.append(_DECIDE_SOON)
+        return Outcome(tuple(effects))
+
+    def tick(self, now: float, wall: float) -> Outcome:
+        """The periodic event: forgets long-silent replicas, re-paces,
+        re-decides for waiting calls and places spares."""
+        effects: list[Effect] = []
+        forget_s = self.config.forget_after_s
+        for rid in forgotten_replicas(now, self.heartbeats, forget_s):
+            if rid not in self.participants:
+                line = "forgetting replica %s: silent for over %.0f s"
+                effects.append(Log(logging.INFO, line, (rid, forget_s)))
+                effects += self._forget(rid, f"forgotten: silent over {forget_s:.0f} s")
+        self._repace(effects)
+        if self.participants:
+            effects += self.decide(now, wall).effects
+        effects += self.place_spares(now).effects  # groups silent past the timeout are free now
+        return Outcome(tuple(effects))
+
+    def decide(self, now: float, wall: float) -> Outcome:
+        """Runs the quorum rule for the waiting calls."""
+        state = LighthouseState(
+            self.participants,
+            self.heartbeats,
+            self.prev_quorum,
+            streams_closed=self.streams_closed,
+            started_at=self.started_at,
+            arrivals=self.arrivals,
+            described=self.described,
+        )
+        decision = compute_quorum(now, state, self.decide_config)
+        self.reason = decision.reason
+        effects: list[Effect] = []
+        for rid, why in decision.refused.items():
+            self._refuse(rid, why, effects)
+        if decision.members is None:
+            self._report_waiting(now, decision.kind, decision.reason, effects)
+            return Outcome(tuple(effects))
+        after_stall, self._logged_status = self._logged_status is not None, None
+        self.summary = f"quorum issued: {decision.reason}"
+        changed = quorum_changed(self.prev_quorum, decision.members)
+        if changed:
+            self.quorum_id = next_quorum_id(self.quorum_id, int(wall * 1000))
+        quorum = Quorum(self.quorum_id, decision.members, wall)
+        prev_ids = self.prev_quorum.replica_ids() if self.prev_quorum else ()
+        absent: dict[str, str] = {}
+        if changed:
+            in_quorum = set(quorum.replica_ids())
+            absent = {
+                rid: why_absent(
+                    now,
+                    rid,
+                    self.heartbeats,
+                    self.streams_closed,
+                    self.arrivals,
+                    self.config,
+                    self.departed,
+                )
+                for rid in prev_ids
+                if rid not in in_quorum
+            }
+            self.departed.clear()
+        self.prev_quorum = quorum
+        tickets = []
+        for member in quorum.participants:
+            del self.participants[member.replica_id]
+            tickets.append(self.tickets.pop(member.replica_id))
+        # Callers left out join again: their join timeout starts over.
+        for rid, participant in self.participants.items():
+            self.participants[rid] = replace(participant, joined_at=now)
+        effects.append(
+            Issued(
+                quorum,
+                tuple(tickets),
+                changed,
+                news=changed or after_stall,
+                reason=decision.reason,
+                prev_ids=prev_ids,
+                absent=absent,
+            )
+        )
+        return Outcome(tuple(effects))
+
+    def spare_waits(self, now: float, spare_id: str, wanted: str) -> Outcome:
+        """A TakeReplicaGroup call: it waits under the returned ticket for a
+        `Placed` naming it, and must be ended with `spare_ends`."""
+        if not spare_id:
+            return Outcome(error=ValueError("spare_id must be a non-empty string"))
+        self._next_ticket += 1
+        ticket = self._next_ticket
+        self.spares.append((ticket, SpareRequest(spare_id, wanted, now)))
+        return replace(self.place_spares(now), ticket=ticket)
+
+    def spare_ends(self, ticket: int) -> None:
+        """A TakeReplicaGroup call ended (answered, cancelled or past its deadline)."""
+        self.spares = [(t, request) for t, request in self.spares if t != ticket]
+
+    def place_spares(self, now: float) -> Outcome:
+        """Answers every waiting spare that can take a group now (lighthouse.spares)."""
+        remember_s = self.config.forget_after_s
+        for sid in [sid for sid, (_, at) in self.held.items() if now - at >= remember_s]:
+            del self.held[sid]
+        if not self.spares:
+            return NOTHING
+        placed = assign_groups(
+            now,
+            [request for _, request in self.spares],
+            self.by_name.keys(),
+            {group_name(rid) for rid in self.healthy(now)},
+            {sid: group for sid, (group, _) in self.held.items()},
+            self.reserved,
+            reserve_s=max(5.0, 2 * self.config.heartbeat_timeout_ms / 1000),
+        )
+        effects: list[Effect] = []
+        waiting = []
+        for ticket, request in self.spares:
+            group = placed.get(request.spare_id)
+            if group is None:
+                waiting.append((ticket, request))
+                continue
+            if request.spare_id not in self.held:
+                self.held[request.spare_id] = (group, now)
+                self.reserved[group] = now
+                effects.append(Handed(request.spare_id, group, request.wanted))
+            effects.append(Placed(ticket, group))
+        self.spares = waiting
+        return Outcome(tuple(effects))
+
+    # -- internals --------------------------------------------------------
+
+    def _repace(self, effects: list[Effect]) -> None:
+        """Recomputes the advised heartbeat period from the replicas known
+        (on each tick: a stream hears of a change with its next heartbeat)."""
+        advice = advised_interval_ms(len(self.heartbeats), self.config.heartbeat_timeout_ms)
+        if advice == self.advice_ms:
+            return
+        self.advice_ms = advice
+        floor = suspect_floor_ms(self.config.suspect_min_ms, advice)
+        self.decide_config = replace(self.config, suspect_min_ms=floor)
+        effects.append(AdviceChanged(advice))
+
+    def _heard(self, now: float, replica_id: str) -> None:
+        last = self.heartbeats.get(replica_id)
+        if last is not None:
+            cap_s = self.config.heartbeat_timeout_ms / 1000
+            self.arrivals[replica_id] = record_arrival(
+                self.arrivals.get(replica_id), now - last, cap_s
+            )
+        self.heartbeats[replica_id] = now
+
+    def _admit(self, now: float, replica_id: str) -> Outcome | None:
+        """Refuses a replica whose group name another live replica holds
+        (twin_refusal); a refused replica leaves no trace, so the live one
+        keeps the name until it dies or leaves."""
+        name = group_name(replica_id)
+        reason = twin_refusal(
+            now,
+            replica_id,
+            self.by_name.get(name, ()),
+            self.heartbeats,
+            self.config.heartbeat_timeout_ms,
+            self.streams_closed,
+        )
+        if reason is not None:
+            effects: tuple[Effect, ...] = ()
+            # Once per refused replica: its heartbeats may keep coming 10 times a second.
+            if self._first_refusal(replica_id):
+                effects = (
+                    Log(logging.WARNING, "refused: %s", (reason,)),
+                    TwinRefused(replica_id, reason),
+                )
+            return Outcome(effects, error=DuplicateGroupError(reason))
+        self.by_name.setdefault(name, set()).add(replica_id)
+        self.reserved.pop(name, None)  # whoever it was handed to is here
+        return None
+
+    def _first_refusal(self, replica_id: str) -> bool:
+        if replica_id in self._refusals_logged or len(self._refusals_logged) >= MAX_REFUSALS_LOGGED:
+            return False
+        self._refusals_logged.add(replica_id)
+        return True
+
+    def _refuse(self, replica_id: str, why: str, effects: list[Effect]) -> None:
+        """Answers a waiting replica of another rendezvous with the reason (logged once)."""
+        ticket = self.tickets.pop(replica_id, None)
+        if ticket is None:
+            return
+        del self.participants[replica_id]
+        if self._first_refusal(replica_id):
+            effects.append(Log(logging.WARNING, "refusing %s: %s", (replica_id, why)))
+        effects.append(Fail(ticket, IncompatibleGroupError(why)))
+
+    def _forget(self, replica_id: str, why: str) -> Sequence[Effect]:
+        name = group_name(replica_id)
+        same = self.by_name.get(name)
+        if same is not None:
+            same.discard(replica_id)
+            if not same:
+                del self.by_name[name]
+        self._refusals_logged.discard(replica_id)
+        self.heartbeats.pop(replica_id, None)
+        self.arrivals.pop(replica_id, None)
+        self.described.pop(replica_id, None)
+        self.streams_closed.pop(replica_id, None)
+        if self.prev_quorum is not None and replica_id in self.prev_quorum.replica_ids():
+            self.departed[replica_id] = why
+        return (Forgotten(replica_id, why),)
+
+    def _report_waiting(self, now: float, kind: str, reason: str, effects: list[Effect]) -> None:
+        """Mid-step waits at DEBUG; a stall at INFO, one line per change of
+        its reason's kind or of the healthy count: not one per tick, nor one
+        per joining replica (a thousand replicas joining is one line)."""
+        if not self.participants:
+            return  # every waiting call was refused (lighthouse.compat)
+        healthy = self.healthy(now)
+        first_joined_at = min(p.joined_at for p in self.participants.values())
+        num_joined = sum(1 for rid in self.participants if rid in healthy)
+        report = waiting_report(now, first_joined_at, num_joined, len(healthy), reason)
+        self.summary = report.summary
+        if not report.stalled:
+            effects.append(Log(logging.DEBUG, "quorum status: %s", (reason,)))
+            return
+        key = (kind, len(healthy))
+        if key != self._logged_status:
+            self._logged_status = key
+            effects.append(Log(logging.INFO, "quorum status: %s", (report.summary,)))
