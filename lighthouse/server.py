@@ -55,7 +55,6 @@ class _Coordinator:
     futures, the metrics and the status page's memory, all on one loop."""
 
     def __init__(self, config: LighthouseConfig, metrics: LighthouseMetrics) -> None:
-        self.config = config
         self.metrics = metrics
         self.membership = Membership(config, time.monotonic())
         self.view = StatusView(self.membership)
