@@ -354,8 +354,8 @@ class LighthouseServer:
     Args:
         bind: `host:port` to listen on (port 0 picks one).
         min_replicas: fewest replica groups a quorum may have.
-        join_timeout_ms, quorum_tick_ms, heartbeat_timeout_ms, suspect_phi,
-            suspect_min_ms: the quorum rule's options (lighthouse.quorum.LighthouseConfig).
+        join_timeout_ms, quorum_tick_ms, heartbeat_timeout_ms, suspect_phi, suspect_min_ms: the
+            quorum rule's options (lighthouse.quorum.LighthouseConfig).
         http_bind: `host:port` of the status page and /metrics; None: no page.
         secret: the job's shared secret, or None.
         tls: serve TLS with this configuration, or None for plaintext.
