@@ -138,6 +138,42 @@ class InOrderCollectives:
         executor.submit(job)
         return FutureWork(result)
 
+    def allreduce(
+        self,
+        tensor: torch.Tensor,
+        pg: Any,
+        quantize: bool,
+        divide_by: int | None,
+        on_error: Callable[[Exception], None],
+    ) -> dist.Work:
+        """Sums `tensor` over `pg` in place, in order (`issue`), then divides
+        it by `divide_by` if given; `quantize` sends it as int8
+        (allreduce_quantized). Never raises, and the Work never fails: an
+        error goes to `on_error` and the Work completes with the tensor
+        (the Manager's wrap_future contract in one callback, one future less
+        per bucket)."""
+        try:
+            work = self.issue(
+                (lambda: allreduce_quantized(tensor, pg))
+                if quantize
+                else (lambda: pg.allreduce([tensor], dist.ReduceOp.SUM)),
+                two_rounds=quantize,
+            )
+        except Exception as e:
+            on_error(e)
+            return completed_work(tensor)
+
+        def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
+            try:
+                fut.value()
+                if divide_by is not None:
+                    tensor.div_(divide_by)
+            except Exception as e:
+                on_error(e)
+            return tensor
+
+        return FutureWork(work.get_future().then(finish))
+
     def shutdown(self) -> None:
         with self._lock:
             executor, self._executor = self._executor, None

@@ -9,8 +9,9 @@ they train further on wrong weights.
 from __future__ import annotations
 
 import hashlib
+import logging
 import zlib
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -32,6 +33,35 @@ def fingerprint(state: Any) -> str:
     digest = hashlib.blake2b(digest_size=8)
     _update(digest, "", state)
     return digest.hexdigest()
+
+
+def step_fingerprint(
+    step: int,
+    interval: int | None,
+    read_allowed: bool,
+    state: Callable[[], Any],
+    log: logging.LoggerAdapter[logging.Logger],
+) -> str:
+    """The fingerprint of `state()` for this step's quorum to carry to the
+    other replicas, every `interval` committed steps; "" on other steps,
+    while the state is being written (`read_allowed` False: compare another
+    step), or when taking it fails (logged). The Manager takes it when its
+    step begins, because the state is final then (the optimizer stepped
+    after the last commit; this step's forward pass, which may update
+    buffers, has not begun). Each rank sends its own: ranks of one group
+    need not hold the same state, and rank r is compared with rank r of the
+    other groups."""
+    if interval is None or step == 0 or step % interval:
+        return ""
+    if not read_allowed:
+        return ""
+    try:
+        value = fingerprint(state())
+    except Exception as e:
+        log.exception("fingerprint failed, not comparing this step: %s", e)
+        return ""
+    log.debug("state fingerprint %s", value)
+    return value
 
 
 def _update(digest: Any, path: str, value: Any) -> None:

@@ -10,7 +10,6 @@ which peers (recovery.transfer_plan), and when the state is applied.
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable
@@ -21,7 +20,12 @@ from typing import Any
 
 import torch
 
+from lighthouse.member_data import rank_heal_report
+from lighthouse.rpc.tls import TLSConfig
 from torchft_like.checkpointing import CheckpointTransport
+from torchft_like.checkpointing._http_fetch import GONE_AFTER_S
+from torchft_like.manager_client import ManagerClientProtocol
+from torchft_like.manager_config import ManagerConfig
 from torchft_like.recovery import QuorumResult, TransferPlan
 
 
@@ -84,13 +88,32 @@ def receive_state(
         )
     took = time.monotonic() - start
     num_bytes = tensor_bytes(state)
-    report = {
-        "step": result.max_step,
-        "seconds": round(took, 4),
-        "bytes": num_bytes,
-        "source": result.recover_src_manager_address,
-    }
-    return Heal(state=state, seconds=took, num_bytes=num_bytes, report=json.dumps(report))
+    report = rank_heal_report(result.max_step, took, num_bytes, result.recover_src_manager_address)
+    return Heal(state=state, seconds=took, num_bytes=num_bytes, report=report)
+
+
+def ask_metadata(
+    make_client: Callable[[str, timedelta, str | None, TLSConfig | None], ManagerClientProtocol],
+    manager_address: str,
+    group_rank: int,
+    config: ManagerConfig,
+    timeout: timedelta,
+) -> str:
+    """The checkpoint metadata of group rank `group_rank` of the source
+    whose ManagerServer is at `manager_address`. `make_client` is the
+    Manager's ManagerClient (so that tests patching it reach this call).
+
+    The source asked for this quorum moments ago, so it was listening; one
+    that refuses connections for a second (GONE_AFTER_S) has died since:
+    fail the heal (the next quorum leaves it out) rather than wait the
+    whole connect timeout.
+    """
+    connect = min(config.connect_timeout, timedelta(seconds=GONE_AFTER_S))
+    src = make_client(manager_address, connect, config.secret, config.tls)
+    try:
+        return src.checkpoint_metadata(group_rank, timeout)
+    finally:
+        src.close()
 
 
 def _source_metadata(

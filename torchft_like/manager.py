@@ -16,7 +16,6 @@ import logging
 import os
 import threading
 import time
-import uuid
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
@@ -24,31 +23,33 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed import ReduceOp, TCPStore
+from torch.distributed import ReduceOp
 
-from lighthouse.rpc.address import join_host_port, loopback_advertisement_warning
 from lighthouse.rpc.errors import DuplicateGroupError, IncompatibleGroupError, QuorumError
 from lighthouse.rpc.tls import TLSConfig
 from torchft_like import healing, parent_watch
 from torchft_like._state_gate import StateReadGate
+from torchft_like._step_state import StepState
 from torchft_like._training_thread import TrainingThreadReads
-from torchft_like._work import FutureWork, completed_work, or_default
-from torchft_like.checkpointing import CheckpointTransport, HTTPTransport
-from torchft_like.checkpointing._http_fetch import GONE_AFTER_S
-from torchft_like.collectives import InOrderCollectives, allreduce_quantized
-from torchft_like.fingerprint import fingerprint
+from torchft_like._user_state import UserState
+from torchft_like._work import completed_work, or_default
+from torchft_like.checkpointing import CheckpointTransport
+from torchft_like.collectives import InOrderCollectives
+from torchft_like.commit import check_retries, rank_vote
+from torchft_like.fingerprint import step_fingerprint
 from torchft_like.group_quorum import QuorumRequest
 from torchft_like.manager_client import ManagerClient, ManagerClientProtocol
 from torchft_like.manager_config import WorldSizeMode, resolve_config
-from torchft_like.manager_server import LocalManagerClient, ManagerServer
 from torchft_like.metrics import ManagerMetrics
-from torchft_like.process_group import ProcessGroupDummy
-from torchft_like.recovery import QuorumResult, transfer_plan
+from torchft_like.rank_startup import (
+    MANAGER_ADDR_KEY,
+    REPLICA_ID_KEY,
+    check_transport,
+    start_rank_servers,
+)
+from torchft_like.recovery import QuorumResult, participation, transfer_plan
 
 logger = logging.getLogger(__name__)
-
-MANAGER_ADDR_KEY = "manager_addr"
-REPLICA_ID_KEY = "replica_id"
 
 __all__ = ["MANAGER_ADDR_KEY", "REPLICA_ID_KEY", "Manager", "WorldSizeMode"]
 
@@ -136,7 +137,7 @@ class Manager:
         )  # fmt: skip
         self.config = config
         """Every argument and variable, resolved (torchft_like.manager_config)."""
-        _check_transport(checkpoint_transport, config.secret, config.tls)
+        check_transport(checkpoint_transport, config.secret, config.tls)
         if config.exit_with_parent:
             parent_watch.exit_with_parent()
         # Names torchft's Manager has, which its tests and our wrappers read.
@@ -146,7 +147,7 @@ class Manager:
         self._timeout = config.timeout
         self._init_sync = config.init_sync
         self._group_rank = config.rank
-        self._user_state: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
+        self._user_state = UserState()
         if load_state_dict is not None and state_dict is not None:
             self.register_state_dict_fn("default", load_state_dict, state_dict)
 
@@ -158,7 +159,6 @@ class Manager:
         self._fatal: DuplicateGroupError | IncompatibleGroupError | None = None
         """An error that no retry can fix: raised by the next start_quorum/should_commit."""
         self._healing = False
-        self._pending_state_dict: dict[str, Any] | None = None
         self._participating_rank: int | None = None
         self._num_participants = 0
         self._quorum_future: Future[None] | None = None
@@ -170,15 +170,8 @@ class Manager:
         backward pass and allreduces run. A source serves a begun transfer
         until it ends, and it cannot finish its own allreduce, and so step,
         before ours has begun."""
-        self._quorum_max_step = 0
-        self._quorum_error: Exception | None = None
-        """Why this step's quorum failed, if it did."""
-        self._pending_work: list[dist.Work] = []
         self._collectives = InOrderCollectives()
-        self._healed = False
-        self._serving = False
-        self._timings: dict[str, float] = {}
-        self._step_started = 0.0
+        self._step_state = StepState()
         self._heal_report = ""
         """JSON of the last heal, sent with the next quorum request (lighthouse.heals)."""
         self._commit_hooks: list[Callable[[], None]] = []
@@ -190,61 +183,16 @@ class Manager:
         self.metrics = ManagerMetrics(self.replica_id, self._group_rank)
         """This rank's Prometheus metrics (torchft_like.metrics)."""
 
-        self._store = TCPStore(
-            config.store_addr,
-            config.store_port,
-            is_master=False,
-            wait_for_workers=False,
-            timeout=self.config.connect_timeout,
+        started = start_rank_servers(
+            config, pg, checkpoint_transport, self.metrics, ManagerClient, self._logger
         )
-        listen_host = config.bind_host or config.hostname
-        self._checkpoint_transport = checkpoint_transport or HTTPTransport(
-            timeout=self._timeout,
-            hostname=config.hostname,
-            secret=self.config.secret,
-            bind_host=config.bind_host,
-            tls=self.config.tls,
-        )
-        self._manager_server: ManagerServer | None = None
-        prefix = config.store_prefix
-        if self._group_rank == 0:
-            assert config.lighthouse_addr is not None  # resolve_config requires it on rank 0
-            warning = loopback_advertisement_warning(config.hostname, config.lighthouse_addr)
-            if warning:
-                self._logger.warning("%s", warning)
-            full_id = f"{self.replica_id}:{uuid.uuid4()}"
-            self._manager_server = ManagerServer(
-                replica_id=full_id,
-                lighthouse_addr=config.lighthouse_addr,
-                hostname=config.hostname,
-                bind=join_host_port(listen_host, config.port),
-                store_addr=join_host_port(config.store_addr, config.store_port),
-                world_size=self.config.world_size,
-                heartbeat_interval=config.heartbeat_interval,
-                connect_timeout=self.config.connect_timeout,
-                quorum_retries=config.quorum_retries,
-                secret=self.config.secret,
-                tls=self.config.tls,
-                local_collectives=isinstance(pg, ProcessGroupDummy),
-            )
-            self._store.set(prefix + MANAGER_ADDR_KEY, self._manager_server.address())
-            self._store.set(prefix + REPLICA_ID_KEY, full_id)
-        manager_addr = self._store.get(prefix + MANAGER_ADDR_KEY).decode()
-        self.replica_id = self._store.get(prefix + REPLICA_ID_KEY).decode()
-        self._client: ManagerClientProtocol = (
-            LocalManagerClient(self._manager_server)
-            if self._manager_server is not None
-            else ManagerClient(
-                manager_addr, self.config.connect_timeout, self.config.secret, self.config.tls
-            )
-        )
-        # Last, so a failed start leaves no server behind.
-        self._metrics_server = (
-            self.metrics.serve(listen_host, config.metrics_port)
-            if config.metrics_port is not None
-            else None
-        )
-        self._logger.info("manager ready, server %s", manager_addr)
+        self._store = started.store
+        self._checkpoint_transport = started.checkpoint_transport
+        self._manager_server = started.manager_server
+        self.replica_id = started.replica_id
+        self._client: ManagerClientProtocol = started.client
+        self._metrics_server = started.metrics_server
+        self._logger.info("manager ready, server %s", started.manager_address)
 
     # ---- state -------------------------------------------------------------
 
@@ -252,9 +200,7 @@ class Manager:
         self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
     ) -> None:
         """Adds a piece of user state that healing copies from a live peer."""
-        if key in self._user_state:
-            raise ValueError(f"state dict key {key!r} is already registered")
-        self._user_state[key] = (load_state_dict, state_dict)
+        self._user_state.register(key, load_state_dict, state_dict)
 
     def set_state_dict_fns(
         self, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
@@ -301,25 +247,13 @@ class Manager:
     def load_full_state_dict(self, state: dict[str, Any]) -> None:
         """Loads a `full_state_dict()`, e.g. from a durable checkpoint or a
         healing source (torchft's or ours)."""
-        missing = sorted(set(self._user_state) - set(state["user"]))
-        if missing:
-            raise ValueError(
-                f"the state has no {missing} (registered with register_state_dict_fn; it "
-                f"holds {sorted(state['user'])}): register the same keys on every replica and "
-                "as when it was saved (torchft's set_state_dict_fns names its state "
-                "'set_state_dict_fns'; ours and both Manager constructors: 'default')"
-            )
-        for key, (load, _) in self._user_state.items():
-            load(state["user"][key])
+        self._user_state.load(state["user"])  # a missing key: ValueError, nothing loaded
         self.load_state_dict(state["torchft"])
 
     def full_state_dict(self) -> dict[str, Any]:
         """Everything healing copies: every registered state dict ("user")
         and our progress ("torchft"); durable checkpoints save it."""
-        return {
-            "user": {key: fns[1]() for key, fns in self._user_state.items()},
-            "torchft": self.state_dict(),
-        }
+        return {"user": self._user_state.state_dicts(), "torchft": self.state_dict()}
 
     # ---- quorum ------------------------------------------------------------
 
@@ -333,11 +267,14 @@ class Manager:
             raise self._fatal
         self._errored = None
         self._healing = False
-        self._healed = False
-        self._serving = False
-        self._pending_work = []
-        self._step_started = time.monotonic()
-        state_fingerprint = self._take_fingerprint()
+        self._step_state = StepState(started=time.monotonic())
+        state_fingerprint = step_fingerprint(
+            self._step,
+            self.config.fingerprint_interval,
+            self._state_read_gate.allowed,
+            self._fingerprint_fn or (lambda: self.full_state_dict()["user"]),
+            self._logger,
+        )
         self._collectives_ready.clear()
         self._quorum_future = self._executor.submit(
             self._async_quorum,
@@ -355,14 +292,14 @@ class Manager:
         # behind it receives the state while its backward pass runs.
         if self._init_sync and self._step == 0 and self._use_async_quorum:
             self._wait_collectives_ready()
-            if self._quorum_error is None and self._quorum_max_step > 0:
+            if self._step_state.quorum_error is None and self._step_state.quorum_max_step > 0:
                 return
         if not self._use_async_quorum or (self._init_sync and self._step == 0):
             self.wait_quorum()
-            if not self._use_async_quorum and self._quorum_error is not None:
+            if not self._use_async_quorum and self._step_state.quorum_error is not None:
                 # Synchronous callers get the failure where they asked, as
                 # from torchft; it is also recorded, so the step cannot commit.
-                raise self._quorum_error
+                raise self._step_state.quorum_error
             if self._healing and self._errored is None:
                 self._apply_pending_state_dict()
 
@@ -378,33 +315,10 @@ class Manager:
         assert self._quorum_future is not None, "call start_quorum() first"
         self._training_thread.wait(self._collectives_ready.is_set)
 
-    def _take_fingerprint(self) -> str:
-        """Every `fingerprint_interval` committed steps, a fingerprint of our
-        state for this step's quorum to carry to the other replicas. Taken
-        here because the state is final (the optimizer stepped after the last
-        commit; this step's forward pass, which may update buffers, has not
-        begun). Each rank sends its own: ranks of one group need not hold the
-        same state, and rank r is compared with rank r of the other groups."""
-        interval = self.config.fingerprint_interval
-        if interval is None or self._step == 0 or self._step % interval:
-            return ""
-        if not self._state_read_gate.allowed:  # being written: compare another step
-            return ""
-        try:
-            fn = self._fingerprint_fn
-            value = fingerprint(fn() if fn else self.full_state_dict()["user"])
-        except Exception as e:
-            self._logger.exception("fingerprint failed, not comparing this step: %s", e)
-            return ""
-        self._logger.debug("state fingerprint %s", value)
-        return value
-
     def _async_quorum(
         self, allow_heal: bool, shrink_only: bool, timeout: timedelta, state_fingerprint: str = ""
     ) -> None:
         start = time.monotonic()
-        self._timings = {}
-        self._quorum_error = None
         try:
             request = QuorumRequest(
                 group_rank=self._group_rank,
@@ -418,28 +332,30 @@ class Manager:
             )
             result = self._client.quorum(request, timeout)
             self._heal_report = ""
-            self._timings["quorum_s"] = time.monotonic() - start
-            self.metrics.quorum_seconds.observe(self._timings["quorum_s"])
+            self._step_state.timings["quorum_s"] = time.monotonic() - start
+            self.metrics.quorum_seconds.observe(self._step_state.timings["quorum_s"])
             self._apply_quorum(result, allow_heal)
         except (DuplicateGroupError, IncompatibleGroupError) as e:
             self._logger.error("quorum refused, stopping: %s", e)
             self._fatal = e
             self.report_error(e)
-        except QuorumError as e:  # expected when peers or the lighthouse fail: no traceback
-            self._logger.warning("quorum failed: %s", e)
-            self._quorum_error = e
-            self.report_error(e)
         except Exception as e:
-            self._logger.exception("quorum failed: %s", e)
-            self._quorum_error = e
+            # A QuorumError is expected when peers or the lighthouse fail: no traceback.
+            log = self._logger.warning if isinstance(e, QuorumError) else self._logger.exception
+            log("quorum failed: %s", e)
+            self._step_state.quorum_error = e
             self.report_error(e)
         finally:
             self._collectives_ready.set()
 
     def _apply_quorum(self, result: QuorumResult, allow_heal: bool) -> None:
-        self._set_participation(result, allow_heal)
-        self.metrics.quorum_id.set(result.quorum_id)
-        self.metrics.participants.set(self._num_participants)
+        spares = self.config.world_size_mode == WorldSizeMode.FIXED_WITH_SPARES
+        self._num_participants, self._participating_rank = participation(
+            result,
+            every_member_counts=allow_heal and not self._use_async_quorum,
+            max_participants=self.config.min_replica_size if spares else None,
+        )
+        self.metrics.record_quorum(result.quorum_id, self._num_participants)
         if result.quorum_id != self._quorum_id:
             store = f"{result.store_address}/torchft/{result.quorum_id}/{self._group_rank}"
             self._logger.info(
@@ -456,61 +372,34 @@ class Manager:
         transport = self._checkpoint_transport
         plan = transfer_plan(result, self.config.heal_sources if transport.can_stripe else 1)
         if allow_heal and plan.serve_to:
-            self._serving = True
+            self._step_state.serving = True
             self._logger.info("serving state to replica ranks %s", list(plan.serve_to))
             # Read by the training thread (see _training_thread): no gate, it
             # cannot be writing the state while it waits on us.
             state = self._training_thread.read(self.full_state_dict, self._timeout.total_seconds())
             transport.send_checkpoint(list(plan.serve_to), self._step, state, self._timeout)
-        self._quorum_max_step = result.max_step
+        self._step_state.quorum_max_step = result.max_step
         if not (allow_heal and result.heal):
             self._collectives_ready.set()
         if allow_heal and result.heal:
-            self._healing = self._healed = True
+            self._healing = self._step_state.healed = True
             heal = healing.receive_state(
                 transport, result, plan, self._timeout, self._metadata_of,
                 self._collectives_ready.set, self._logger,
             )  # fmt: skip
-            self._pending_state_dict = heal.state
-            self._timings["heal_recv_s"] = heal.seconds
+            self._step_state.pending_state_dict = heal.state
+            self._step_state.timings["heal_recv_s"] = heal.seconds
             self._heal_report = heal.report
-            self.metrics.heals.inc()
-            self.metrics.heal_bytes.inc(heal.num_bytes)
-            self.metrics.heal_seconds.observe(heal.seconds)
+            self.metrics.record_heal(heal.num_bytes, heal.seconds)
 
     def _metadata_of(self, manager_address: str) -> str:
-        # The source asked for this quorum moments ago, so it was listening;
-        # one that refuses connections for a second (GONE_AFTER_S) has died
-        # since: fail the heal (the next quorum leaves it out) rather than
-        # wait the whole connect timeout.
-        connect = min(self.config.connect_timeout, timedelta(seconds=GONE_AFTER_S))
-        src = ManagerClient(manager_address, connect, self.config.secret, self.config.tls)
-        try:
-            return src.checkpoint_metadata(self._group_rank, self._timeout)
-        finally:
-            src.close()
-
-    def _set_participation(self, result: QuorumResult, allow_heal: bool) -> None:
-        """Replicas at max_step count; every replica derives the same count
-        from the quorum. One behind heals this step and contributes zeros (at
-        max_step 0 the init_sync healing is applied before the forward pass,
-        see start_quorum, so those replicas count). With a synchronous quorum
-        every replica of the quorum counts, as in torchft: a replica that
-        heals has its state before the forward pass (start_quorum)."""
-        if self._use_async_quorum or not allow_heal:
-            count, rank = result.max_world_size, result.max_replica_rank
-        else:
-            count, rank = result.replica_world_size, result.replica_rank
-        if self.config.world_size_mode == WorldSizeMode.FIXED_WITH_SPARES:
-            count = min(count, self.config.min_replica_size)
-            if rank is not None and rank >= count:
-                rank = None
-        self._num_participants = count
-        self._participating_rank = rank
+        return healing.ask_metadata(
+            ManagerClient, manager_address, self._group_rank, self.config, self._timeout
+        )
 
     def _apply_pending_state_dict(self) -> None:
-        assert self._pending_state_dict is not None, "healing without a received state"
-        state, self._pending_state_dict = self._pending_state_dict, None
+        assert self._step_state.pending_state_dict is not None, "healing without a received state"
+        state, self._step_state.pending_state_dict = self._step_state.pending_state_dict, None
         self.load_full_state_dict(state)  # a key the source lacks: a ValueError naming it
         self._healing = False
         self._logger.info("healed: loaded the live state at step %d", self._step)
@@ -554,34 +443,11 @@ class Manager:
             return completed_work(tensor)
         if self._participating_rank is None:
             tensor.zero_()
-        num_participants = self._num_participants
-        try:
-            quantize = should_quantize and torch.is_floating_point(tensor)
-            pg = self._pg
-            work = self._collectives.issue(
-                (lambda: allreduce_quantized(tensor, pg))
-                if quantize
-                else (lambda: pg.allreduce([tensor], ReduceOp.SUM)),
-                two_rounds=quantize,
-            )
-
-            def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
-                # wrap_future's contract in one callback (one future less
-                # per bucket): an error is recorded, the value is the tensor.
-                try:
-                    fut.value()
-                    if reduce_op == ReduceOp.AVG:
-                        tensor.div_(num_participants)
-                except Exception as e:
-                    self.report_error(e)
-                return tensor
-
-            managed = FutureWork(work.get_future().then(finish))
-            self._pending_work.append(managed)
-            return managed
-        except Exception as e:
-            self.report_error(e)
-            return completed_work(tensor)
+        divide_by = self._num_participants if reduce_op == ReduceOp.AVG else None
+        quantize = should_quantize and torch.is_floating_point(tensor)
+        work = self._collectives.allreduce(tensor, self._pg, quantize, divide_by, self.report_error)
+        self._step_state.pending_work.append(work)
+        return work
 
     def wrap_future(
         self, fut: torch.futures.Future[Any], default: Any, timeout: timedelta | None = None
@@ -626,21 +492,21 @@ class Manager:
                 self.report_error(e)
         for hook in self._commit_hooks:
             hook()
-        for work in self._pending_work:
+        for work in self._step_state.pending_work:
             work.wait()  # never raises: wrap_future recorded any error
-        self._pending_work = []
+        self._step_state.pending_work.clear()
         self._checkpoint_transport.disallow_checkpoint()
         pg_error = self._pg.errored() if hasattr(self._pg, "errored") else None
         if pg_error is not None:
             self.report_error(pg_error)
-        enough = self._num_participants >= self.config.min_replica_size
-        vote = self._errored is None and enough and not self._healing
-        if self._errored is None and not enough:
-            self._logger.info(
-                "too few replicas to commit: %d < min_replica_size %d",
-                self._num_participants,
-                self.config.min_replica_size,
-            )
+        vote, too_few = rank_vote(
+            self._errored is not None,
+            self._healing,
+            self._num_participants,
+            self.config.min_replica_size,
+        )
+        if too_few:
+            self._logger.info("%s", too_few)
         vote_error: Exception | None = None
         try:
             decision = self._client.should_commit(
@@ -649,27 +515,18 @@ class Manager:
         except Exception as e:
             self.report_error(e)
             decision, vote_error = False, e
-        self.metrics.step_seconds.observe(time.monotonic() - self._step_started)
         if decision:
             self._step += 1
             self._batches_committed += self._num_participants
             self._commit_failures = 0
-            self.metrics.committed_steps.inc()
-            self.metrics.step.set(self._step)
         else:
             self._commit_failures += 1
-            self.metrics.commit_failures.inc()
+        self.metrics.record_step(decision, self._step, time.monotonic() - self._step_state.started)
+        if not decision:
             self._logger.info("step not committed (%d in a row)", self._commit_failures)
             if vote_error is not None and not self._use_async_quorum:
                 raise vote_error  # synchronous callers get it, as from torchft
-            if (
-                self.config.max_retries is not None
-                and self._commit_failures > self.config.max_retries
-            ):
-                raise RuntimeError(
-                    f"{self._commit_failures} steps in a row failed to commit, more than "
-                    f"max_retries={self.config.max_retries}; last error: {self._errored}"
-                )
+            check_retries(self._commit_failures, self.config.max_retries, self._errored)
         return decision
 
     # ---- introspection -----------------------------------------------------
@@ -704,7 +561,7 @@ class Manager:
 
     def did_heal(self) -> bool:
         """Whether this step's quorum made us copy the state from a peer."""
-        return self._healed
+        return self._step_state.healed
 
     def is_serving_state(self) -> bool:
         """Whether this step's quorum made us serve our state to a healing
@@ -712,7 +569,7 @@ class Manager:
         caller that writes them before (DiLoCo's inner steps while a sync is
         in flight) waits for the peer first."""
         self.wait_quorum()
-        return self._serving
+        return self._step_state.serving
 
     def metrics_address(self) -> str | None:
         """`http://host:port/metrics` of this rank's metrics, or None when not served."""
@@ -721,7 +578,7 @@ class Manager:
     def timings(self) -> dict[str, float]:
         """Seconds spent on this step's quorum (`quorum_s`), and on receiving a
         healing state (`heal_recv_s`) when there was one."""
-        return dict(self._timings)
+        return dict(self._step_state.timings)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stops the servers and unblocks every background wait."""
@@ -735,22 +592,3 @@ class Manager:
         self._collectives.shutdown()
         if hasattr(self._pg, "shutdown"):
             self._pg.shutdown()
-
-
-def _check_transport(
-    transport: CheckpointTransport | None, secret: str | None, tls: TLSConfig | None
-) -> None:
-    """A given HTTPTransport must share the Manager's secret and TLS, or peers cannot fetch."""
-    if not isinstance(transport, HTTPTransport):
-        return
-    if transport.secret != secret:
-        raise ValueError(
-            "checkpoint_transport's secret differs from the Manager's (TORCHFT_SECRET_FILE "
-            "or TORCHFT_SECRET): pass HTTPTransport(..., secret=...) the same secret, or "
-            "the peers cannot fetch from each other"
-        )
-    if transport.tls != tls:
-        raise ValueError(
-            "checkpoint_transport's TLS configuration differs from the Manager's "
-            "(TORCHFT_TLS_*): pass HTTPTransport(..., tls=...) the same TLSConfig"
-        )

@@ -13,9 +13,9 @@ import asyncio
 import logging
 import os
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from datetime import timedelta
-from typing import Any, Generic, TypeVar
+from typing import Any
 
 from grpc import aio
 
@@ -37,6 +37,7 @@ from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.rpc.tls import TLSConfig, scheme
 from torchft_like import wire
+from torchft_like._round import Round
 from torchft_like.group_quorum import QuorumRequest, merge_requests
 from torchft_like.manager_client import ManagerClient
 from torchft_like.recovery import QuorumResult, compute_quorum_result
@@ -44,66 +45,20 @@ from torchft_like.recovery import QuorumResult, compute_quorum_result
 __all__ = ["LocalManagerClient", "ManagerClient", "ManagerServer"]
 
 logger = logging.getLogger(__name__)
-T = TypeVar("T")
 
 MAX_WAIT_S = 24 * 3600.0
 """Bound of a call that came without a deadline."""
 
 LEAVE_TIMEOUT = timedelta(milliseconds=300)
+"""Bound of the Leave at shutdown, so that shutdown stays under a second."""
 MAX_ADVISED_HEARTBEAT_S = 30.0
 """Longest lighthouse-advised heartbeat period followed (the lighthouse keeps
 its advice under a third of its heartbeat timeout; this bounds a bad one)."""
-"""Bound of the Leave at shutdown, so that shutdown stays under a second."""
 
 
 def retry_delay_s(num_failures: int) -> float:
     """Backoff before the next lighthouse attempt: 0.1 s doubling to 1 s."""
     return min(1.0, 0.1 * 2**num_failures)
-
-
-@dataclass
-class _Round(Generic[T]):
-    """Calls of one collective gathering (a quorum or a commit vote) by group rank."""
-
-    calls: dict[int, T] = field(default_factory=dict)
-    futures: dict[int, asyncio.Future[Any]] = field(default_factory=dict)
-    deadlines: dict[int, float] = field(default_factory=dict)
-    """Deadline (monotonic) of each waiting call; the earliest bounds the whole
-    wait. Per call, so that a call that gave up takes its deadline with it."""
-    asked: set[int] = field(default_factory=set)
-    """Every rank that called in this round, also those that gave up since."""
-
-    def join(self, group_rank: int, call: T, deadline: float) -> asyncio.Future[Any]:
-        """Registers a rank's call; a second call of the same rank supersedes the first."""
-        old = self.futures.get(group_rank)
-        if old is not None and not old.done():
-            old.set_exception(QuorumError(f"group rank {group_rank} asked again; superseded"))
-        future: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-        self.calls[group_rank] = call
-        self.futures[group_rank] = future
-        self.deadlines[group_rank] = deadline
-        self.asked.add(group_rank)
-        return future
-
-    def leave(self, group_rank: int, future: asyncio.Future[Any]) -> None:
-        """Drops a call that gave up unanswered, so it is not counted nor answered."""
-        if self.futures.get(group_rank) is future and not future.done():
-            del self.calls[group_rank], self.futures[group_rank]
-            self.deadlines.pop(group_rank, None)
-
-    def missing(self, world_size: int) -> list[int]:
-        """Ranks without a waiting call: the round completes when there are none."""
-        return [rank for rank in range(world_size) if rank not in self.calls]
-
-    def stall_reason(self, world_size: int, what: str, wait_s: float) -> str:
-        """Who kept the round from completing: ranks that never called, and
-        ranks that called but gave up before the others came."""
-        never = [rank for rank in range(world_size) if rank not in self.asked]
-        gave_up = sorted(self.asked - self.calls.keys())
-        reason = f"group ranks {never} did not {what} within {wait_s:.1f} s"
-        if gave_up:
-            reason += f" (ranks {gave_up} did but gave up waiting)"
-        return reason
 
 
 class ManagerServer:
@@ -167,8 +122,8 @@ class ManagerServer:
             tls.require_server("manager server")
         self._tls = tls
         self._checkpoint_metadata: dict[int, str] = {}
-        self._quorum_round: _Round[QuorumRequest] = _Round()
-        self._votes: dict[int, _Round[bool]] = {}
+        self._quorum_round: Round[QuorumRequest] = Round()
+        self._votes: dict[int, Round[bool]] = {}
         self._stopped = False
         host, port = parse_bind(bind)
         self._loop = BackgroundLoop(f"manager-server-{replica_id}")
@@ -224,7 +179,7 @@ class ManagerServer:
         rnd = self._quorum_round
         future = rnd.join(request.group_rank, request, time.monotonic() + wait_s)
         if not rnd.missing(self._world_size):
-            self._quorum_round = _Round()
+            self._quorum_round = Round()
             asyncio.get_running_loop().create_task(self._lighthouse_quorum(rnd))
 
         def stalled() -> QuorumTimeoutError:
@@ -245,7 +200,7 @@ class ManagerServer:
         finally:
             rnd.leave(request.group_rank, future)
 
-    async def _lighthouse_quorum(self, rnd: _Round[QuorumRequest]) -> None:
+    async def _lighthouse_quorum(self, rnd: Round[QuorumRequest]) -> None:
         group = merge_requests(
             rnd.calls,
             self.replica_id,
@@ -375,7 +330,7 @@ class ManagerServer:
         """
         self._check_rank(group_rank)
         wait_s = MAX_WAIT_S if timeout_s is None else timeout_s
-        rnd = self._votes.setdefault(step, _Round())
+        rnd = self._votes.setdefault(step, Round())
         future = rnd.join(group_rank, vote, time.monotonic() + wait_s)
         if not rnd.missing(self._world_size):
             del self._votes[step]

@@ -96,6 +96,25 @@ class ManagerMetrics:
             "Replica groups at the max step in the current quorum (they average gradients)",
         )
 
+    def record_quorum(self, quorum_id: int, num_participants: int) -> None:
+        self.quorum_id.set(quorum_id)
+        self.participants.set(num_participants)
+
+    def record_heal(self, num_bytes: int, seconds: float) -> None:
+        self.heals.inc()
+        self.heal_bytes.inc(num_bytes)
+        self.heal_seconds.observe(seconds)
+
+    def record_step(self, committed: bool, step: int, seconds: float) -> None:
+        """One should_commit's outcome: `step` is the step after it, `seconds`
+        the time since start_quorum."""
+        self.step_seconds.observe(seconds)
+        if committed:
+            self.committed_steps.inc()
+            self.step.set(step)
+        else:
+            self.commit_failures.inc()
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 

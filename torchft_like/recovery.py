@@ -181,6 +181,33 @@ def compute_quorum_result(
     )
 
 
+def participation(
+    result: QuorumResult, every_member_counts: bool, max_participants: int | None
+) -> tuple[int, int | None]:
+    """How many replicas count in this step's collectives, and our rank
+    among them (None: we contribute zeros).
+
+    Replicas at max_step count; every replica derives the same count from
+    the quorum. One behind heals this step and contributes zeros (at
+    max_step 0 the init_sync healing is applied before the forward pass, so
+    those replicas count). `every_member_counts` (a synchronous quorum that
+    may heal) counts every replica of the quorum, as in torchft: a replica
+    that heals has its state before the forward pass. `max_participants`
+    (WorldSizeMode.FIXED_WITH_SPARES: min_replica_size) caps the count; the
+    replicas ranked past it are spares.
+    """
+    rank: int | None
+    if every_member_counts:
+        count, rank = result.replica_world_size, result.replica_rank
+    else:
+        count, rank = result.max_world_size, result.max_replica_rank
+    if max_participants is not None:
+        count = min(count, max_participants)
+        if rank is not None and rank >= count:
+            rank = None
+    return count, rank
+
+
 def heal_sources(result: QuorumResult, cap: int | None) -> list[tuple[int, str]]:
     """(replica rank, ManagerServer address) of the peers a healing rank
     fetches from: its primary alone, or with striping the first `cap` of
