@@ -294,7 +294,7 @@ def twin_refusal(
 
 
 def compute_quorum(now: float, state: LighthouseState, config: LighthouseConfig) -> QuorumDecision:
-    """Decides whether a quorum can be issued now, following the quorum rule in docs/architecture.md."""
+    """Decides whether a quorum can be issued now (docs/architecture.md, "The quorum rule")."""
     heard = healthy_replicas(now, state.heartbeats, config.heartbeat_timeout_ms)
     gone = heard & stream_closed_since_heartbeat(state.heartbeats, state.streams_closed)
     # Hung (e.g. SIGSTOP): silent far past its rhythm; left out like the dead,
