@@ -560,10 +560,10 @@ def test_the_checkpoint_server_serves_a_valid_checkpoint_after_the_fuzzing(sourc
 
 def test_a_connection_that_never_sends_is_dropped_and_frees_its_thread(source, monkeypatch):
     """A peer that opens connections and goes silent must not pin server threads."""
-    from torchft_like.checkpointing import http_transport
+    from torchft_like.checkpointing import _http_serve
 
-    assert 0 < http_transport._Handler.timeout <= 300
-    monkeypatch.setattr(http_transport._Handler, "timeout", 0.3)  # not a minute in a test
+    assert 0 < _http_serve.Handler.timeout <= 300
+    monkeypatch.setattr(_http_serve.Handler, "timeout", 0.3)  # not a minute in a test
     transport, _ = source
     port = urlsplit(transport.metadata()).port
     before = threading.active_count()
@@ -672,9 +672,9 @@ def test_a_flood_of_hang_ups_and_idle_connections_leaves_the_status_page_quiet_a
 def test_the_http_servers_bound_their_backlog_and_idle_connections():
     from lighthouse import status
     from lighthouse.rpc.http_server import BACKLOG, QuietHTTPServer
-    from torchft_like.checkpointing import http_transport
+    from torchft_like.checkpointing import _http_serve
 
     assert QuietHTTPServer.request_queue_size == BACKLOG >= 128
-    assert issubclass(http_transport._Server, QuietHTTPServer)
+    assert issubclass(_http_serve.Server, QuietHTTPServer)
     assert 0 < status.HANDLER_TIMEOUT_S <= 30
-    assert 0 < http_transport._Handler.timeout <= 300
+    assert 0 < _http_serve.Handler.timeout <= 300

@@ -42,9 +42,16 @@ class Group(threading.Thread):
     """One replica group of one rank: `steps` committed steps (or until
     `stop`), or the error that stopped it, and how long it took to get it."""
 
-    def __init__(self, kind: str, lighthouse: str, steps: int = STEPS) -> None:
+    def __init__(
+        self,
+        kind: str,
+        lighthouse: str,
+        steps: int = STEPS,
+        torchft_quorum_timeout: timedelta = TORCHFT_QUORUM_TIMEOUT,
+    ) -> None:
         super().__init__(name=kind, daemon=True)
         self.kind, self.lighthouse, self.steps = kind, lighthouse, steps
+        self.torchft_quorum_timeout = torchft_quorum_timeout
         self.stop = threading.Event()
         self.committed: list[float] = []
         self.error: BaseException | None = None
@@ -59,7 +66,7 @@ class Group(threading.Thread):
                 self.error = RuntimeError("skip: this torchft has no reconfigure handles")
                 return
             pg = torchft_pg.ProcessGroupGloo(timeout=T)
-            kwargs["quorum_timeout"] = TORCHFT_QUORUM_TIMEOUT
+            kwargs["quorum_timeout"] = self.torchft_quorum_timeout
             manager: Any = torchft_manager.Manager(pg=pg, **kwargs)
         else:
             manager = Manager(pg=ProcessGroupGloo(timeout=T), exit_with_parent=False, **kwargs)
@@ -114,14 +121,16 @@ def joining_a_training_torchft_job(lighthouse: Any) -> tuple[Group, Group, int]:
     """A torchft group trains; a torchft_like group joins. Returns both and
     how many steps the torchft group had committed when ours stopped."""
     try:
-        theirs = Group("torchft", lighthouse.address(), steps=1000)
+        # torchft's lighthouse forgets our stopped group only when its
+        # heartbeats lapse: the torchft quorum must outlast that, under load too.
+        theirs = Group("torchft", lighthouse.address(), 1000, 3 * TORCHFT_QUORUM_TIMEOUT)
         deadline = time.monotonic() + 20
         while len(theirs.committed) < 2 and theirs.is_alive() and time.monotonic() < deadline:
             time.sleep(0.02)
         ours = Group("torchft_like", lighthouse.address())
         ours.join(timeout=40)
         at_refusal = len(theirs.committed)
-        deadline = time.monotonic() + 3 * HEARTBEAT_TIMEOUT_MS / 1000
+        deadline = time.monotonic() + 5 * HEARTBEAT_TIMEOUT_MS / 1000
         while len(theirs.committed) < at_refusal + STEPS and time.monotonic() < deadline:
             time.sleep(0.02)
         theirs.stop.set()

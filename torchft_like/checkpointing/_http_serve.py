@@ -1,0 +1,210 @@
+"""The serving side of HTTPTransport: the staged state of one step, and the
+HTTP handler that streams it (our format whole or in checksummed chunks, or
+torchft's) to a healing peer. See http_transport for the protocol."""
+
+from __future__ import annotations
+
+import logging
+import re
+import socket
+import threading
+from datetime import timedelta
+from http.server import BaseHTTPRequestHandler
+from typing import TYPE_CHECKING, Any
+from urllib.parse import parse_qs, urlsplit
+
+from lighthouse.rpc import auth
+from lighthouse.rpc.http_server import QuietHTTPServer
+from torchft_like.checkpointing import _checksum, _format, _torchft_http
+from torchft_like.checkpointing._http_fetch import SLICE
+
+if TYPE_CHECKING:  # http_transport imports this module
+    from torchft_like.checkpointing.http_transport import HTTPTransport
+
+logger = logging.getLogger("torchft_like.checkpointing.http_transport")  # one name per transport
+
+MAX_CHUNKS = 256
+
+
+class Staged:
+    """The state of one step as served: the live tensors and the encoded header."""
+
+    def __init__(self, step: int, state_dict: Any, timeout: timedelta) -> None:
+        tree, self.tensors = _format.flatten(state_dict)
+        self.state = state_dict
+        self._cpu_state: Any = None
+        self._lock = threading.Lock()
+        self.step = step
+        self.timeout = timeout
+        self.header = _format.encode_header(step, tree, _checksum.DEFAULT)
+        self.nbytes = [t.numel() * t.element_size() for t in self.tensors]
+        self.checksums: dict[tuple[int, int, int], int] = {}
+        """Per (tensor index, offset, length) segment, computed while it is
+        first sent: once per served step, not once per receiver or retry."""
+
+    def cpu_state(self) -> Any:
+        """The state with its tensors on the CPU, for torchft receivers;
+        copied once per step, and only if a torchft receiver asks."""
+        with self._lock:
+            if self._cpu_state is None:
+                self._cpu_state = _torchft_http.on_cpu(self.state)
+            return self._cpu_state
+
+
+class Server(QuietHTTPServer):
+    service = "checkpoint server"
+    transport: HTTPTransport  # its _begin and _end hand a staged step over
+    refusals: auth.RefusalLog
+
+
+class Server6(Server):
+    address_family = socket.AF_INET6
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True
+    default_request_version = "HTTP/1.0"
+    """A two-word request line ("GET /x") is answered with a status line too,
+    not in HTTP/0.9's bare-body style that a client cannot tell from data."""
+    timeout = 60.0
+    """Seconds a socket operation may wait: a peer that connects and goes
+    silent is dropped instead of pinning a server thread for good."""
+    server: Server
+
+    def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+        why = auth.http_refusal(self.headers, self.server.transport.secret, "checkpoint server")
+        if why is not None:
+            self.server.refusals.refused(self.client_address[0], "a checkpoint GET", why)
+            return self._refuse(401, why, auth.WWW_AUTHENTICATE)
+        try:
+            url = urlsplit(self.path)
+        except ValueError as e:  # e.g. "http://[" as the target
+            return self._refuse(400, f"unparsable request target {self.path[:100]!r}: {e}")
+        match = re.fullmatch(r"(?:/torchft_like)?/checkpoint/(\d{1,19})", url.path)
+        if match is None:
+            torchft = re.fullmatch(r"(?:/torchft_like)?/checkpoint/(\d{1,19})/([^/]*)", url.path)
+            if torchft is not None:
+                return self._serve_torchft(int(torchft[1]), torchft[2])
+            return self._refuse(
+                404,
+                f"unknown path {url.path!r}; use /checkpoint/{{step}}, or torchft's "
+                f"{_torchft_http.OWN_PATH}{{step}}/{_torchft_http.KEY}",
+            )
+        try:
+            chunk, of = parse_chunk(url.query)
+        except ValueError as e:
+            return self._refuse(400, str(e))
+        staged, code, message = self.server.transport._begin(int(match[1]), self.connection)
+        if staged is None:
+            return self._refuse(code, message)
+        try:
+            self._send_state(staged, chunk, of)
+        except OSError as e:
+            self.close_connection = True
+            logger.warning("transfer of step %d to %s ended early: %s", staged.step,
+                           self.client_address[0], e)  # fmt: skip
+        finally:
+            self.server.transport._end(self.connection)
+
+    def _serve_torchft(self, step: int, key: str) -> None:
+        """torchft's scheme: the whole state of `step`, torch's streaming format."""
+        if key != _torchft_http.KEY:
+            return self._refuse(
+                400,
+                f"key {key!r} is not served: torchft_like serves torchft's checkpoint format "
+                f"whole only, at {_torchft_http.OWN_PATH}{{step}}/{_torchft_http.KEY} "
+                "(torchft's HTTPTransport with num_chunks=0, its Manager's default)",
+            )
+        transport = self.server.transport
+        staged, code, message = transport._begin(step, self.connection, wait=True)
+        if staged is None:
+            return self._refuse(code, message)
+        try:
+            state = staged.cpu_state()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/octet-stream")
+            self.send_header("Connection", "close")  # the body ends when the connection does
+            self.end_headers()
+            self.close_connection = True
+            _torchft_http.encode(state, self.wfile)
+        except OSError as e:
+            logger.warning("transfer of step %d to %s (torchft's format) ended early: %s",
+                           staged.step, self.client_address[0], e)  # fmt: skip
+        except Exception as e:  # e.g. a value torch.save cannot pickle: the body stops short
+            self.close_connection = True
+            logger.error("cannot send step %d to %s in torchft's format: %s: %s", staged.step,
+                         self.client_address[0], type(e).__name__, e)  # fmt: skip
+        finally:
+            transport._end(self.connection)
+
+    def _not_allowed(self) -> None:
+        body = f"method {self.command} not allowed; only GET is served".encode()
+        self.send_response(405)
+        self.send_header("Allow", "GET")
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header("Connection", "close")  # a request body, if any, stays unread
+        self.end_headers()
+        if self.command != "HEAD":
+            self.wfile.write(body)
+
+    # Known methods get 405 (not http.server's 501); unknown ones keep 501 (RFC 9110).
+    do_HEAD = do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _not_allowed  # noqa: N815
+    do_TRACE = do_CONNECT = _not_allowed  # noqa: N815
+
+    def _send_state(self, staged: Staged, chunk: int, of: int) -> None:
+        start, end = _format.chunk_ranges(sum(staged.nbytes), of)[chunk]
+        segments = _format.segments(staged.nbytes, start, end)
+        trailer_len = _checksum.ITEM.size * len(segments)
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(len(staged.header) + end - start + trailer_len))
+        self.end_headers()
+        self.connection.sendall(staged.header)
+        update = _checksum.updater(_checksum.DEFAULT)
+        trailer = bytearray()
+        for segment in segments:
+            index, offset, length = segment
+            known = staged.checksums.get(segment)
+            crc = 0
+            flat = _format.flat_bytes(staged.tensors[index])
+            for lo in range(offset, offset + length, SLICE):
+                piece = flat[lo : min(lo + SLICE, offset + length)]
+                piece = piece if piece.device.type == "cpu" else piece.cpu()
+                view = _format.memview(piece)
+                if known is None:  # about 0.6 ms per 8 MB slice, next to 5-8 ms of sendall
+                    crc = update(view, crc)
+                self.connection.sendall(view)
+            if known is None:
+                staged.checksums[segment] = known = crc
+            trailer += _checksum.ITEM.pack(known)
+        self.connection.sendall(trailer)
+
+    def _refuse(self, code: int, message: str, *headers: tuple[str, str]) -> None:
+        body = message.encode()
+        self.send_response(code)
+        for name, value in headers:
+            self.send_header(name, value)
+        self.send_header("Content-Type", "text/plain; charset=utf-8")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, format: str, *args: Any) -> None:
+        logger.debug("checkpoint server: " + format, *args)
+
+
+def parse_chunk(query: str) -> tuple[int, int]:
+    if not query:
+        return 0, 1
+    params = parse_qs(query, keep_blank_values=True)
+    try:
+        if set(params) != {"chunk", "of"} or len(params["chunk"] + params["of"]) != 2:
+            raise ValueError
+        chunk, of = int(params["chunk"][0]), int(params["of"][0])
+    except ValueError:
+        raise ValueError(f"bad query {query!r}; use ?chunk=i&of=n") from None
+    if not (1 <= of <= MAX_CHUNKS and 0 <= chunk < of):
+        raise ValueError(f"chunk={chunk}&of={of} needs 0 <= chunk < of <= {MAX_CHUNKS}")
+    return chunk, of
