@@ -85,7 +85,9 @@ def losses(text: str) -> dict[int, float]:
 
 
 class JobFailed(AssertionError):
-    pass
+    def __init__(self, what: str, log: str) -> None:
+        self.first_error = first_error(log)
+        super().__init__(f"{what}: {self.first_error}\n{log[-6000:]}")
 
 
 def run_job(children, tmp_path: Path, impl: str, mode: Mode, kill: bool = True) -> Run:
@@ -101,7 +103,7 @@ def run_job(children, tmp_path: Path, impl: str, mode: Mode, kill: bool = True) 
         while max(losses(read(logs[1])), default=0) < mode.kill_at:
             for proc, log in ((survivor, logs[0]), (second, logs[1])):
                 if proc.poll() is not None:
-                    raise JobFailed(f"{impl} {log.name} ended early:\n{read(log)[-6000:]}")
+                    raise JobFailed(f"{impl} {log.name} ended early", read(log))
             assert time.monotonic() < deadline, f"group 1 never reached step {mode.kill_at}"
             time.sleep(0.2)
         kill_tree(second.pid)
@@ -109,7 +111,7 @@ def run_job(children, tmp_path: Path, impl: str, mode: Mode, kill: bool = True) 
     for proc, log in ((survivor, logs[0]), (second, logs[2 if kill else 1])):
         rc = proc.wait(timeout=max(1, deadline + 300 - time.monotonic()))
         if rc != 0:
-            raise JobFailed(f"{impl} {log.name} exited {rc}:\n{read(log)[-6000:]}")
+            raise JobFailed(f"{impl} {log.name} exited {rc}", read(log))
     texts = [read(log) for log in logs]
     return Run(texts, [losses(t) for t in texts], time.monotonic() - start)
 
@@ -148,7 +150,7 @@ def test_a_killed_group_heals_from_its_peer_and_trains_on(children, tmp_path, na
         # pytorch/torchft cannot run this mode (torchtitan #4753 and the like):
         # compare with our own run of it without a kill.
         children.kill_all()
-        print(f"\n{name}: pytorch/torchft failed: {first_error(str(e))}")
+        print(f"\n{name}: pytorch/torchft failed: {e.first_error}")
         reference = run_job(children, tmp_path, "torchft_like", mode, kill=False)
         against = "torchft_like without a kill"
 
