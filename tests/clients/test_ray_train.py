@@ -26,10 +26,12 @@ def test_a_failed_worker_is_replaced_heals_from_a_survivor_and_ends_identical(ch
     assert rc == 0, text[-6000:]
     assert "replicas identical: yes" in text
     assert "injected failure of group 0 at step" in text
-    # Groups that start while another trains join (heal) within a few steps.
+    # Groups that start while another trains join (heal) within a few steps:
+    # every group but the first heals before the failure at step 20, by step 10.
     joins: dict[int, int] = {}
     for g, s in re.findall(r"group (\d+): healed at step (\d+)", text):
-        joins[int(g)] = min(joins.get(int(g), int(s)), int(s))
+        if int(s) < 20:
+            joins[int(g)] = min(joins.get(int(g), int(s)), int(s))
     assert len(joins) >= 2 and max(joins.values()) <= 10, f"first heals (group: step): {joins}"
     healed = [int(s) for s in re.findall(r"group 0: healed at step (\d+)", text)]
     assert healed and max(healed) >= 20, "the replacement did not heal at the live step"
