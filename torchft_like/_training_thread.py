@@ -64,6 +64,8 @@ class TrainingThreadReads:
 
     def wait(self, done: Callable[[], bool]) -> None:
         """Training thread: blocks until `done()`, running reads meanwhile."""
+        if done():  # the per-allreduce case: the quorum thread asks nothing once done
+            return
         while True:
             self._wake.clear()
             self._run_request()
