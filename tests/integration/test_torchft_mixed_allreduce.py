@@ -87,13 +87,17 @@ class Group(threading.Thread):
             manager.shutdown()
 
 
-def test_a_torchft_nightly_group_is_refused_and_the_torchft_like_group_trains(capfd):
-    lighthouse = LighthouseServer(
+def our_lighthouse() -> LighthouseServer:
+    return LighthouseServer(
         bind="127.0.0.1:0",
         min_replicas=1,
         join_timeout_ms=500,
         heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
     )
+
+
+def started_together(lighthouse: Any) -> tuple[Group, Group]:
+    """A torchft_like group and a torchft group started at once; both ended."""
     try:
         ours = Group("torchft_like", lighthouse.address())
         theirs = Group("torchft", lighthouse.address())
@@ -101,6 +105,11 @@ def test_a_torchft_nightly_group_is_refused_and_the_torchft_like_group_trains(ca
         theirs.join(timeout=40)
     finally:
         lighthouse.shutdown()
+    return ours, theirs
+
+
+def test_a_torchft_nightly_group_is_refused_and_the_torchft_like_group_trains(capfd):
+    ours, theirs = started_together(our_lighthouse())
     if isinstance(theirs.error, RuntimeError) and str(theirs.error).startswith("skip:"):
         pytest.skip(str(theirs.error))
     assert ours.error is None, f"torchft_like group failed: {ours.error!r}"
@@ -142,13 +151,7 @@ def joining_a_training_torchft_job(lighthouse: Any) -> tuple[Group, Group, int]:
 
 def test_a_torchft_like_group_joining_a_training_torchft_job_is_refused():
     """The side that holds the quorum keeps it, whichever it is."""
-    lighthouse = LighthouseServer(
-        bind="127.0.0.1:0",
-        min_replicas=1,
-        join_timeout_ms=500,
-        heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
-    )
-    ours, theirs, at_refusal = joining_a_training_torchft_job(lighthouse)
+    ours, theirs, at_refusal = joining_a_training_torchft_job(our_lighthouse())
     assert isinstance(ours.error, IncompatibleGroupError), repr(ours.error)
     assert "speaks store rendezvous (torchft_like 0.1.0" in str(ours.error)
     assert "use torchft's reconfigure-handle rendezvous" in str(ours.error)
@@ -186,13 +189,6 @@ def test_under_torchfts_lighthouse_torchft_like_groups_leave_torchft_ones_out():
     torchft member out of its view. What the torchft group then does is
     torchft's own affair (it may train alone or fail in its configure), so
     only ours is asserted."""
-    lighthouse = rust_lighthouse()
-    try:
-        ours = Group("torchft_like", lighthouse.address())
-        theirs = Group("torchft", lighthouse.address())
-        ours.join(timeout=40)
-        theirs.join(timeout=40)
-    finally:
-        lighthouse.shutdown()
+    ours, theirs = started_together(rust_lighthouse())
     assert ours.error is None, f"torchft_like group failed: {ours.error!r}"
     assert ours.committed == [1.0] * STEPS
