@@ -3,7 +3,7 @@ with the others (and the lighthouse) through the quorum.
 
 `data` is free-form JSON text that the lighthouse passes on unchanged; a
 pytorch/torchft peer sends "" or whatever its user put there, and reads ours
-as one dict. A torchft_like group's data is one JSON object with up to three
+as one dict. A torchft_like group's data is one JSON object with up to four
 keys, in this order:
 
 - `"fingerprint"`: `{"step": s, "values": [one per group rank]}`, the ranks'
@@ -12,7 +12,10 @@ keys, in this order:
 - `"heal"`: `{"step", "seconds", "bytes", "sources"}`, the group's last heal,
   merged from its ranks' reports, for the status page (lighthouse.heals);
 - `"rendezvous"`: `"local"` when the group's process group never talks to
-  other groups, for the mixed-version check (lighthouse.compat).
+  other groups, for the mixed-version check (lighthouse.compat);
+- `"slot"`: the participating rank the group predicted when it took its
+  batch (-1: none), for the exactly-once data check
+  (torchft_like.recovery.batch_slots_wrong).
 
 One module owns them because both sides read and write them: the library's
 group rule writes, the library's recovery and the lighthouse read, and the
@@ -37,6 +40,9 @@ HEAL_KEY = "heal"
 RENDEZVOUS_KEY = "rendezvous"
 """Key by which a group says how its process group meets others' (only LOCAL_RENDEZVOUS)."""
 LOCAL_RENDEZVOUS = "local"
+SLOT_KEY = "slot"
+"""Key of the participating rank a group's ranks predicted when they took
+their batch (an int; -1: they could not predict, or their ranks differ)."""
 """RENDEZVOUS_KEY's value for a group whose process group never talks to other
 groups (ProcessGroupDummy)."""
 
@@ -125,9 +131,11 @@ def group_data(
     world_size: int,
     heal_reports: Iterable[str] = (),
     local_rendezvous: bool = False,
+    batch_slot: int | None = None,
 ) -> str:
     """A group's `QuorumMember.data`: the JSON of its entries (fingerprints
-    taken at `step`, the merged heal reports, the LOCAL_RENDEZVOUS mark), or
+    taken at `step`, the merged heal reports, the LOCAL_RENDEZVOUS mark, the
+    batch slot), or
     "" when it has none, as a pytorch/torchft group sends."""
     entries: dict[str, object] = dict(fingerprint_entry(step, fingerprints, world_size))
     heal = merge_rank_heal_reports(heal_reports)
@@ -135,6 +143,8 @@ def group_data(
         entries[HEAL_KEY] = heal
     if local_rendezvous:
         entries[RENDEZVOUS_KEY] = LOCAL_RENDEZVOUS
+    if batch_slot is not None:
+        entries[SLOT_KEY] = batch_slot
     return json.dumps(entries) if entries else ""
 
 
@@ -187,3 +197,20 @@ def is_local_rendezvous(data: MemberData) -> bool:
         except ValueError:
             return False
     return isinstance(data, Mapping) and data.get(RENDEZVOUS_KEY) == LOCAL_RENDEZVOUS
+
+
+def batch_slot_of(data: MemberData) -> int | None:
+    """The batch slot `data` claims (SLOT_KEY), or None: no claim, or not
+    ours. Asked of every member on every quorum, so text without the key
+    is not parsed."""
+    if isinstance(data, str):
+        if SLOT_KEY not in data:
+            return None
+        try:
+            data = json.loads(data)
+        except ValueError:
+            return None
+    if not isinstance(data, Mapping):
+        return None
+    slot = data.get(SLOT_KEY)
+    return slot if isinstance(slot, int) and not isinstance(slot, bool) else None

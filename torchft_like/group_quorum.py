@@ -31,6 +31,9 @@ class QuorumRequest:
     heal_report: str = ""
     """JSON of the heal this rank finished last step, or empty
     (lighthouse.member_data.rank_heal_report)."""
+    batch_slot: int | None = None
+    """The participating rank this rank predicted when it took its batch
+    (torchft_like.StepBatches), -1 for none; None: no batch claimed."""
 
     def check(self, world_size: int) -> None:
         """Raises ValueError naming the first field out of range for a group of `world_size`."""
@@ -67,8 +70,9 @@ def merge_requests(
     only those compare with other groups' states; the ranks' heal reports
     travel merged for the status page. A group whose process group never
     talks to other groups (`local_collectives`) says so, for
-    lighthouse.compat. All three travel in `QuorumMember.data`
-    (lighthouse.member_data).
+    lighthouse.compat. The group's batch slot is its ranks' common claim,
+    -1 when they differ (their batches then cannot all be the quorum's).
+    All of these travel in `QuorumMember.data` (lighthouse.member_data).
 
     Raises:
         ValueError: `requests` is empty.
@@ -82,6 +86,7 @@ def merge_requests(
         world_size=world_size,
         heal_reports=[r.heal_report for r in requests.values()],
         local_rendezvous=local_collectives,
+        batch_slot=_group_slot([r.batch_slot for r in requests.values()]),
     )
     member = QuorumMember(
         replica_id=replica_id,
@@ -94,3 +99,12 @@ def merge_requests(
         commit_failures=max(r.commit_failures for r in requests.values()),
     )
     return GroupRequest(member=member, init_sync=any(r.init_sync for r in requests.values()))
+
+
+def _group_slot(claims: list[int | None]) -> int | None:
+    """One claim for the group: None when no rank claims, the claim when all
+    agree, else -1 (a rank that claims nothing, or another slot, took a
+    batch the quorum does not give the group)."""
+    if all(c is None for c in claims):
+        return None
+    return claims[0] if all(c == claims[0] for c in claims) else -1

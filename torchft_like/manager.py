@@ -47,7 +47,13 @@ from torchft_like.rank_startup import (
     check_transport,
     start_rank_servers,
 )
-from torchft_like.recovery import QuorumResult, participation, transfer_plan
+from torchft_like.recovery import (
+    BatchSlot,
+    QuorumResult,
+    participation,
+    slot_forecast,
+    transfer_plan,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +167,10 @@ class Manager:
         self._healing = False
         self._participating_rank: int | None = None
         self._num_participants = 0
+        self._last_result: tuple[QuorumResult, int | None] | None = None
+        """The last quorum's result and spare cap (claim_batch_slot forecasts from it)."""
+        self._batch_slot: int | None = None
+        """The slot claimed for the next quorum request (claim_batch_slot)."""
         self._quorum_future: Future[None] | None = None
         self._training_thread = TrainingThreadReads()
         self._collectives_ready = self._training_thread.event()
@@ -282,7 +292,9 @@ class Manager:
             shrink_only,
             timeout or self.config.quorum_timeout,
             state_fingerprint,
+            self._batch_slot,
         )
+        self._batch_slot = None
         self._quorum_future.add_done_callback(lambda _: self._training_thread.wake())
         # A replica of a fresh job (every replica at step 0) may receive the
         # initial weights (init_sync): applying them before the forward pass
@@ -316,7 +328,12 @@ class Manager:
         self._training_thread.wait(self._collectives_ready.is_set)
 
     def _async_quorum(
-        self, allow_heal: bool, shrink_only: bool, timeout: timedelta, state_fingerprint: str = ""
+        self,
+        allow_heal: bool,
+        shrink_only: bool,
+        timeout: timedelta,
+        state_fingerprint: str = "",
+        batch_slot: int | None = None,
     ) -> None:
         start = time.monotonic()
         try:
@@ -329,6 +346,7 @@ class Manager:
                 commit_failures=self._commit_failures,
                 fingerprint=state_fingerprint,
                 heal_report=self._heal_report,
+                batch_slot=batch_slot,
             )
             result = self._client.quorum(request, timeout)
             self._heal_report = ""
@@ -350,11 +368,15 @@ class Manager:
 
     def _apply_quorum(self, result: QuorumResult, allow_heal: bool) -> None:
         spares = self.config.world_size_mode == WorldSizeMode.FIXED_WITH_SPARES
+        cap = self.config.min_replica_size if spares else None
+        every_member_counts = allow_heal and not self._use_async_quorum
         self._num_participants, self._participating_rank = participation(
-            result,
-            every_member_counts=allow_heal and not self._use_async_quorum,
-            max_participants=self.config.min_replica_size if spares else None,
+            result, every_member_counts=every_member_counts, max_participants=cap
         )
+        self._last_result = (result, cap)
+        wrong = result.batch_slots_wrong_all if every_member_counts else result.batch_slots_wrong
+        if wrong:
+            self.report_error(RuntimeError(f"batches not the quorum's: {wrong}"))
         self.metrics.record_quorum(result.quorum_id, self._num_participants)
         if result.quorum_id != self._quorum_id:
             store = f"{result.store_address}/torchft/{result.quorum_id}/{self._group_rank}"
@@ -533,6 +555,22 @@ class Manager:
 
     def current_step(self) -> int:
         return self._step
+
+    def claim_batch_slot(self) -> BatchSlot:
+        """Our participating rank next step, as forecast from the last quorum
+        (slot -1 before the first), and claims it: the next quorum checks
+        that every participant claimed its actual rank, and no replica
+        commits the step otherwise (recovery.batch_slots_wrong). StepBatches
+        calls it before each step to take the batch of unit
+        `batches_committed() + slot` without waiting for the quorum."""
+        if self._last_result is None:
+            forecast = BatchSlot(slot=-1, participants=1)
+        else:
+            result, cap = self._last_result
+            participating = (self._num_participants, self._participating_rank)
+            forecast = slot_forecast(result, cap, self._commit_failures == 0, participating)
+        self._batch_slot = forecast.slot
+        return forecast
 
     def batches_committed(self) -> int:
         return self._batches_committed

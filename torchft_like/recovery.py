@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from lighthouse.member_data import fingerprint_of
+from lighthouse.member_data import batch_slot_of, fingerprint_of
 from lighthouse.quorum import Quorum, QuorumMember
 
 
@@ -48,6 +48,11 @@ class QuorumResult:
     divergence: str = ""
     """Why some replicas at max_step heal although up to date (their state
     fingerprint is the odd one out), or empty. Not sent to the ranks."""
+    batch_slots_wrong: str = ""
+    """Why the participants (the replicas at max_step) did not all take the
+    batch the quorum gives them (batch_slots_wrong), or empty."""
+    batch_slots_wrong_all: str = ""
+    """The same when every member counts (a synchronous quorum)."""
 
 
 def member_fingerprint(member: QuorumMember, group_rank: int) -> str | None:
@@ -178,7 +183,62 @@ def compute_quorum_result(
         ),
         commit_failures=max(m.commit_failures for m in participants),
         divergence=divergence.reason if divergence else "",
+        batch_slots_wrong=batch_slots_wrong(at_max),
+        batch_slots_wrong_all=batch_slots_wrong(participants),
     )
+
+
+@dataclass(frozen=True)
+class BatchSlot:
+    """A forecast of the next step's participation (Manager.claim_batch_slot)."""
+
+    slot: int
+    """Our participating rank: the unit of data we train is
+    batches_committed + slot. -1 before any quorum."""
+    participants: int
+    """How many participate, each taking the next unit: the stride between
+    our units of consecutive steps."""
+
+
+def slot_forecast(
+    result: QuorumResult, cap: int | None, committed: bool, participating: tuple[int, int | None]
+) -> BatchSlot:
+    """Next step's participation, forecast from this step's quorum `result`.
+
+    If this step `committed`, every member of the quorum is likely to be at
+    one step next and count, in replica_id order (spares, ranked past `cap`,
+    keep their rank; they train no unit). If it did not, no one is likely
+    to have committed, and the participants stay this step's
+    (`participating`: their count and our rank, None when we do not count).
+    """
+    if not committed:
+        count, rank = participating
+        return BatchSlot(slot=-1 if rank is None else rank, participants=max(count, 1))
+    count = result.replica_world_size if cap is None else min(cap, result.replica_world_size)
+    return BatchSlot(slot=result.replica_rank, participants=max(count, 1))
+
+
+def batch_slots_wrong(participants: list[QuorumMember]) -> str:
+    """Why the step's batches are not the quorum's, or "" when they are.
+
+    Participant r (in the order given, the order of participating ranks)
+    must train unit `batches_committed + r` of the data; a group that took
+    its batch by predicting its rank (torchft_like.StepBatches) says which
+    rank it predicted. Every replica reads the same quorum, so all agree on
+    the answer and none commits a step whose samples would be counted for
+    the wrong group. Members that claim nothing are not checked.
+    """
+    for rank, member in enumerate(participants):
+        claim = batch_slot_of(member.data)
+        if claim is None or claim == rank:
+            continue
+        took = "no batch slot (it had no quorum yet)" if claim < 0 else f"batch slot {claim}"
+        return (
+            f"replica {member.replica_id} took {took} but is participant {rank} of "
+            f"{len(participants)}: the participants changed since its last quorum; the step "
+            "is retried with the new assignment"
+        )
+    return ""
 
 
 def participation(

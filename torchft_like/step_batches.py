@@ -1,173 +1,142 @@
-"""Exactly-once data: the batch of each committed step, with its position as state.
+"""Exactly-once data: every sample of every epoch trained by one committed step.
 
-The training loop's place in its data shard is part of the committed state:
-the batch a step trains is the one at the position its committed step calls
-for. A step that does not commit re-runs the same batch; a group that heals
-or restarts from a checkpoint goes on from its own shard at the position of
-the step it was given. The position travels with the Manager's state (it is
-registered with `register_state_dict_fn`), so healing copies it and
-checkpoints save it.
+The data position is a global cursor in the committed state: the units of
+data (one group's batch each) consumed by committed steps, which is the
+Manager's `batches_committed()`; it travels with healed state and durable
+checkpoints like the rest of the Manager's progress. Each step, participant
+r of the quorum trains unit `cursor + r`, and a commit moves the cursor on
+by the number of participants. A step that does not commit hands out the
+same units again; a healing, dead or spare group trains none (it
+contributes zeros). So, whatever dies, heals or restarts, each unit is
+trained in exactly one committed step, and a restarted job resumes at the
+first unit not yet committed.
+
+The batch is taken before the step's quorum is known, so that loading data
+and the forward pass overlap the quorum as before: each group takes the
+unit of the rank it forecasts from its last quorum, and says so in its
+quorum request. When the participants changed (a group died, or one failed
+to commit), the forecast is wrong; every replica sees that in the same
+quorum (torchft_like.recovery.batch_slots_wrong), none commits the step,
+and the retry takes the units of the new quorum. That costs one step per
+change of the participants, as does the death of a group within a step.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from collections.abc import Iterator
 from typing import Any, Protocol
 
+from torchft_like._aligned_batches import AlignedBatches, Position, _is_stateful, _Stepper
 from torchft_like.data import DistributedSampler
+from torchft_like.recovery import BatchSlot
+
+__all__ = ["Position", "StepBatches"]
 
 logger = logging.getLogger(__name__)
 
 
-class _Stepper(Protocol):
-    """What StepBatches needs of the Manager."""
+class _Manager(_Stepper, Protocol):
+    """What steering needs of the Manager, beyond _Stepper."""
 
-    def current_step(self) -> int: ...
+    def batches_committed(self) -> int: ...
 
-    def register_state_dict_fn(
-        self, key: str, load_state_dict: Callable[[Any], None], state_dict: Callable[[], Any]
-    ) -> None: ...
-
-
-@dataclass(frozen=True)
-class Position:
-    """Where the batch of committed step `step` begins."""
-
-    step: int
-    epoch: int
-    batch: int
-    """Index of the batch within the epoch."""
-    loader: Any = None
-    """A stateful loader's own state_dict at this position (None: epoch start,
-    or a plain DataLoader, which our DistributedSampler positions)."""
-
-
-def _is_stateful(loader: Any) -> bool:
-    return callable(getattr(loader, "state_dict", None)) and callable(
-        getattr(loader, "load_state_dict", None)
-    )
+    def claim_batch_slot(self) -> BatchSlot: ...
 
 
 class StepBatches:
-    """Yields the batch of the Manager's current committed step.
+    """Yields the batch of the Manager's current step.
 
-    Iterate it once per loop turn, before `optimizer.zero_grad()`. After a
-    committed step it yields the next batch of the shard; after an
-    uncommitted one the same batch again; after a heal (the step jumped to the
-    peer's) the batch at the new step's position, read from our own shard.
-    One batch per committed step; epochs roll over on their own (the
-    sampler's `set_epoch` is called).
+    Iterate it once per loop turn, before `optimizer.zero_grad()`; it never
+    ends (epochs roll over on their own). With a loader over
+    torchft_like.DistributedSampler (a plain DataLoader or torchdata's
+    StatefulDataLoader) it yields the unit the quorum gives this group, so
+    every sample of each epoch is trained exactly once (see the module). The
+    global batch of a step is one unit per participant: it shrinks while a
+    group is away, as the number of gradients averaged does.
 
-    Supports torchdata's `StatefulDataLoader` (any loader with `state_dict`
-    and `load_state_dict`; its state must not name the shard, so that a
-    peer's position applies to ours, true of the samplers in torch and
-    torchdata and of ours) and a plain DataLoader over our
-    `DistributedSampler` (positioned without reading the skipped samples).
+    A stateful loader over another sampler keeps each group on its own shard,
+    one batch per committed step (torchft_like._aligned_batches): aligned,
+    but the batches of a group's dead or healing steps are skipped.
+
+    With several loader workers, pass `persistent_workers=True`: a change of
+    the participants restarts the loader's iterator.
 
     Args:
-        manager: the Manager; the position is registered with it under `key`.
-        loader: the data loader of this rank's shard.
-        key: the state key the position travels under.
+        manager: the Manager.
+        loader: the data loader of this rank.
+        key: the state key an aligned loader's position travels under.
 
     Raises:
-        ValueError: a plain DataLoader whose sampler is not our DistributedSampler.
+        ValueError: a loader that can be neither steered nor positioned, or a
+            data set smaller than one group's batch.
     """
 
-    def __init__(self, manager: _Stepper, loader: Any, key: str = "data") -> None:
-        self._stateful = _is_stateful(loader)
+    def __init__(self, manager: _Manager, loader: Any, key: str = "data") -> None:
         sampler = getattr(loader, "sampler", None)
-        if not self._stateful and not isinstance(sampler, DistributedSampler):
+        self._aligned: AlignedBatches | None = None
+        if not isinstance(sampler, DistributedSampler):
+            if not _is_stateful(loader):
+                raise ValueError(
+                    f"cannot assign batches of {type(loader).__name__} (sampler "
+                    f"{type(sampler).__name__}) by step: use a DataLoader or torchdata's "
+                    "StatefulDataLoader whose sampler is torchft_like.DistributedSampler"
+                )
+            logger.warning(
+                "StepBatches: %s is not torchft_like.DistributedSampler, so each group reads "
+                "its own shard and the batches of steps it misses are skipped; use "
+                "torchft_like.DistributedSampler to train every sample of an epoch once",
+                type(sampler).__name__,
+            )
+            self._aligned = AlignedBatches(manager, loader, key)
+            return
+        if not isinstance(getattr(loader, "batch_size", None), int):
             raise ValueError(
-                f"cannot position {type(loader).__name__} (sampler "
-                f"{type(sampler).__name__}) at a step: use torchdata's StatefulDataLoader, or "
-                "a DataLoader whose sampler is torchft_like.DistributedSampler"
+                "StepBatches needs the loader's batch_size (a DataLoader built with "
+                "batch_size=N, not a batch_sampler)"
             )
         self._manager = manager
         self._loader = loader
         self._sampler = sampler
-        self._pos = Position(step=0, epoch=0, batch=0)
+        self._batch_size: int = loader.batch_size
+        self._units = sampler.units_per_epoch(self._batch_size)
         self._it: Iterator[Any] | None = None
-        self._current: tuple[Position, Any] | None = None
-        """The batch last yielded and the position it began at."""
-        manager.register_state_dict_fn(key, self.load_state_dict, self.state_dict)
+        self._next: tuple[int, int] = (-1, 0)
+        """(unit, stride): the unit the open iterator yields next, and its stride."""
+        self._last: tuple[Position, Any] | None = None
 
     def __iter__(self) -> StepBatches:
         return self
 
     def __next__(self) -> Any:
+        if self._aligned is not None:
+            return next(self._aligned)
         step = self._manager.current_step()
-        if self._current is not None and self._current[0].step == step:
-            return self._current[1]  # the step did not commit: train the same batch
-        if step < self._pos.step:
-            raise RuntimeError(
-                f"the committed step went back from {self._pos.step} to {step}; "
-                "a step never goes backwards"
-            )
-        while True:
-            at, batch = self._fetch()
-            if at.step == step:
-                self._current = (at, batch)
-                return batch
-            # Behind the step after a heal or a restore: a batch other
-            # replicas trained while we were not there.
+        forecast = self._manager.claim_batch_slot()
+        unit = self._manager.batches_committed() + max(forecast.slot, 0)
+        last = self._last
+        if last is not None and last[0].step == step and last[0].unit == unit:
+            return last[1]  # the step did not commit: the same unit again
+        if self._it is None or self._next != (unit, forecast.participants):
+            self._sampler.steer(unit, forecast.participants, self._batch_size)
+            self._it = iter(self._loader)
+        batch = next(self._it)
+        self._next = (unit + forecast.participants, forecast.participants)
+        epoch, index = divmod(unit, self._units)
+        self._last = (Position(step=step, epoch=epoch, batch=index, unit=unit), batch)
+        return batch
 
     def position(self) -> Position:
-        """The position of the batch last yielded (before any is: the next one)."""
-        return self._current[0] if self._current is not None else self._pos
+        """Where the batch last yielded lies (before any: the epoch's start)."""
+        if self._aligned is not None:
+            return self._aligned.position()
+        return self._last[0] if self._last is not None else Position(step=0, epoch=0, batch=0)
 
     def state_dict(self) -> dict[str, Any]:
-        """The position of the current committed step: mid-step (serving a
-        heal) the batch in flight, after a commit the next one."""
-        current = self._current
-        if current is not None and current[0].step == self._manager.current_step():
-            return asdict(current[0])
-        return asdict(self._pos)
+        """An aligned loader's position (steered loaders keep theirs in the
+        Manager's progress: {})."""
+        return self._aligned.state_dict() if self._aligned is not None else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self._pos = Position(**state)
-        self._it = None
-        self._current = None
-        logger.info(
-            "data position: step %d, epoch %d, batch %d",
-            self._pos.step,
-            self._pos.epoch,
-            self._pos.batch,
-        )
-
-    def _open(self) -> Iterator[Any]:
-        pos = self._pos
-        set_epoch = getattr(self._sampler, "set_epoch", None)
-        if set_epoch is not None:
-            set_epoch(pos.epoch)
-        if self._stateful:
-            # {} resets a StatefulDataLoader to the start of an epoch.
-            self._loader.load_state_dict(pos.loader if pos.loader is not None else {})
-        else:
-            assert isinstance(self._sampler, DistributedSampler)
-            self._sampler.set_start(pos.batch * self._loader.batch_size)
-        return iter(self._loader)
-
-    def _fetch(self) -> tuple[Position, Any]:
-        """The batch at self._pos and its position (the next epoch's start
-        when this epoch is used up); moves the position past it."""
-        for _ in range(2):  # the second try is at the start of the next epoch
-            if self._it is None:
-                self._it = self._open()
-            try:
-                batch = next(self._it)
-            except StopIteration:
-                self._it = None
-                if self._pos.batch == 0:
-                    break
-                self._pos = Position(step=self._pos.step, epoch=self._pos.epoch + 1, batch=0)
-                continue
-            at = self._pos
-            loader_state = self._loader.state_dict() if self._stateful else None
-            self._pos = Position(at.step + 1, at.epoch, at.batch + 1, loader_state)
-            return at, batch
-        raise ValueError(
-            f"the loader yields no batch in epoch {self._pos.epoch}: its shard is smaller than "
-            "one batch; use a smaller batch size or drop_last=False"
-        )
+        if self._aligned is not None:
+            self._aligned.load_state_dict(state)

@@ -22,6 +22,7 @@ def quorum_request_to_proto(r: QuorumRequest) -> pb.ManagerQuorumRequest:
         commit_failures=r.commit_failures,
         fingerprint=r.fingerprint,
         heal_report=r.heal_report,
+        batch_slot=r.batch_slot,
     )
 
 
@@ -35,6 +36,7 @@ def quorum_request_from_proto(m: pb.ManagerQuorumRequest) -> QuorumRequest:
         commit_failures=m.commit_failures,
         fingerprint=m.fingerprint,
         heal_report=m.heal_report,
+        batch_slot=m.batch_slot if m.HasField("batch_slot") else None,
     )
 
 
@@ -55,6 +57,8 @@ def result_to_proto(r: QuorumResult) -> pb.ManagerQuorumResponse:
         recover_src_replica_ranks=r.recover_src_replica_ranks,
         recover_src_manager_addresses=r.recover_src_manager_addresses,
         recover_stripe_dst_replica_ranks=r.recover_stripe_dst_replica_ranks,
+        batch_slots_wrong=r.batch_slots_wrong,
+        batch_slots_wrong_all=r.batch_slots_wrong_all,
     )
 
 
@@ -77,6 +81,8 @@ def result_from_proto(m: pb.ManagerQuorumResponse) -> QuorumResult:
         recover_src_manager_addresses=tuple(m.recover_src_manager_addresses),
         recover_stripe_dst_replica_ranks=tuple(m.recover_stripe_dst_replica_ranks),
         commit_failures=m.commit_failures,
+        batch_slots_wrong=m.batch_slots_wrong,
+        batch_slots_wrong_all=m.batch_slots_wrong_all,
     )
 
 

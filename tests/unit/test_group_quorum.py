@@ -112,6 +112,7 @@ def test_a_rank_request_crosses_the_wire_with_every_field():
     request = QuorumRequest(
         group_rank=1, step=7, checkpoint_metadata="http://h:3", shrink_only=True,
         init_sync=False, commit_failures=2, fingerprint="f", heal_report='{"step": 6}',
+        batch_slot=3,
     )  # fmt: skip
     # Every field set apart from its default, so a field wire.py forgets fails here.
     assert all(getattr(request, f.name) != f.default for f in fields(QuorumRequest))
@@ -124,3 +125,20 @@ def test_a_group_whose_collectives_stay_local_says_so_for_lighthouse_compat():
     local = merge_requests({0: QuorumRequest(0, 3)}, "g:1", "", "", 1, local_collectives=True)
     assert rendezvous_of(local.member) == LOCAL
     assert rendezvous_of(merge(QuorumRequest(0, 3)).member) == STORE
+
+
+@pytest.mark.parametrize(
+    "slots, expected",
+    [
+        ((None, None), None),  # no rank takes its batch by the quorum
+        ((2, 2), 2),
+        ((-1, -1), -1),
+        ((1, 2), -1),  # the ranks took different units: they cannot all be the quorum's
+        ((1, None), -1),
+    ],
+)
+def test_the_group_claims_its_ranks_common_batch_slot(slots, expected):
+    from lighthouse.member_data import batch_slot_of
+
+    group = merge(*(QuorumRequest(r, 5, batch_slot=s) for r, s in enumerate(slots)))
+    assert batch_slot_of(group.member.data) == expected

@@ -13,6 +13,7 @@ from lighthouse.member_data import (
     LOCAL_RENDEZVOUS,
     RENDEZVOUS_KEY,
     HealReport,
+    batch_slot_of,
     fingerprint_entry,
     fingerprint_of,
     group_data,
@@ -191,3 +192,26 @@ def test_what_a_group_writes_its_readers_read_back():
     assert fingerprint_of(data, 6, 1) == "f1"
     assert heal_report_of(data) == HealReport(6, 0.25, 10, ("http://s:1",))
     assert is_local_rendezvous(data)
+
+
+@pytest.mark.parametrize(
+    "data, expected",
+    [
+        ('{"slot": 2}', 2),
+        ('{"fingerprint": {"step": 1, "values": ["a"]}, "slot": 0}', 0),
+        ({"slot": -1}, -1),
+        ("", None),
+        (None, None),
+        ('{"slot": "2"}', None),
+        ('{"slot": true}', None),
+        ("slot but not json", None),
+        ('["slot"]', None),
+    ],
+)
+def test_a_batch_slot_is_read_only_as_an_integer(data, expected):
+    assert batch_slot_of(data) == expected
+
+
+def test_the_batch_slot_comes_last_in_a_groups_data():
+    data = group_data(step=1, fingerprints={0: "a"}, world_size=1, batch_slot=3)
+    assert data == '{"fingerprint": {"step": 1, "values": ["a"]}, "slot": 3}'

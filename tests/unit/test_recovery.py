@@ -13,10 +13,12 @@ from lighthouse.member_data import fingerprint_entry
 from lighthouse.quorum import Quorum, QuorumMember
 from torchft_like.recovery import (
     HEAL_SOURCES_ENV,
+    BatchSlot,
     compute_quorum_result,
     heal_sources,
     heal_sources_from_env,
     member_fingerprint,
+    slot_forecast,
     transfer_plan,
 )
 
@@ -520,3 +522,58 @@ def test_striped_every_source_a_healer_fetches_from_serves_it(steps, group_rank,
     assert received <= sent
     if stripes is None:
         assert received == sent
+
+
+def slot_quorum(members: dict[str, tuple[int, int | None]]) -> Quorum:
+    """Members by id: (step, batch slot claimed or None)."""
+    return Quorum(
+        quorum_id=9,
+        participants=tuple(
+            QuorumMember(
+                replica_id=rid,
+                address="",
+                store_address="",
+                step=step,
+                data="" if slot is None else json.dumps({"slot": slot}),
+            )  # fmt: skip
+            for rid, (step, slot) in members.items()
+        ),
+        created=0.0,
+    )
+
+
+@pytest.mark.parametrize(
+    "members, wrong, wrong_all",
+    [
+        ({"a": (3, 0), "b": (3, 1), "c": (3, 2)}, "", ""),
+        ({"a": (3, None), "b": (3, None)}, "", ""),  # nobody takes batches by the quorum
+        ({"a": (3, 0), "b": (3, None), "c": (3, 2)}, "", ""),
+        # c healed last step and is behind no more; b died: c's forecast is off by one.
+        ({"a": (3, 0), "c": (3, 2)}, "replica c took batch slot 2 but is participant 1 of 2", "c"),
+        # b is behind (heals, trains nothing): the participants are a and c.
+        ({"a": (3, 0), "b": (2, 1), "c": (3, 1)}, "", "replica c took batch slot 1"),
+        ({"a": (3, 0), "b": (2, 5), "c": (3, 1)}, "", "b took batch slot 5"),
+        ({"a": (0, -1), "b": (0, -1)}, "a took no batch slot (it had no quorum yet)", "a"),
+    ],
+)
+def test_batch_slots_are_wrong_when_a_participant_took_another_ones_unit(members, wrong, wrong_all):
+    result = compute_quorum_result(slot_quorum(members), "a", 0, init_sync=True)
+    assert (wrong in result.batch_slots_wrong) and (bool(wrong) == bool(result.batch_slots_wrong))
+    assert wrong_all in result.batch_slots_wrong_all
+    assert bool(wrong_all) == bool(result.batch_slots_wrong_all)
+
+
+@pytest.mark.parametrize(
+    "committed, participating, cap, expected",
+    [
+        (True, (2, 0), None, BatchSlot(slot=2, participants=3)),  # all three commit and count
+        (True, (2, 0), 2, BatchSlot(slot=2, participants=2)),  # a spare keeps its rank
+        (False, (2, 1), None, BatchSlot(slot=1, participants=2)),  # nobody moved on
+        (False, (2, None), None, BatchSlot(slot=-1, participants=2)),
+    ],
+)
+def test_the_slot_forecast_follows_whether_the_step_committed(
+    committed, participating, cap, expected
+):
+    result = compute_quorum_result(quorum({"a": 3, "b": 3, "c": 2}), "c", 0, init_sync=True)
+    assert slot_forecast(result, cap, committed, participating) == expected

@@ -1,163 +1,275 @@
-"""StepBatches: the batch of each committed step, across misses, heals and restores."""
+"""StepBatches over torchft_like.DistributedSampler: every sample of every epoch
+trained in exactly one committed step, through failed steps, deaths, restarts,
+joins and whole-job restarts.
+
+A simulated job, no sockets and no clock: each round, every live group takes
+its batches from a real StepBatches over a real DataLoader, the quorum and
+each replica's view of it come from the library's pure rules
+(torchft_like.recovery), and a group commits unless the test fails its step.
+The committed history (the units each committed step trained) travels with
+the state, as the Manager's does, so the final replica's history is the
+model's.
+"""
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import pytest
 import torch
-from torch.utils.data import DataLoader, RandomSampler, TensorDataset
+from torch.utils.data import DataLoader, TensorDataset
 
+from lighthouse.member_data import group_data
+from lighthouse.quorum import Quorum, QuorumMember
 from torchft_like.data import DistributedSampler
+from torchft_like.recovery import (
+    BatchSlot,
+    QuorumResult,
+    compute_quorum_result,
+    participation,
+    slot_forecast,
+)
 from torchft_like.step_batches import StepBatches
 
-NUM_SAMPLES, BATCH, GROUPS = 40, 4, 2  # 5 batches per shard per epoch
-DATASET = TensorDataset(torch.arange(NUM_SAMPLES))
+NUM_SAMPLES, BATCH = 96, 4
 
 
-class Steps:
-    """The two Manager calls StepBatches makes, with the step set by the test."""
+@dataclass
+class Progress:
+    """What healing copies: the Manager's progress and the trained history."""
 
-    def __init__(self, step: int = 0) -> None:
-        self.step = step
-        self.state: dict[str, tuple[Callable[[Any], None], Callable[[], Any]]] = {}
+    step: int = 0
+    batches_committed: int = 0
+    history: list[list[tuple[int, tuple[int, ...]]]] = field(default_factory=list)
+    """Per committed step: (unit, sample ids of one rank) of every participant's every rank."""
+
+
+class SimManager:
+    """The Manager calls StepBatches makes, over a Progress the job drives."""
+
+    def __init__(self) -> None:
+        self.progress = Progress()
+        self.forecast = BatchSlot(slot=-1, participants=1)
+        self.claimed: int | None = None
 
     def current_step(self) -> int:
-        return self.step
+        return self.progress.step
 
-    def register_state_dict_fn(self, key, load_state_dict, state_dict) -> None:
-        self.state[key] = (load_state_dict, state_dict)
+    def batches_committed(self) -> int:
+        return self.progress.batches_committed
+
+    def claim_batch_slot(self) -> BatchSlot:
+        self.claimed = self.forecast.slot
+        return self.forecast
+
+    def register_state_dict_fn(self, key: str, load: Callable[..., None], save: Callable) -> None:
+        raise AssertionError("a steered StepBatches registers no state")
 
 
-def plain_loader(group: int) -> DataLoader:
-    sampler = DistributedSampler(DATASET, group, GROUPS, group_rank=0, num_replicas=1, seed=3)
-    return DataLoader(DATASET, batch_size=BATCH, sampler=sampler, drop_last=True)
+def plain_loader(group_rank: int, ranks: int) -> Any:
+    dataset = TensorDataset(torch.arange(NUM_SAMPLES))
+    sampler = DistributedSampler(dataset, 0, 1, group_rank=group_rank, num_replicas=ranks, seed=7)
+    return DataLoader(dataset, batch_size=BATCH, sampler=sampler)
 
 
-def stateful_loader(group: int) -> Any:
+def stateful_loader(group_rank: int, ranks: int) -> Any:
     stateful = pytest.importorskip("torchdata.stateful_dataloader")
-    sampler = DistributedSampler(DATASET, group, GROUPS, group_rank=0, num_replicas=1, seed=3)
-    return stateful.StatefulDataLoader(DATASET, batch_size=BATCH, sampler=sampler, drop_last=True)
+    dataset = TensorDataset(torch.arange(NUM_SAMPLES))
+    sampler = DistributedSampler(dataset, 0, 1, group_rank=group_rank, num_replicas=ranks, seed=7)
+    return stateful.StatefulDataLoader(dataset, batch_size=BATCH, sampler=sampler)
+
+
+class Group:
+    def __init__(self, name: str, incarnation: int, ranks: int, make_loader: Callable) -> None:
+        self.replica_id = f"{name}:{incarnation}"
+        self.manager = SimManager()
+        self.ranks = [StepBatches(self.manager, make_loader(r, ranks)) for r in range(ranks)]
+
+
+class Job:
+    def __init__(self, groups: int, ranks: int, make_loader: Callable) -> None:
+        self.ranks, self.make_loader = ranks, make_loader
+        self.live: dict[str, Group] = {}
+        self.incarnations: dict[str, int] = {}
+        self.quorum_id = 0
+        self.wasted = 0
+        for g in range(groups):
+            self.start(f"g{g}")
+
+    def start(self, name: str, progress: Progress | None = None) -> None:
+        self.incarnations[name] = self.incarnations.get(name, -1) + 1
+        group = Group(name, self.incarnations[name], self.ranks, self.make_loader)
+        if progress is not None:  # restored from a durable checkpoint
+            group.manager.progress = progress
+        self.live[name] = group
+
+    def round(self, fail: frozenset[str] = frozenset(), die: frozenset[str] = frozenset()) -> None:
+        """One step: every live group takes its batches and asks for a quorum;
+        groups in `die` die inside the step's allreduce (so no one's
+        completes); groups in `fail` vote no."""
+        taken: dict[str, list[tuple[Any, Any]]] = {}
+        for name, g in self.live.items():
+            taken[name] = [(b.position(), batch) for b in g.ranks for batch in [next(b)]]
+        members = tuple(
+            QuorumMember(
+                replica_id=g.replica_id,
+                address="",
+                store_address="",
+                step=g.manager.progress.step,
+                world_size=self.ranks,
+                data=group_data(
+                    step=g.manager.progress.step,
+                    fingerprints={},
+                    world_size=self.ranks,
+                    batch_slot=g.manager.claimed,
+                ),
+            )  # fmt: skip
+            for g in self.live.values()
+        )
+        self.quorum_id += 1
+        quorum = Quorum(self.quorum_id, tuple(sorted(members, key=lambda m: m.replica_id)), 0.0)
+        results: dict[str, QuorumResult] = {
+            n: compute_quorum_result(quorum, g.replica_id, 0, init_sync=True)
+            for n, g in self.live.items()
+        }
+        before = {n: g.manager.progress for n, g in self.live.items()}
+        count = next(iter(results.values())).max_world_size
+        participants: list[tuple[int, str]] = []
+        wrong = next(iter(results.values())).batch_slots_wrong
+        for n, r in results.items():
+            count, rank = participation(r, every_member_counts=False, max_participants=None)
+            committed = not (wrong or die or n in fail)
+            self.live[n].manager.forecast = slot_forecast(r, None, committed, (count, rank))
+            if rank is not None:
+                participants.append((rank, n))
+        if wrong or die:
+            self.wasted += 1
+        trained: list[tuple[int, tuple[int, ...]]] = []
+        for rank, n in sorted(participants):
+            for position, batch in taken[n]:
+                if not wrong:  # a committed step trains the quorum's units
+                    assert position.unit == before[n].batches_committed + rank
+                trained.append((position.unit, tuple(batch[0].tolist())))
+        for n in die:
+            del self.live[n]
+        if wrong or die:
+            return
+        sources = [before[n] for _, n in sorted(participants)]
+        assert all(s == sources[0] for s in sources), "participants at different states"
+        for n, r in results.items():
+            if n in fail:
+                continue
+            state = sources[0] if r.heal else before[n]
+            self.live[n].manager.progress = Progress(
+                step=state.step + 1,
+                batches_committed=state.batches_committed + count,
+                history=[*state.history, trained],
+            )
+
+    def final_history(self) -> list[list[tuple[int, tuple[int, ...]]]]:
+        return max((g.manager.progress for g in self.live.values()), key=lambda p: p.step).history
+
+
+def check_exactly_once(history: list[list[tuple[int, tuple[int, ...]]]], ranks: int) -> int:
+    """Every sample of each whole epoch trained once, none twice in the last;
+    returns the epochs covered whole."""
+    units_per_epoch = NUM_SAMPLES // (BATCH * ranks)
+    by_epoch: dict[int, list[int]] = {}
+    units = sorted(u for step in history for u, _ in step)
+    for step in history:
+        for unit, ids in step:
+            by_epoch.setdefault(unit // units_per_epoch, []).extend(ids)
+    # Every unit below the cursor trained, by `ranks` ranks each.
+    assert units == sorted(u for u in range(len(units) // ranks) for _ in range(ranks))
+    whole = 0
+    for epoch, ids in sorted(by_epoch.items()):
+        assert len(ids) == len(set(ids)), f"a sample trained twice in epoch {epoch}"
+        if len(ids) == units_per_epoch * BATCH * ranks:
+            assert sorted(ids) == list(range(NUM_SAMPLES))
+            whole += 1
+    return whole
 
 
 LOADERS = pytest.mark.parametrize("make_loader", [plain_loader, stateful_loader])
 
 
-def ids(batch: Any) -> list[int]:
-    return batch[0].tolist()
-
-
-def expected(group: int, num_steps: int) -> list[list[int]]:
-    """The shard's batches in order, epoch after epoch, as the sampler defines them."""
-    sampler = DistributedSampler(DATASET, group, GROUPS, group_rank=0, num_replicas=1, seed=3)
-    out: list[list[int]] = []
-    epoch = 0
-    while len(out) < num_steps:
-        sampler.set_epoch(epoch)
-        order = list(sampler)
-        out += [order[i : i + BATCH] for i in range(0, len(order) - BATCH + 1, BATCH)]
-        epoch += 1
-    return out[:num_steps]
-
-
 @LOADERS
+@pytest.mark.parametrize("ranks", [1, 2])
 @pytest.mark.parametrize(
-    "commits",
+    "events",
     [
-        [True] * 12,  # over two epochs
-        [True, False, False, True, True, False, True, True, True, True, True, True],
-        [False, True] * 7,
+        {},
+        {5: "fail g1"},
+        {5: "fail g0 g1 g2"},
+        {4: "die g1", 7: "start g1"},
+        {4: "die g0", 5: "die g2", 9: "start g0", 10: "start g2"},
+        {6: "leave g2", 12: "start g2"},
+        {3: "fail g2", 4: "die g0", 5: "start g0", 6: "fail g0"},
+        {8: "start g3"},
     ],
+    ids=["no-fault", "one-fails", "all-fail", "die-restart", "two-die", "leave", "mixed", "join"],
 )
-def test_each_committed_step_trains_the_next_batch_and_a_missed_step_the_same_again(
-    make_loader, commits
-):
-    steps = Steps()
-    batches = StepBatches(steps, make_loader(1))
-    trained = []
-    for committed in commits:
-        batch = ids(next(batches))
-        if committed:
-            trained.append(batch)
-            steps.step += 1
-    assert trained == expected(1, len(trained))
+def test_every_sample_of_each_epoch_is_trained_once(make_loader, ranks, events):
+    job = Job(3, ranks, make_loader)
+    for i in range(40):
+        what, *names = events.get(i, "none").split()
+        if what == "start":
+            for n in names:
+                job.start(n)
+        elif what == "leave":  # dies between steps: not in the quorum
+            for n in names:
+                del job.live[n]
+        job.round(
+            fail=frozenset(names) if what == "fail" else frozenset(),
+            die=frozenset(names) if what == "die" else frozenset(),
+        )
+    assert check_exactly_once(job.final_history(), ranks) >= 2
 
 
-@LOADERS
-@pytest.mark.parametrize("peer_step", [0, 3, 4, 5, 9])
-def test_a_healed_group_goes_on_from_its_own_shard_at_the_peers_step(make_loader, peer_step):
-    # The peer (group 0) serves its state mid-step, with its batch in flight.
-    peer_steps = Steps()
-    peer = StepBatches(peer_steps, make_loader(0))
-    for _ in range(peer_step):
-        next(peer)
-        peer_steps.step += 1
-    next(peer)
-    served = peer_steps.state["data"][1]()
-
-    # Group 1 restarted at step 0, ran one step on its own batch, then loaded
-    # the peer's state and committed with it (the Manager did step += 1).
-    steps = Steps()
-    healer = StepBatches(steps, make_loader(1))
-    next(healer)
-    steps.state["data"][0](served)
-    steps.step = peer_step + 1
-    after = [ids(next(healer))]
-    steps.step += 1
-    after.append(ids(next(healer)))
-    assert after == expected(1, peer_step + 3)[peer_step + 1 :]
+@pytest.mark.parametrize("seed", range(8))
+def test_random_faults_never_lose_or_repeat_a_sample(seed):
+    rng = random.Random(seed)
+    job = Job(3, 1, plain_loader)
+    for _ in range(120):
+        dead = sorted({"g0", "g1", "g2", "g3"} - job.live.keys())
+        if dead and rng.random() < 0.3:
+            job.start(rng.choice(dead))
+        roll, names = rng.random(), sorted(job.live)
+        if roll < 0.1 and len(names) > 1:
+            job.round(die=frozenset([rng.choice(names)]))
+        elif roll < 0.25:
+            job.round(fail=frozenset(rng.sample(names, rng.randint(1, len(names)))))
+        else:
+            job.round()
+    assert check_exactly_once(job.final_history(), 1) >= 2
 
 
-@LOADERS
-@pytest.mark.parametrize("saved_at", [1, 4, 5, 6])
-def test_a_group_restored_from_a_state_saved_after_a_commit_goes_on_with_the_next_batch(
-    make_loader, saved_at
-):
-    steps = Steps()
-    batches = StepBatches(steps, make_loader(1))
-    for _ in range(saved_at):
-        next(batches)
-        steps.step += 1
-    saved = steps.state["data"][1]()
-    assert saved["step"] == saved_at
-    restored_steps = Steps(step=saved_at)
-    restored = StepBatches(restored_steps, make_loader(1))
-    restored_steps.state["data"][0](saved)
-    assert ids(next(restored)) == expected(1, saved_at + 1)[saved_at]
+def test_a_fresh_job_loses_one_step_to_its_first_quorum_and_none_after():
+    job = Job(3, 1, plain_loader)
+    for _ in range(10):
+        job.round()
+    assert job.wasted == 1
+    assert len(job.final_history()) == 9
 
 
-@LOADERS
-@pytest.mark.parametrize(
-    ("step", "epoch", "batch"), [(0, 0, 0), (4, 0, 4), (5, 1, 0), (7, 1, 2), (10, 2, 0)]
-)
-def test_the_position_names_the_epoch_and_batch_of_the_step(make_loader, step, epoch, batch):
-    steps = Steps()
-    batches = StepBatches(steps, make_loader(0))
-    for _ in range(step):
-        next(batches)
-        steps.step += 1
-    next(batches)
-    position = batches.position()
-    assert (position.step, position.epoch, position.batch) == (step, epoch, batch)
+def test_a_whole_job_restart_resumes_at_the_first_unit_not_committed():
+    job = Job(3, 2, plain_loader)
+    for _ in range(12):
+        job.round()
+    progress = max((g.manager.progress for g in job.live.values()), key=lambda p: p.step)
+    job.live.clear()
+    for n in ("g0", "g1", "g2"):
+        job.start(n, Progress(progress.step, progress.batches_committed, list(progress.history)))
+    for _ in range(20):
+        job.round()
+    assert check_exactly_once(job.final_history(), 2) >= 2
 
 
-def test_a_loader_that_cannot_be_positioned_is_refused_with_the_fix():
-    loader = DataLoader(DATASET, batch_size=BATCH, sampler=RandomSampler(DATASET))
-    with pytest.raises(ValueError, match="StatefulDataLoader.*DistributedSampler"):
-        StepBatches(Steps(), loader)
-
-
-def test_a_step_that_goes_back_is_an_error():
-    steps = Steps(step=3)
-    batches = StepBatches(steps, plain_loader(0))
-    next(batches)
-    steps.step = 2
-    with pytest.raises(RuntimeError, match="went back from 4 to 2"):
-        next(batches)
-
-
-def test_a_start_past_the_shard_is_refused():
-    sampler = DistributedSampler(DATASET, 0, GROUPS, group_rank=0, num_replicas=1)
-    with pytest.raises(ValueError, match=r"start \(21\) must be in \[0, 20\]"):
-        sampler.set_start(21)
+def test_a_data_set_smaller_than_one_group_batch_is_refused():
+    dataset = TensorDataset(torch.arange(6))
+    sampler = DistributedSampler(dataset, 0, 1, group_rank=0, num_replicas=2)
+    with pytest.raises(ValueError, match=r"smaller than one replica group's batch.*4 per rank"):
+        StepBatches(SimManager(), DataLoader(dataset, batch_size=4, sampler=sampler))

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"lighthouse/rpc/proto/torchft.proto\x12\x07torchft\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa8\x01\n\x0cQuorumMember\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rstore_address\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x12\n\nworld_size\x18\x05 \x01(\x04\x12\x13\n\x0bshrink_only\x18\x06 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\t\x12\x17\n\x0f\x63ommit_failures\x18\x08 \x01(\x03\"u\n\x06Quorum\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12+\n\x0cparticipants\x18\x02 \x03(\x0b\x32\x15.torchft.QuorumMember\x12+\n\x07\x63reated\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"C\n\x17LighthouseQuorumRequest\x12(\n\trequester\x18\x01 \x01(\x0b\x32\x15.torchft.QuorumMember\";\n\x18LighthouseQuorumResponse\x12\x1f\n\x06quorum\x18\x01 \x01(\x0b\x32\x0f.torchft.Quorum\"0\n\x1aLighthouseHeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"\x1d\n\x1bLighthouseHeartbeatResponse\",\n\x16LighthouseLeaveRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"\x19\n\x17LighthouseLeaveResponse\"0\n\x19LighthouseHeartbeatAdvice\x12\x13\n\x0binterval_ms\x18\x01 \x01(\x03\";\n\x17TakeReplicaGroupRequest\x12\x10\n\x08spare_id\x18\x01 \x01(\t\x12\x0e\n\x06wanted\x18\x02 \x01(\t\"1\n\x18TakeReplicaGroupResponse\x12\x15\n\rreplica_group\x18\x01 \x01(\t\"\xc0\x01\n\x14ManagerQuorumRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1b\n\x13\x63heckpoint_metadata\x18\x03 \x01(\t\x12\x13\n\x0bshrink_only\x18\x04 \x01(\x08\x12\x11\n\tinit_sync\x18\x05 \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x06 \x01(\x03\x12\x13\n\x0b\x66ingerprint\x18\x64 \x01(\t\x12\x13\n\x0bheal_report\x18\x65 \x01(\t\"\xf8\x03\n\x15ManagerQuorumResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12#\n\x1brecover_src_manager_address\x18\x02 \x01(\t\x12%\n\x18recover_src_replica_rank\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12!\n\x19recover_dst_replica_ranks\x18\x04 \x03(\x03\x12\x15\n\rstore_address\x18\x05 \x01(\t\x12\x10\n\x08max_step\x18\x06 \x01(\x03\x12\x1d\n\x10max_replica_rank\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\x0emax_world_size\x18\x08 \x01(\x03\x12\x14\n\x0creplica_rank\x18\t \x01(\x03\x12\x1a\n\x12replica_world_size\x18\n \x01(\x03\x12\x0c\n\x04heal\x18\x0b \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x0c \x01(\x03\x12!\n\x19recover_src_replica_ranks\x18\x64 \x03(\x03\x12%\n\x1drecover_src_manager_addresses\x18\x65 \x03(\t\x12(\n recover_stripe_dst_replica_ranks\x18\x66 \x03(\x03\x42\x1b\n\x19_recover_src_replica_rankB\x13\n\x11_max_replica_rank\")\n\x19\x43heckpointMetadataRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x03\"9\n\x1a\x43heckpointMetadataResponse\x12\x1b\n\x13\x63heckpoint_metadata\x18\x01 \x01(\t\"N\n\x13ShouldCommitRequest\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\x12\x12\n\ngroup_rank\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\"-\n\x14ShouldCommitResponse\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\"\x1a\n\x0bKillRequest\x12\x0b\n\x03msg\x18\x01 \x01(\t\"\x0e\n\x0cKillResponse2\x9e\x04\n\x11LighthouseService\x12M\n\x06Quorum\x12 .torchft.LighthouseQuorumRequest\x1a!.torchft.LighthouseQuorumResponse\x12V\n\tHeartbeat\x12#.torchft.LighthouseHeartbeatRequest\x1a$.torchft.LighthouseHeartbeatResponse\x12J\n\x05Leave\x12\x1f.torchft.LighthouseLeaveRequest\x1a .torchft.LighthouseLeaveResponse\x12^\n\x0fHeartbeatStream\x12#.torchft.LighthouseHeartbeatRequest\x1a$.torchft.LighthouseHeartbeatResponse(\x01\x12W\n\x10TakeReplicaGroup\x12 .torchft.TakeReplicaGroupRequest\x1a!.torchft.TakeReplicaGroupResponse\x12]\n\x0eHeartbeatPaced\x12#.torchft.LighthouseHeartbeatRequest\x1a\".torchft.LighthouseHeartbeatAdvice(\x01\x30\x01\x32\xba\x02\n\x0eManagerService\x12G\n\x06Quorum\x12\x1d.torchft.ManagerQuorumRequest\x1a\x1e.torchft.ManagerQuorumResponse\x12]\n\x12\x43heckpointMetadata\x12\".torchft.CheckpointMetadataRequest\x1a#.torchft.CheckpointMetadataResponse\x12K\n\x0cShouldCommit\x12\x1c.torchft.ShouldCommitRequest\x1a\x1d.torchft.ShouldCommitResponse\x12\x33\n\x04Kill\x12\x14.torchft.KillRequest\x1a\x15.torchft.KillResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"lighthouse/rpc/proto/torchft.proto\x12\x07torchft\x1a\x1fgoogle/protobuf/timestamp.proto\"\xa8\x01\n\x0cQuorumMember\x12\x12\n\nreplica_id\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x15\n\rstore_address\x18\x03 \x01(\t\x12\x0c\n\x04step\x18\x04 \x01(\x03\x12\x12\n\nworld_size\x18\x05 \x01(\x04\x12\x13\n\x0bshrink_only\x18\x06 \x01(\x08\x12\x0c\n\x04\x64\x61ta\x18\x07 \x01(\t\x12\x17\n\x0f\x63ommit_failures\x18\x08 \x01(\x03\"u\n\x06Quorum\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12+\n\x0cparticipants\x18\x02 \x03(\x0b\x32\x15.torchft.QuorumMember\x12+\n\x07\x63reated\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"C\n\x17LighthouseQuorumRequest\x12(\n\trequester\x18\x01 \x01(\x0b\x32\x15.torchft.QuorumMember\";\n\x18LighthouseQuorumResponse\x12\x1f\n\x06quorum\x18\x01 \x01(\x0b\x32\x0f.torchft.Quorum\"0\n\x1aLighthouseHeartbeatRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"\x1d\n\x1bLighthouseHeartbeatResponse\",\n\x16LighthouseLeaveRequest\x12\x12\n\nreplica_id\x18\x01 \x01(\t\"\x19\n\x17LighthouseLeaveResponse\"]\n\x19LighthouseHeartbeatAdvice\x12\x13\n\x0binterval_ms\x18\x01 \x01(\x03\x12+\n\x04gone\x18\x02 \x01(\x0b\x32\x1d.torchft.LighthouseGoneNotice\">\n\x14LighthouseGoneNotice\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12\x13\n\x0breplica_ids\x18\x02 \x03(\t\";\n\x17TakeReplicaGroupRequest\x12\x10\n\x08spare_id\x18\x01 \x01(\t\x12\x0e\n\x06wanted\x18\x02 \x01(\t\"1\n\x18TakeReplicaGroupResponse\x12\x15\n\rreplica_group\x18\x01 \x01(\t\"\xe8\x01\n\x14ManagerQuorumRequest\x12\x12\n\ngroup_rank\x18\x01 \x01(\x03\x12\x0c\n\x04step\x18\x02 \x01(\x03\x12\x1b\n\x13\x63heckpoint_metadata\x18\x03 \x01(\t\x12\x13\n\x0bshrink_only\x18\x04 \x01(\x08\x12\x11\n\tinit_sync\x18\x05 \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x06 \x01(\x03\x12\x13\n\x0b\x66ingerprint\x18\x64 \x01(\t\x12\x13\n\x0bheal_report\x18\x65 \x01(\t\x12\x17\n\nbatch_slot\x18\x66 \x01(\x03H\x00\x88\x01\x01\x42\r\n\x0b_batch_slot\"\xb2\x04\n\x15ManagerQuorumResponse\x12\x11\n\tquorum_id\x18\x01 \x01(\x03\x12#\n\x1brecover_src_manager_address\x18\x02 \x01(\t\x12%\n\x18recover_src_replica_rank\x18\x03 \x01(\x03H\x00\x88\x01\x01\x12!\n\x19recover_dst_replica_ranks\x18\x04 \x03(\x03\x12\x15\n\rstore_address\x18\x05 \x01(\t\x12\x10\n\x08max_step\x18\x06 \x01(\x03\x12\x1d\n\x10max_replica_rank\x18\x07 \x01(\x03H\x01\x88\x01\x01\x12\x16\n\x0emax_world_size\x18\x08 \x01(\x03\x12\x14\n\x0creplica_rank\x18\t \x01(\x03\x12\x1a\n\x12replica_world_size\x18\n \x01(\x03\x12\x0c\n\x04heal\x18\x0b \x01(\x08\x12\x17\n\x0f\x63ommit_failures\x18\x0c \x01(\x03\x12!\n\x19recover_src_replica_ranks\x18\x64 \x03(\x03\x12%\n\x1drecover_src_manager_addresses\x18\x65 \x03(\t\x12(\n recover_stripe_dst_replica_ranks\x18\x66 \x03(\x03\x12\x19\n\x11\x62\x61tch_slots_wrong\x18g \x01(\t\x12\x1d\n\x15\x62\x61tch_slots_wrong_all\x18h \x01(\tB\x1b\n\x19_recover_src_replica_rankB\x13\n\x11_max_replica_rank\")\n\x19\x43heckpointMetadataRequest\x12\x0c\n\x04rank\x18\x01 \x01(\x03\"9\n\x1a\x43heckpointMetadataResponse\x12\x1b\n\x13\x63heckpoint_metadata\x18\x01 \x01(\t\"N\n\x13ShouldCommitRequest\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\x12\x12\n\ngroup_rank\x18\x02 \x01(\x03\x12\x0c\n\x04step\x18\x03 \x01(\x03\"-\n\x14ShouldCommitResponse\x12\x15\n\rshould_commit\x18\x01 \x01(\x08\"\x1a\n\x0bKillRequest\x12\x0b\n\x03msg\x18\x01 \x01(\t\"\x0e\n\x0cKillResponse2\x9e\x04\n\x11LighthouseService\x12M\n\x06Quorum\x12 .torchft.LighthouseQuorumRequest\x1a!.torchft.LighthouseQuorumResponse\x12V\n\tHeartbeat\x12#.torchft.LighthouseHeartbeatRequest\x1a$.torchft.LighthouseHeartbeatResponse\x12J\n\x05Leave\x12\x1f.torchft.LighthouseLeaveRequest\x1a .torchft.LighthouseLeaveResponse\x12^\n\x0fHeartbeatStream\x12#.torchft.LighthouseHeartbeatRequest\x1a$.torchft.LighthouseHeartbeatResponse(\x01\x12W\n\x10TakeReplicaGroup\x12 .torchft.TakeReplicaGroupRequest\x1a!.torchft.TakeReplicaGroupResponse\x12]\n\x0eHeartbeatPaced\x12#.torchft.LighthouseHeartbeatRequest\x1a\".torchft.LighthouseHeartbeatAdvice(\x01\x30\x01\x32\xba\x02\n\x0eManagerService\x12G\n\x06Quorum\x12\x1d.torchft.ManagerQuorumRequest\x1a\x1e.torchft.ManagerQuorumResponse\x12]\n\x12\x43heckpointMetadata\x12\".torchft.CheckpointMetadataRequest\x1a#.torchft.CheckpointMetadataResponse\x12K\n\x0cShouldCommit\x12\x1c.torchft.ShouldCommitRequest\x1a\x1d.torchft.ShouldCommitResponse\x12\x33\n\x04Kill\x12\x14.torchft.KillRequest\x1a\x15.torchft.KillResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,29 +49,31 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_LIGHTHOUSELEAVERESPONSE']._serialized_start=627
   _globals['_LIGHTHOUSELEAVERESPONSE']._serialized_end=652
   _globals['_LIGHTHOUSEHEARTBEATADVICE']._serialized_start=654
-  _globals['_LIGHTHOUSEHEARTBEATADVICE']._serialized_end=702
-  _globals['_TAKEREPLICAGROUPREQUEST']._serialized_start=704
-  _globals['_TAKEREPLICAGROUPREQUEST']._serialized_end=763
-  _globals['_TAKEREPLICAGROUPRESPONSE']._serialized_start=765
-  _globals['_TAKEREPLICAGROUPRESPONSE']._serialized_end=814
-  _globals['_MANAGERQUORUMREQUEST']._serialized_start=817
-  _globals['_MANAGERQUORUMREQUEST']._serialized_end=1009
-  _globals['_MANAGERQUORUMRESPONSE']._serialized_start=1012
-  _globals['_MANAGERQUORUMRESPONSE']._serialized_end=1516
-  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_start=1518
-  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_end=1559
-  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_start=1561
-  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_end=1618
-  _globals['_SHOULDCOMMITREQUEST']._serialized_start=1620
-  _globals['_SHOULDCOMMITREQUEST']._serialized_end=1698
-  _globals['_SHOULDCOMMITRESPONSE']._serialized_start=1700
-  _globals['_SHOULDCOMMITRESPONSE']._serialized_end=1745
-  _globals['_KILLREQUEST']._serialized_start=1747
-  _globals['_KILLREQUEST']._serialized_end=1773
-  _globals['_KILLRESPONSE']._serialized_start=1775
-  _globals['_KILLRESPONSE']._serialized_end=1789
-  _globals['_LIGHTHOUSESERVICE']._serialized_start=1792
-  _globals['_LIGHTHOUSESERVICE']._serialized_end=2334
-  _globals['_MANAGERSERVICE']._serialized_start=2337
-  _globals['_MANAGERSERVICE']._serialized_end=2651
+  _globals['_LIGHTHOUSEHEARTBEATADVICE']._serialized_end=747
+  _globals['_LIGHTHOUSEGONENOTICE']._serialized_start=749
+  _globals['_LIGHTHOUSEGONENOTICE']._serialized_end=811
+  _globals['_TAKEREPLICAGROUPREQUEST']._serialized_start=813
+  _globals['_TAKEREPLICAGROUPREQUEST']._serialized_end=872
+  _globals['_TAKEREPLICAGROUPRESPONSE']._serialized_start=874
+  _globals['_TAKEREPLICAGROUPRESPONSE']._serialized_end=923
+  _globals['_MANAGERQUORUMREQUEST']._serialized_start=926
+  _globals['_MANAGERQUORUMREQUEST']._serialized_end=1158
+  _globals['_MANAGERQUORUMRESPONSE']._serialized_start=1161
+  _globals['_MANAGERQUORUMRESPONSE']._serialized_end=1723
+  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_start=1725
+  _globals['_CHECKPOINTMETADATAREQUEST']._serialized_end=1766
+  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_start=1768
+  _globals['_CHECKPOINTMETADATARESPONSE']._serialized_end=1825
+  _globals['_SHOULDCOMMITREQUEST']._serialized_start=1827
+  _globals['_SHOULDCOMMITREQUEST']._serialized_end=1905
+  _globals['_SHOULDCOMMITRESPONSE']._serialized_start=1907
+  _globals['_SHOULDCOMMITRESPONSE']._serialized_end=1952
+  _globals['_KILLREQUEST']._serialized_start=1954
+  _globals['_KILLREQUEST']._serialized_end=1980
+  _globals['_KILLRESPONSE']._serialized_start=1982
+  _globals['_KILLRESPONSE']._serialized_end=1996
+  _globals['_LIGHTHOUSESERVICE']._serialized_start=1999
+  _globals['_LIGHTHOUSESERVICE']._serialized_end=2541
+  _globals['_MANAGERSERVICE']._serialized_start=2544
+  _globals['_MANAGERSERVICE']._serialized_end=2858
 # @@protoc_insertion_point(module_scope)

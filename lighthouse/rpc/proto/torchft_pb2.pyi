@@ -72,10 +72,20 @@ class LighthouseLeaveResponse(_message.Message):
     def __init__(self) -> None: ...
 
 class LighthouseHeartbeatAdvice(_message.Message):
-    __slots__ = ("interval_ms",)
+    __slots__ = ("interval_ms", "gone")
     INTERVAL_MS_FIELD_NUMBER: _ClassVar[int]
+    GONE_FIELD_NUMBER: _ClassVar[int]
     interval_ms: int
-    def __init__(self, interval_ms: _Optional[int] = ...) -> None: ...
+    gone: LighthouseGoneNotice
+    def __init__(self, interval_ms: _Optional[int] = ..., gone: _Optional[_Union[LighthouseGoneNotice, _Mapping]] = ...) -> None: ...
+
+class LighthouseGoneNotice(_message.Message):
+    __slots__ = ("quorum_id", "replica_ids")
+    QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_IDS_FIELD_NUMBER: _ClassVar[int]
+    quorum_id: int
+    replica_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, quorum_id: _Optional[int] = ..., replica_ids: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class TakeReplicaGroupRequest(_message.Message):
     __slots__ = ("spare_id", "wanted")
@@ -92,7 +102,7 @@ class TakeReplicaGroupResponse(_message.Message):
     def __init__(self, replica_group: _Optional[str] = ...) -> None: ...
 
 class ManagerQuorumRequest(_message.Message):
-    __slots__ = ("group_rank", "step", "checkpoint_metadata", "shrink_only", "init_sync", "commit_failures", "fingerprint", "heal_report")
+    __slots__ = ("group_rank", "step", "checkpoint_metadata", "shrink_only", "init_sync", "commit_failures", "fingerprint", "heal_report", "batch_slot")
     GROUP_RANK_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
     CHECKPOINT_METADATA_FIELD_NUMBER: _ClassVar[int]
@@ -101,6 +111,7 @@ class ManagerQuorumRequest(_message.Message):
     COMMIT_FAILURES_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     HEAL_REPORT_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SLOT_FIELD_NUMBER: _ClassVar[int]
     group_rank: int
     step: int
     checkpoint_metadata: str
@@ -109,10 +120,11 @@ class ManagerQuorumRequest(_message.Message):
     commit_failures: int
     fingerprint: str
     heal_report: str
-    def __init__(self, group_rank: _Optional[int] = ..., step: _Optional[int] = ..., checkpoint_metadata: _Optional[str] = ..., shrink_only: _Optional[bool] = ..., init_sync: _Optional[bool] = ..., commit_failures: _Optional[int] = ..., fingerprint: _Optional[str] = ..., heal_report: _Optional[str] = ...) -> None: ...
+    batch_slot: int
+    def __init__(self, group_rank: _Optional[int] = ..., step: _Optional[int] = ..., checkpoint_metadata: _Optional[str] = ..., shrink_only: _Optional[bool] = ..., init_sync: _Optional[bool] = ..., commit_failures: _Optional[int] = ..., fingerprint: _Optional[str] = ..., heal_report: _Optional[str] = ..., batch_slot: _Optional[int] = ...) -> None: ...
 
 class ManagerQuorumResponse(_message.Message):
-    __slots__ = ("quorum_id", "recover_src_manager_address", "recover_src_replica_rank", "recover_dst_replica_ranks", "store_address", "max_step", "max_replica_rank", "max_world_size", "replica_rank", "replica_world_size", "heal", "commit_failures", "recover_src_replica_ranks", "recover_src_manager_addresses", "recover_stripe_dst_replica_ranks")
+    __slots__ = ("quorum_id", "recover_src_manager_address", "recover_src_replica_rank", "recover_dst_replica_ranks", "store_address", "max_step", "max_replica_rank", "max_world_size", "replica_rank", "replica_world_size", "heal", "commit_failures", "recover_src_replica_ranks", "recover_src_manager_addresses", "recover_stripe_dst_replica_ranks", "batch_slots_wrong", "batch_slots_wrong_all")
     QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     RECOVER_SRC_MANAGER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RECOVER_SRC_REPLICA_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -128,6 +140,8 @@ class ManagerQuorumResponse(_message.Message):
     RECOVER_SRC_REPLICA_RANKS_FIELD_NUMBER: _ClassVar[int]
     RECOVER_SRC_MANAGER_ADDRESSES_FIELD_NUMBER: _ClassVar[int]
     RECOVER_STRIPE_DST_REPLICA_RANKS_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SLOTS_WRONG_FIELD_NUMBER: _ClassVar[int]
+    BATCH_SLOTS_WRONG_ALL_FIELD_NUMBER: _ClassVar[int]
     quorum_id: int
     recover_src_manager_address: str
     recover_src_replica_rank: int
@@ -143,7 +157,9 @@ class ManagerQuorumResponse(_message.Message):
     recover_src_replica_ranks: _containers.RepeatedScalarFieldContainer[int]
     recover_src_manager_addresses: _containers.RepeatedScalarFieldContainer[str]
     recover_stripe_dst_replica_ranks: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, quorum_id: _Optional[int] = ..., recover_src_manager_address: _Optional[str] = ..., recover_src_replica_rank: _Optional[int] = ..., recover_dst_replica_ranks: _Optional[_Iterable[int]] = ..., store_address: _Optional[str] = ..., max_step: _Optional[int] = ..., max_replica_rank: _Optional[int] = ..., max_world_size: _Optional[int] = ..., replica_rank: _Optional[int] = ..., replica_world_size: _Optional[int] = ..., heal: _Optional[bool] = ..., commit_failures: _Optional[int] = ..., recover_src_replica_ranks: _Optional[_Iterable[int]] = ..., recover_src_manager_addresses: _Optional[_Iterable[str]] = ..., recover_stripe_dst_replica_ranks: _Optional[_Iterable[int]] = ...) -> None: ...
+    batch_slots_wrong: str
+    batch_slots_wrong_all: str
+    def __init__(self, quorum_id: _Optional[int] = ..., recover_src_manager_address: _Optional[str] = ..., recover_src_replica_rank: _Optional[int] = ..., recover_dst_replica_ranks: _Optional[_Iterable[int]] = ..., store_address: _Optional[str] = ..., max_step: _Optional[int] = ..., max_replica_rank: _Optional[int] = ..., max_world_size: _Optional[int] = ..., replica_rank: _Optional[int] = ..., replica_world_size: _Optional[int] = ..., heal: _Optional[bool] = ..., commit_failures: _Optional[int] = ..., recover_src_replica_ranks: _Optional[_Iterable[int]] = ..., recover_src_manager_addresses: _Optional[_Iterable[str]] = ..., recover_stripe_dst_replica_ranks: _Optional[_Iterable[int]] = ..., batch_slots_wrong: _Optional[str] = ..., batch_slots_wrong_all: _Optional[str] = ...) -> None: ...
 
 class CheckpointMetadataRequest(_message.Message):
     __slots__ = ("rank",)
