@@ -138,6 +138,13 @@ parser.add_argument(
 )
 parser.add_argument("--checkpoint-keep", type=int, default=2, help="checkpoints kept per rank")
 parser.add_argument(
+    "--loader",
+    choices=("plain", "stateful"),
+    default="plain",
+    help="torch's DataLoader, or torchdata's StatefulDataLoader; either way over "
+    "torchft_like.DistributedSampler, so StepBatches trains every sample of an epoch once",
+)
+parser.add_argument(
     "--transport",
     choices=("http", "pg"),
     default="http",
@@ -274,7 +281,12 @@ else:
 sampler = DistributedSampler(
     dataset, replica_rank=REPLICA_GROUP_ID, num_replica_groups=NUM_REPLICA_GROUPS, seed=args.seed
 )
-loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler, drop_last=True)
+if args.loader == "stateful":
+    from torchdata.stateful_dataloader import StatefulDataLoader
+
+    loader = StatefulDataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
+else:
+    loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
 timeout = timedelta(seconds=args.timeout_s)
 pg = ProcessGroupGloo(timeout=timeout)
 try:
@@ -295,7 +307,8 @@ except (QuorumError, ValueError) as e:  # unreachable, refused, bad settings
     log.error("%s", e)
     sys.exit(2)
 manager_time = time.time()
-# The batch of each committed step; its position is state that heals copy.
+# The batch the quorum gives this group each step: unit batches_committed +
+# our participating rank, so every sample of an epoch is trained once.
 batches = StepBatches(manager, loader)
 checkpointer = None
 if args.checkpoint_dir:
@@ -361,6 +374,7 @@ try:
     while manager.current_step() < last_step():
         ids, x, y = next(batches)
         position = batches.position()
+        cursor = manager.batches_committed()
         x, y = x.to(device), y.to(device)
         step_start = time.time()
         optimizer.zero_grad()
@@ -372,7 +386,7 @@ try:
         if committed and checkpointer is not None:
             checkpointer.maybe_save()
         # A healing replica contributes zeros: its batch is not trained this step.
-        contributed = committed and manager.is_participating()
+        rank = manager.participating_rank()
         healed = manager.did_heal()
         log.info(
             "step %d loss %.4f participants %d committed %s%s",
@@ -393,9 +407,13 @@ try:
                 "committed": committed,
                 "healed": healed,
                 "quorum_id": manager.quorum_id(),
-                # The samples this group's commit trained (none when it did not
-                # contribute), and where they lie in its shard.
-                "sample_ids": ids.tolist() if contributed else [],
+                # The samples this group contributed to the step (whether or not
+                # its own vote committed: a peer's commit may have trained them),
+                # the unit of data they are and the cursor the step began at.
+                "sample_ids": ids.tolist() if rank is not None else [],
+                "participating_rank": rank,
+                "data_cursor": cursor,
+                "data_unit": position.unit,
                 "data_epoch": position.epoch,
                 "data_batch": position.batch,
                 **manager.timings(),

@@ -12,7 +12,8 @@ import psutil
 import pytest
 
 from tests.procs import PYTHON, wait_for_line
-from tools.chaos.checks import BatchRecord, data_exactly_once
+from tools.chaos.checks import data_exactly_once, units_trained
+from tools.chaos.runner import batch_record
 from tools.procs import kill_tree, read_jsonl, signal_tree
 from torchft_like.data import DistributedSampler
 
@@ -77,43 +78,35 @@ def finals(tmp_path: Path, groups: int = 2) -> list[dict]:
 NUM_SAMPLES, BATCH_SIZE, SEED = 8192, 32, 0  # examples/train_ddp.py's data and defaults
 
 
-def shard_batches(group: int, num_steps: int, groups: int = 2) -> list[list[int]]:
-    """The sample ids of a group's batches in step order, as its sampler defines them."""
-    sampler = DistributedSampler(range(NUM_SAMPLES), group, groups, group_rank=0, num_replicas=1,
+def unit_samples(unit: int) -> list[int]:
+    """The sample ids of a unit of data (one 1-rank group's batch), as
+    torchft_like.DistributedSampler defines them under StepBatches."""
+    sampler = DistributedSampler(range(NUM_SAMPLES), 0, 1, group_rank=0, num_replicas=1,
                                  seed=SEED)  # fmt: skip
-    out: list[list[int]] = []
-    epoch = 0
-    while len(out) < num_steps:
-        sampler.set_epoch(epoch)
-        order = list(sampler)
-        out += [
-            order[i : i + BATCH_SIZE] for i in range(0, len(order) - BATCH_SIZE + 1, BATCH_SIZE)
-        ]
-        epoch += 1
-    return out
+    return sampler.unit_indices(unit, BATCH_SIZE)
 
 
 def assert_exactly_once_data(tmp_path: Path, final: int, groups: int = 2) -> None:
-    """Each commit a group contributed to trained the batch of its own shard at
-    the position of its step (the commit of step s trains batch s-1), no step
-    twice: nothing skipped, nothing repeated. Group 0, a survivor,
-    contributed to every step."""
+    """Every unit of data below the final cursor was trained in exactly one
+    committed step (tools.chaos.checks.data_exactly_once), each participant
+    training the unit the quorum gave it, with the samples that unit holds.
+    Group 0, a survivor, contributed to every step from its first."""
     batches = []
     for group in range(groups):
-        expected = shard_batches(group, final, groups)
-        contributed = [r for r in steps(tmp_path / f"group{group}.jsonl")
-                       if r["committed"] and r["sample_ids"]]  # fmt: skip
-        for r in contributed:
-            assert r["sample_ids"] == expected[r["step"] - 1], (
-                f"group {group} trained the wrong batch at step {r['step']}"
+        records = [r for r in steps(tmp_path / f"group{group}.jsonl")
+                   if r["participating_rank"] is not None]  # fmt: skip
+        for r in records:
+            assert r["sample_ids"] == unit_samples(r["data_unit"]), (
+                f"group {group} trained other samples than unit {r['data_unit']}'s"
             )
-            batches.append(BatchRecord(group, r["step"], r["data_epoch"], tuple(r["sample_ids"])))
+            batches.append(batch_record(group, r))
         if group == 0:
-            # From its first contribution (a slow start may make it join, and
-            # heal, after the other trained a few steps alone) to the end.
-            first = min(r["step"] for r in contributed)
-            assert sorted(r["step"] for r in contributed) == list(range(first, final + 1))
+            # From its first commit (a slow start may make it join, and heal,
+            # after the other trained a few steps alone) to the end.
+            done = sorted(r["step"] for r in records if r["committed"])
+            assert done == list(range(done[0], final + 1))
     assert data_exactly_once(batches) == []
+    assert units_trained(batches) >= final
 
 
 @pytest.mark.parametrize(

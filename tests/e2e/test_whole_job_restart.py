@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_kill_and_recover import shard_batches, steps, wait_until
+from tests.e2e.test_kill_and_recover import steps, unit_samples, wait_until
 from tests.procs import PYTHON, wait_for_line
 from tools.procs import kill_tree, read_jsonl
 
@@ -80,9 +80,9 @@ def test_a_whole_job_killed_at_once_resumes_from_its_checkpoint_bit_identical(ch
         resumed = [r for r in steps(tmp_path / f"second{g}.jsonl") if r["committed"]]
         assert resumed[0]["t"] > killed_at
         assert resumed[0]["step"] == newest + 1, "did not resume from the newest checkpoint"
-        expected = shard_batches(g, STEPS)
-        for r in resumed:  # the data goes on where the checkpoint left it
-            assert r["sample_ids"] == expected[r["step"] - 1]
+        for r in resumed:  # the data goes on at the checkpoint's cursor
+            assert (r["data_cursor"], r["data_unit"]) == (2 * r["step"] - 2, 2 * r["step"] - 2 + g)
+            assert r["sample_ids"] == unit_samples(r["data_unit"])
         assert final(tmp_path / f"second{g}.jsonl")["hash"] == reference[0]["hash"], (
             f"group {g} ended different from the uninterrupted run"
         )

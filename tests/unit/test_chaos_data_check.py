@@ -13,46 +13,64 @@ from tools.chaos.checks import (
 )
 
 
-def b(group: int, step: int, epoch: int, *ids: int) -> BatchRecord:
-    return BatchRecord(group, step, epoch, ids)
+def b(group, step, qid, committed, rank, participants, cursor, unit=None, epoch=0, ids=()):
+    unit = cursor + rank if unit is None else unit
+    return BatchRecord(group, step, qid, committed, rank, participants, cursor, unit, epoch,
+                       tuple(ids))  # fmt: skip
 
 
 @pytest.mark.parametrize(
     ("batches", "problems"),
     [
         ([], []),
-        # Two groups, two epochs of two batches, each group its own shard.
+        # Two groups, three steps: units 0-5, each once.
         (
-            [b(0, 1, 0, 0, 1), b(0, 2, 0, 2, 3), b(0, 3, 1, 3, 0), b(0, 4, 1, 1, 2),
-             b(1, 1, 0, 4, 5), b(1, 2, 0, 6, 7), b(1, 3, 1, 7, 4), b(1, 4, 1, 5, 6)],
+            [b(0, 0, 1, True, 0, 2, 0, ids=(0, 1)), b(1, 0, 1, True, 1, 2, 0, ids=(2, 3)),
+             b(0, 1, 1, True, 0, 2, 2), b(1, 1, 1, True, 1, 2, 2),
+             b(0, 2, 1, True, 0, 2, 4), b(1, 2, 1, True, 1, 2, 4)],
             [],
         ),
-        # A group that was away (steps 2-3) and heals in: its steps have gaps.
-        ([b(0, 1, 0, 0, 1), b(0, 4, 1, 1, 2), b(1, 1, 0, 4, 5), b(1, 4, 1, 5, 6)], []),
-        # A step trained twice (an uncommitted step's batch logged as committed).
-        ([b(0, 1, 0, 0, 1), b(0, 1, 0, 2, 3)], ["group 0 trained a batch for step 1 twice"]),
-        # One batch behind its step: the next epoch's first batch lands in this epoch.
+        # A step nobody committed is not in the history; its retry is.
         (
-            [b(0, 1, 0, 0, 1), b(0, 2, 0, 2, 3), b(0, 3, 0, 3, 1)],
-            ["group 0 trained sample 3 at step 3, which it trained at step 2 in the same epoch 0"],
+            [b(0, 0, 1, True, 0, 2, 0), b(1, 0, 1, True, 1, 2, 0),
+             b(0, 1, 1, False, 0, 2, 2, unit=3), b(1, 1, 1, False, 1, 2, 2, unit=4),
+             b(0, 1, 2, True, 0, 2, 2), b(1, 1, 2, True, 1, 2, 2)],
+            [],
         ),
-        # A restarted group replaying its shard from the start of epoch 0.
+        # Group 1 failed its vote but group 0 committed: its unit was trained.
+        ([b(0, 0, 1, True, 0, 2, 0), b(1, 0, 1, False, 1, 2, 0), b(0, 1, 2, True, 0, 1, 2)], []),
+        # Group 1 alone after group 0 committed step 1 and died: the later quorum's step 1 counts.
         (
-            [b(0, 3, 1, 3, 0), b(0, 5, 0, 0, 1), b(1, 5, 2, 4, 5)],
-            ["group 0 went back from epoch 1 (step 3) to epoch 0 (step 5)",
-             "at step 5 group 0 trained epoch 0 but group 1 epoch 2"],
+            [b(0, 0, 1, True, 0, 2, 0), b(1, 0, 1, True, 1, 2, 0),
+             b(0, 1, 1, True, 0, 2, 2), b(1, 1, 1, False, 1, 2, 2),
+             b(1, 1, 3, True, 0, 1, 2)],
+            [],
         ),
-        # A group reading another group's shard.
+        # A participant that trained another unit than the quorum gave it.
         (
-            [b(0, 1, 0, 0, 1), b(1, 1, 0, 1, 4)],
-            ["group 1 trained sample 1 at step 1, which group 0 trained at step 1 in the "
-             "same epoch 0"],
+            [b(0, 0, 1, True, 0, 2, 0), b(1, 0, 1, True, 1, 2, 0, unit=0)],
+            ["group 1 trained unit 0 at step 0, but as participant 1 the quorum gave it unit 1"],
         ),
-        # The same sample in another epoch is fine.
-        ([b(0, 1, 0, 0, 1), b(0, 2, 1, 0, 1)], []),
+        # A cursor that jumps (units skipped) or goes back (units trained twice).
+        (
+            [b(0, 0, 1, True, 0, 1, 0), b(0, 1, 1, True, 0, 1, 3), b(0, 2, 1, True, 0, 1, 2)],
+            ["step 1 began at unit 3: units 1-2 never trained",
+             "step 2 began at unit 2: units 2-3 trained twice"],
+        ),
+        # Groups that disagree on where the step began.
+        (
+            [b(0, 0, 1, True, 0, 2, 0), b(1, 0, 1, True, 1, 2, 1)],
+            ["step 0: groups disagree on the cursor or the participants"],
+        ),
+        # The same sample twice in one epoch; in another epoch it is fine.
+        (
+            [b(0, 0, 1, True, 0, 1, 0, ids=(5, 6)), b(0, 1, 1, True, 0, 1, 1, ids=(6, 7)),
+             b(0, 2, 1, True, 0, 1, 2, epoch=1, ids=(5,))],
+            ["sample 6 trained at steps 0 and 1 of epoch 0"],
+        ),
     ],
 )  # fmt: skip
-def test_each_batch_is_trained_once_by_the_commit_its_step_calls_for(batches, problems):
+def test_each_unit_is_trained_in_exactly_one_step_of_the_history(batches, problems):
     assert data_exactly_once(batches) == problems
 
 

@@ -152,57 +152,77 @@ def first_commit_after(records: list[StepRecord], groups: list[int], since: floa
 
 @dataclass(frozen=True)
 class BatchRecord:
-    """The samples one group's commit trained (logged only when it contributed)."""
+    """One participant's batch of one step, logged whether or not its own
+    group committed (a peer's commit may have trained it)."""
 
     group: int
     step: int
-    """The committed step (the step count after the commit)."""
+    """The step trained: committed steps before it."""
+    quorum_id: int
+    committed: bool
+    """Whether this group committed the step."""
+    rank: int
+    """Its participating rank."""
+    participants: int
+    cursor: int
+    """Units of data committed before the step (Manager.batches_committed)."""
+    unit: int
+    """The unit of data it trained."""
     epoch: int
-    """The data epoch the batch belongs to."""
     sample_ids: tuple[int, ...]
+    """Rank 0's samples of the unit."""
 
 
 def data_exactly_once(batches: list[BatchRecord]) -> list[str]:
-    """Every batch is trained once by the commit its step calls for: a group
-    trains one batch per committed step (never a step twice), never a sample
-    twice in an epoch, only its own shard (no sample of another group's in the
-    same epoch), and its epochs follow its steps (groups at the same step are
-    in the same epoch: a restarted group replaying its shard from the start,
-    or one a batch behind its step, breaks one of these)."""
-    problems = []
-    seen_steps: dict[tuple[int, int], BatchRecord] = {}
-    owner: dict[tuple[int, int], BatchRecord] = {}
-    epoch_of_step: dict[int, BatchRecord] = {}
-    last: dict[int, BatchRecord] = {}
-    for b in sorted(batches, key=lambda b: (b.group, b.step)):
-        if (b.group, b.step) in seen_steps:
-            problems.append(f"group {b.group} trained a batch for step {b.step} twice")
+    """Every unit of data trained in exactly one step of the final history.
+
+    A step (its step number and quorum id) is in the history when a group
+    committed it; of a step committed in two quorums (the first committer
+    died before anyone healed from it) the later one. Each such step trains
+    units [cursor, cursor + participants), participant r unit cursor + r,
+    and each starts where the previous ended: no unit skipped, none twice,
+    so no sample of an epoch skipped or trained twice. A sample seen twice
+    in one epoch is reported too."""
+    problems: list[str] = []
+    rounds: dict[tuple[int, int], list[BatchRecord]] = {}
+    for b in batches:
+        rounds.setdefault((b.step, b.quorum_id), []).append(b)
+    history: dict[int, list[BatchRecord]] = {}
+    for (step, _quorum_id), records in sorted(rounds.items()):
+        if any(r.committed for r in records):
+            history[step] = records  # a later quorum id replaces an earlier one
+    end: int | None = None
+    seen: dict[tuple[int, int], int] = {}
+    for step, records in sorted(history.items()):
+        first = records[0]
+        if any((r.cursor, r.participants) != (first.cursor, first.participants) for r in records):
+            problems.append(f"step {step}: groups disagree on the cursor or the participants")
             continue
-        seen_steps[(b.group, b.step)] = b
-        before = last.get(b.group)
-        if before is not None and before.epoch > b.epoch:
-            problems.append(
-                f"group {b.group} went back from epoch {before.epoch} (step {before.step}) "
-                f"to epoch {b.epoch} (step {b.step})"
-            )
-        last[b.group] = b
-        same = epoch_of_step.setdefault(b.step, b)
-        if same.epoch != b.epoch:
-            problems.append(
-                f"at step {b.step} group {same.group} trained epoch {same.epoch} but group "
-                f"{b.group} epoch {b.epoch}"
-            )
-        for sample in b.sample_ids:
-            first = owner.setdefault((b.epoch, sample), b)
-            if first is b:
-                continue
-            who = "it" if first.group == b.group else f"group {first.group}"
-            problems.append(
-                f"group {b.group} trained sample {sample} at step {b.step}, which {who} "
-                f"trained at step {first.step} in the same epoch {b.epoch}"
-            )
-            break  # one line per batch
+        if end is not None and first.cursor != end:
+            what = "never trained" if first.cursor > end else "trained twice"
+            lo, hi = sorted((end, first.cursor))
+            problems.append(f"step {step} began at unit {first.cursor}: units {lo}-{hi - 1} {what}")
+        end = first.cursor + first.participants
+        for r in records:
+            if r.unit != r.cursor + r.rank:
+                problems.append(
+                    f"group {r.group} trained unit {r.unit} at step {step}, but as participant "
+                    f"{r.rank} the quorum gave it unit {r.cursor + r.rank}"
+                )
+            for sample in r.sample_ids:
+                before = seen.setdefault((r.epoch, sample), step)
+                if before != step:
+                    problems.append(
+                        f"sample {sample} trained at steps {before} and {step} of epoch {r.epoch}"
+                    )
+                    break
     return problems
+
+
+def units_trained(batches: list[BatchRecord]) -> int:
+    """Units of data the final history trained (the highest cursor reached)."""
+    ends = [b.cursor + b.participants for b in batches if b.committed]
+    return max(ends, default=0)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,8 @@ Rank 0 appends one JSON object per line to --log-json:
   {"event": "start"}                                         at each start
   {"event": "step", "t": UNIX_S, "step": COMMITTED_STEP,
    "committed": BOOL, "participants": N}                     after each step
+(examples/train_ddp.py also logs its batch: participating_rank, data_cursor,
+data_unit, data_epoch, sample_ids, which the exactly-once data check reads)
   {"event": "final", "step": N, "hash": STR, "quorum_id": N} at the end
 where hash digests the model and optimizer state (groups must agree on it).
 Workers are found for kill_rank by the script's file name in their command
@@ -136,7 +138,8 @@ class Children:
              str(self.script), "--steps", str(10 * a.steps + 1000),
              "--stop-file", str(self.stop_file), "--hidden", str(a.hidden),
              "--layers", "2", "--step-sleep", str(a.step_sleep), "--timeout-s", str(a.timeout_s),
-             "--log-json", str(group.log)],
+             "--log-json", str(group.log),
+             *(["--loader", a.loader] if a.loader else [])],
             f"group{group.index}.log",
             {"TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{self.port}",
              "REPLICA_GROUP_ID": str(group.index), "NUM_REPLICA_GROUPS": str(a.groups),

@@ -44,6 +44,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-steps", type=int, default=10, help="no fault before this step")
     p.add_argument("--tail-steps", type=int, default=5, help="no fault in the last steps")
     p.add_argument("--hidden", type=int, default=32, help="hidden width of the MLP")
+    p.add_argument(
+        "--loader",
+        choices=("plain", "stateful"),
+        default=None,
+        help="passed on to the script as --loader (examples/train_ddp.py)",
+    )
     p.add_argument("--step-sleep", type=float, default=0.1, help="seconds each step sleeps")
     p.add_argument("--max-restarts", type=int, default=1,
                    help="torchrun --max-restarts: worker restarts before it dies")  # fmt: skip

@@ -74,6 +74,12 @@ def report(runner: Runner, left: list[str]) -> int:
                 f"{_fmt(max(rj, default=None))}"
             )
     print(
+        f"data: {checks.units_trained(runner.batches)} units (group batches) trained, each "
+        "in exactly one committed step"
+        if not checks.data_exactly_once(runner.batches)
+        else "data: NOT exactly once (see the problems)"
+    )
+    print(
         f"goodput {gp.goodput:.1%} ({gp.participant_steps} group-steps committed; fault-free "
         f"step {gp.fault_free_step_s:.3f} s); participation {gp.participation:.1%} of "
         f"{final_step} steps x {a.groups} groups"

@@ -110,12 +110,8 @@ class Runner:
                             r["participants"], r.get("quorum_id", -1),
                         )
                     )  # fmt: skip
-                    if r["committed"] and r.get("sample_ids"):
-                        self.batches.append(
-                            checks.BatchRecord(
-                                g.index, r["step"], r["data_epoch"], tuple(r["sample_ids"])
-                            )
-                        )
+                    if r.get("participating_rank") is not None and "data_unit" in r:
+                        self.batches.append(batch_record(g.index, r))
                 elif r["event"] == "final":
                     g.final = r
 
@@ -339,4 +335,20 @@ def _outcome(act: _Active, settled_at: float | None) -> Outcome:
         recovered_at=act.recovered_at,
         settled_at=settled_at,
         note=act.note,
+    )
+
+
+def batch_record(group: int, r: dict) -> checks.BatchRecord:
+    """A participant's step record of examples/train_ddp.py as a BatchRecord."""
+    return checks.BatchRecord(
+        group=group,
+        step=r["step"] - 1 if r["committed"] else r["step"],
+        quorum_id=r["quorum_id"],
+        committed=r["committed"],
+        rank=r["participating_rank"],
+        participants=r["participants"],
+        cursor=r["data_cursor"],
+        unit=r["data_unit"],
+        epoch=r["data_epoch"],
+        sample_ids=tuple(r["sample_ids"]),
     )
