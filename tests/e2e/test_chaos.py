@@ -55,12 +55,13 @@ def test_group_kills_a_hang_and_a_lighthouse_restart_all_heal_and_end_bit_identi
 
 @pytest.mark.timeout(260)
 def test_a_killed_rank_is_restarted_by_torchrun_and_then_by_the_runner(children, tmp_path):
+    # Under torchdata's StatefulDataLoader, as the exactly-once data check sees.
     # Seed 0 kills rank 0 then rank 1 of group 1; with --max-restarts 1 torchrun
     # restarts its workers after the first and gives up after the second.
     summary = run_chaos(
         children, tmp_path,
         ["--groups", "2", "--nproc-per-group", "2", "--steps", "40", "--faults", "2",
-         "--seed", "0", "--kinds", "kill_rank", "--max-restarts", "1"],
+         "--seed", "0", "--kinds", "kill_rank", "--max-restarts", "1", "--loader", "stateful"],
         timeout=240,
     )  # fmt: skip
     assert fired(summary) == ["kill_rank", "kill_rank"]
