@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
 import time
+from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
 
@@ -26,12 +28,21 @@ from lighthouse.rpc.channel import (
     tls_refusal,
     unreachable,
 )
-from lighthouse.rpc.errors import QuorumError, QuorumTimeoutError, from_rpc_error
+from lighthouse.rpc.errors import (
+    FreshStartRefusedError,
+    QuorumError,
+    QuorumTimeoutError,
+    from_rpc_error,
+)
 from lighthouse.rpc.loop import wait_within
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.rpc.tls import TLSConfig, check_scheme
 
+logger = logging.getLogger(__name__)
+
+FRESH_START_RETRY_S = 0.1
+"""Pause before asking again after a refused fresh start."""
 LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 """Where the library's Manager finds the lighthouse (read by torchft_like.manager)."""
 
@@ -226,6 +237,9 @@ class AsyncLighthouseClient:
         for a lighthouse without it)."""
         self._advice_reader: asyncio.Task[None] | None = None
         self._advice_ms = 0
+        self.on_gone: Callable[[int, tuple[str, ...]], None] | None = None
+        """Called on the event loop with (quorum_id, replica ids) for each gone
+        notice on our HeartbeatPaced stream (lighthouse.gone)."""
 
     async def _ensure_connected(self, limit: timedelta | None = None) -> None:
         """Waits for the connection, at most the connect timeout (or `limit` if shorter)."""
@@ -245,13 +259,32 @@ class AsyncLighthouseClient:
         )
 
     async def quorum(self, member: QuorumMember, timeout: timedelta) -> Quorum:
-        """Joins the next quorum; the whole call, connecting included, takes at most `timeout`."""
-        start = time.monotonic()
-        await self._ensure_connected(timeout)
+        """Joins the next quorum; the whole call, connecting included, takes at most `timeout`.
+
+        A refused fresh start (FreshStartRefusedError, which the lighthouse
+        answers a held call with after a few seconds) is logged at once and
+        asked again until `timeout`: the group waits for a peer to heal from.
+        """
+        deadline = time.monotonic() + timeout.total_seconds()
+        logged = False
+        while True:
+            try:
+                return await self._quorum_once(member, deadline)
+            except FreshStartRefusedError as e:
+                if not logged:
+                    logged = True
+                    logger.warning("[%s] not training, waiting: %s", member.replica_id, e)
+                if deadline - time.monotonic() < 2 * FRESH_START_RETRY_S:
+                    raise
+                await asyncio.sleep(FRESH_START_RETRY_S)
+
+    async def _quorum_once(self, member: QuorumMember, deadline: float) -> Quorum:
+        await self._ensure_connected(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
         request = pb.LighthouseQuorumRequest(requester=wire.member_to_proto(member))
-        left_s = max(timeout.total_seconds() - (time.monotonic() - start), 0.001)
         try:
-            response = await self._stub.Quorum(request, timeout=left_s)
+            response = await self._stub.Quorum(
+                request, timeout=max(deadline - time.monotonic(), 0.001)
+            )
         except grpc.RpcError as e:
             raise from_rpc_error(e, f"lighthouse {self.addr}", "Quorum") from None
         return wire.quorum_from_proto(response.quorum)
@@ -325,11 +358,14 @@ class AsyncLighthouseClient:
         raise from_rpc_error(error, f"lighthouse {self.addr}", "HeartbeatStream") from None
 
     async def _read_advice(self, call: Any) -> None:
-        """Keeps the latest advised period of a HeartbeatPaced call; its end
-        (an error included) is the writer's to report."""
+        """Keeps the latest advised period of a HeartbeatPaced call and hands
+        its gone notices to `on_gone`; its end (an error included) is the
+        writer's to report."""
         try:
             async for advice in call:
                 self._advice_ms = max(0, int(advice.interval_ms))
+                if advice.HasField("gone") and self.on_gone is not None:
+                    self.on_gone(int(advice.gone.quorum_id), tuple(advice.gone.replica_ids))
         except (grpc.RpcError, asyncio.InvalidStateError):
             pass
 

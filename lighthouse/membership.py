@@ -21,6 +21,7 @@ import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
+from lighthouse.gone import Gone, GoneWatch
 from lighthouse.history import why_absent
 from lighthouse.pacing import advised_interval_ms, suspect_floor_ms
 from lighthouse.quorum import (
@@ -40,11 +41,20 @@ from lighthouse.quorum import (
     twin_refusal,
 )
 from lighthouse.quorum_log import waiting_report
-from lighthouse.rpc.errors import DuplicateGroupError, IncompatibleGroupError, QuorumError
+from lighthouse.rpc.errors import (
+    DuplicateGroupError,
+    FreshStartRefusedError,
+    IncompatibleGroupError,
+    QuorumError,
+)
 from lighthouse.spares import SpareRequest, assign_groups
+from lighthouse.state_file import JobMark
 
 MAX_REFUSALS_LOGGED = 10_000
 """Refused replicas remembered so each is logged once (bounds memory under churn)."""
+FRESH_START_HOLD_S = 3.0
+"""A call held by quorum.fresh_start_refusal gets the reason after this long,
+so the group's log says why it waits now, not at its deadline (it asks again)."""
 
 
 @dataclass(frozen=True)
@@ -148,6 +158,7 @@ Effect = (
     | Forgotten
     | TwinRefused
     | AdviceChanged
+    | Gone
     | DecideSoon
     | Log
 )
@@ -176,9 +187,13 @@ class Membership:
         config: the quorum rule's options.
         started_at: monotonic seconds when the lighthouse started (see
             compute_quorum's restart grace).
+        restored: what the state file kept from before a restart (the
+            high-water mark, the last quorum's id and members), or None.
     """
 
-    def __init__(self, config: LighthouseConfig, started_at: float) -> None:
+    def __init__(
+        self, config: LighthouseConfig, started_at: float, restored: JobMark | None = None
+    ) -> None:
         self.config = config
         self.started_at = started_at
         self.heartbeats: dict[str, float] = {}
@@ -205,8 +220,17 @@ class Membership:
         """group -> when it was handed out, until a replica of it is live."""
         self.prev_quorum: Quorum | None = None
         self.quorum_id = 0
+        self.high_water_step = 0
+        """The highest step of any issued quorum's member (quorum.fresh_start_refusal)."""
+        if restored is not None:
+            self.high_water_step, self.quorum_id = restored.high_water_step, restored.quorum_id
+            self.prev_quorum = restored.quorum()
+        self.restored = self.prev_quorum is not None
+        """prev_quorum came from the state file; no quorum issued since."""
         self.departed: dict[str, str] = {}
         """Members of the last quorum dropped since (Leave, forgotten) -> why."""
+        self.gone = GoneWatch()
+        """The latest quorum's members judged gone, and who was told."""
         self.reason = "no replica has asked for a quorum yet"
         """The latest decision's reason (a timed-out caller hears it)."""
         self.summary = self.reason
@@ -241,7 +265,8 @@ class Membership:
         if refusal is not None:
             return refusal
         self._heard(now, replica_id)
-        return NOTHING
+        notice = self.gone.heard_from(replica_id)
+        return Outcome((Gone(notice),)) if notice is not None else NOTHING
 
     def join(self, now: float, member: QuorumMember) -> Outcome:
         """A Quorum call: the caller waits under the returned ticket for the
@@ -275,6 +300,7 @@ class Membership:
         """Forgets a replica that stops on purpose, and re-decides at once."""
         effects: list[Effect] = [Log(logging.INFO, "replica %s left", (replica_id,))]
         effects += self._forget(replica_id, "left on purpose (Leave)")
+        effects += self._judge_gone(now)
         ticket = self.tickets.pop(replica_id, None)
         if ticket is not None:
             del self.participants[replica_id]
@@ -307,6 +333,7 @@ class Membership:
             )
         ]
         self.streams_closed[replica_id] = now
+        effects += self._judge_gone(now)
         effects += self.place_spares(now).effects  # a death frees its name for a spare, now
         if self.participants:
             effects.append(_DECIDE_SOON)
@@ -323,6 +350,7 @@ class Membership:
                 effects.append(Log(logging.INFO, line, (rid, forget_s)))
                 effects += self._forget(rid, f"forgotten: silent over {forget_s:.0f} s")
         self._repace(effects)
+        effects += self._judge_gone(now)
         if self.participants:
             effects += self.decide(now, wall).effects
         effects += self.place_spares(now).effects  # groups silent past the timeout are free now
@@ -338,6 +366,8 @@ class Membership:
             started_at=self.started_at,
             arrivals=self.arrivals,
             described=self.described,
+            high_water_step=self.high_water_step,
+            restored=self.restored,
         )
         decision = compute_quorum(now, state, self.decide_config)
         self.reason = decision.reason
@@ -346,10 +376,14 @@ class Membership:
             self._refuse(rid, why, effects)
         if decision.members is None:
             self._report_waiting(now, decision.kind, decision.reason, effects)
+            if decision.kind == "fresh_start":
+                self._answer_held(now, FreshStartRefusedError(decision.reason), effects)
             return Outcome(tuple(effects))
         after_stall, self._logged_status = self._logged_status is not None, None
         self.summary = f"quorum issued: {decision.reason}"
-        changed = quorum_changed(self.prev_quorum, decision.members)
+        # After a gone notice the id changes even with the same members
+        # (one came back): a notice must never name a later quorum's collectives.
+        changed = quorum_changed(self.prev_quorum, decision.members) or self.gone.any_gone()
         if changed:
             self.quorum_id = next_quorum_id(self.quorum_id, int(wall * 1000))
         quorum = Quorum(self.quorum_id, decision.members, wall)
@@ -372,6 +406,9 @@ class Membership:
             }
             self.departed.clear()
         self.prev_quorum = quorum
+        self.gone.issued(quorum.quorum_id, quorum.replica_ids())
+        self.restored = False
+        self.high_water_step = max(self.high_water_step, *(m.step for m in quorum.participants))
         tickets = []
         for member in quorum.participants:
             del self.participants[member.replica_id]
@@ -450,6 +487,14 @@ class Membership:
         self.decide_config = replace(self.config, suspect_min_ms=floor)
         effects.append(AdviceChanged(advice))
 
+    def _judge_gone(self, now: float) -> list[Effect]:
+        """Tells the latest quorum's live members of members newly judged gone."""
+        args = (self.heartbeats, self.streams_closed, self.arrivals, self.decide_config)
+        notice = self.gone.judge(now, *args)
+        if notice is None:
+            return []
+        return [Log(logging.INFO, "%s", (self.gone.describe(notice),)), Gone(notice)]
+
     def _heard(self, now: float, replica_id: str) -> None:
         last = self.heartbeats.get(replica_id)
         if last is not None:
@@ -501,6 +546,13 @@ class Membership:
             effects.append(Log(logging.WARNING, "refusing %s: %s", (replica_id, why)))
         effects.append(Fail(ticket, IncompatibleGroupError(why)))
 
+    def _answer_held(self, now: float, error: QuorumError, effects: list[Effect]) -> None:
+        """Fails the calls waiting FRESH_START_HOLD_S or longer with `error`."""
+        for rid, participant in list(self.participants.items()):
+            if now - participant.joined_at >= FRESH_START_HOLD_S:
+                del self.participants[rid]
+                effects.append(Fail(self.tickets.pop(rid), error))
+
     def _forget(self, replica_id: str, why: str) -> Sequence[Effect]:
         name = group_name(replica_id)
         same = self.by_name.get(name)
@@ -527,11 +579,14 @@ class Membership:
         first_joined_at = min(p.joined_at for p in self.participants.values())
         num_joined = sum(1 for rid in self.participants if rid in healthy)
         report = waiting_report(now, first_joined_at, num_joined, len(healthy), reason)
-        self.summary = report.summary
-        if not report.stalled:
+        # A refused fresh start is news at once: no wait makes it go away.
+        refused = kind == "fresh_start"
+        self.summary = reason if refused else report.summary
+        if not report.stalled and not refused:
             effects.append(Log(logging.DEBUG, "quorum status: %s", (reason,)))
             return
         key = (kind, len(healthy))
         if key != self._logged_status:
             self._logged_status = key
-            effects.append(Log(logging.INFO, "quorum status: %s", (report.summary,)))
+            level = logging.WARNING if refused else logging.INFO
+            effects.append(Log(level, "quorum status: %s", (self.summary,)))

@@ -19,6 +19,7 @@ import grpc
 from grpc import aio
 
 from lighthouse import wire
+from lighthouse.gone import Gone
 from lighthouse.membership import (
     AdviceChanged,
     DecideSoon,
@@ -40,6 +41,7 @@ from lighthouse.rpc.loop import BackgroundLoop, reply_budget_s, wait_within
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.rpc.tls import TLSConfig, scheme
+from lighthouse.state_file import StateFile, log_start
 from lighthouse.status import StatusServer
 from lighthouse.status_view import StatusView
 
@@ -54,14 +56,20 @@ class _Coordinator:
     """The shell around lighthouse.membership: the clock, the waiting calls'
     futures, the metrics and the status page's memory, all on one loop."""
 
-    def __init__(self, config: LighthouseConfig, metrics: LighthouseMetrics) -> None:
+    def __init__(
+        self, config: LighthouseConfig, metrics: LighthouseMetrics, state: StateFile | None
+    ) -> None:
         self.metrics = metrics
-        self.membership = Membership(config, time.monotonic())
+        self.state = state
+        restored = state.restored if state is not None else None
+        self.membership = Membership(config, time.monotonic(), restored)
         self.view = StatusView(self.membership)
         self.quorums: dict[int, asyncio.Future[Quorum]] = {}
         """ticket -> the future of a waiting Quorum call."""
         self.spares: dict[int, asyncio.Future[str]] = {}
         """ticket -> the future of a waiting TakeReplicaGroup call."""
+        self.outboxes: dict[str, set[asyncio.Queue[pb.LighthouseHeartbeatAdvice]]] = {}
+        """replica_id -> the outboxes of its HeartbeatPaced streams (gone notices)."""
         self._decide_soon = False
         self._decided_at = 0.0
         """perf_counter seconds when the last call-triggered decision ended."""
@@ -111,6 +119,15 @@ class _Coordinator:
             self.decide_soon()
         elif isinstance(effect, AdviceChanged):
             self.metrics.heartbeat_advice.set(effect.advice_ms / 1000)
+        elif isinstance(effect, Gone):
+            notice = effect.notice
+            message = pb.LighthouseHeartbeatAdvice(
+                interval_ms=self.membership.advice_ms,
+                gone=pb.LighthouseGoneNotice(quorum_id=notice.quorum_id, replica_ids=notice.gone),
+            )
+            for rid in notice.recipients:
+                for outbox in self.outboxes.get(rid, ()):
+                    outbox.put_nowait(message)
 
     def _issued(self, issued: Issued) -> None:
         quorum = issued.quorum
@@ -126,6 +143,8 @@ class _Coordinator:
                 issued.reason,
                 ", ".join(f"{m.replica_id} step={m.step}" for m in quorum.participants),
             )
+        if self.state is not None:  # before any caller hears of it (lighthouse.state_file)
+            self.state.issued(time.monotonic(), quorum, self.membership.high_water_step)
         for ticket in issued.tickets:
             future = self.quorums.pop(ticket, None)
             if future is not None and not future.done():
@@ -155,10 +174,18 @@ class _Coordinator:
         now = time.monotonic()
         self.apply(self.membership.leave(now, time.time(), replica_id), now)
 
-    def stream_opened(self, replica_id: str) -> None:
+    def stream_opened(self, replica_id: str, outbox: asyncio.Queue[Any] | None) -> None:
+        """A heartbeat stream opened; `outbox` (HeartbeatPaced) gets its notices."""
         self.membership.stream_opened(replica_id)
+        if outbox is not None:
+            self.outboxes.setdefault(replica_id, set()).add(outbox)
 
-    def stream_ended(self, replica_id: str) -> None:
+    def stream_ended(self, replica_id: str, outbox: asyncio.Queue[Any] | None) -> None:
+        boxes = self.outboxes.get(replica_id)
+        if boxes is not None and outbox is not None:
+            boxes.discard(outbox)
+            if not boxes:
+                del self.outboxes[replica_id]
         now = time.monotonic()
         self.apply(self.membership.stream_ended(now, replica_id), now)
 
@@ -207,6 +234,8 @@ class _Coordinator:
     def tick(self) -> None:
         now = time.monotonic()
         self.apply(self.membership.tick(now, time.time()), now)
+        if self.state is not None:
+            self.state.flush(now)
         self.metrics.healthy_replicas.set(len(self.membership.healthy(now)))
 
     def snapshot(self) -> dict[str, Any]:
@@ -284,6 +313,13 @@ class _LighthouseServicer:
     ) -> None:
         replica_id = ""
         advised = 0
+        # One writer per stream: the advice from here, gone notices from the
+        # coordinator (lighthouse.gone), as soon as they are decided.
+        outbox: asyncio.Queue[pb.LighthouseHeartbeatAdvice] | None = None
+        writer: asyncio.Task[None] | None = None
+        if advise:
+            outbox = asyncio.Queue()
+            writer = asyncio.get_running_loop().create_task(_write_all(context, outbox))
         try:
             async for request in request_iterator:
                 if request.replica_id != replica_id:
@@ -300,18 +336,20 @@ class _LighthouseServicer:
                             ),
                         )
                     replica_id = request.replica_id
-                    self._coord.stream_opened(replica_id)
+                    self._coord.stream_opened(replica_id, outbox)
                 try:
                     self._coord.heartbeat(replica_id)
                 except DuplicateGroupError as e:
                     await errors.abort(context, e)
-                if advise and advised != self._coord.membership.advice_ms:
+                if outbox is not None and advised != self._coord.membership.advice_ms:
                     advised = self._coord.membership.advice_ms
-                    await context.write(pb.LighthouseHeartbeatAdvice(interval_ms=advised))
+                    outbox.put_nowait(pb.LighthouseHeartbeatAdvice(interval_ms=advised))
         finally:
+            if writer is not None:
+                writer.cancel()
             # Also on cancellation: the client's connection closed under us.
             if replica_id:
-                self._coord.stream_ended(replica_id)
+                self._coord.stream_ended(replica_id, outbox)
 
     async def TakeReplicaGroup(
         self, request: pb.TakeReplicaGroupRequest, context: aio.ServicerContext[Any, Any]
@@ -360,6 +398,10 @@ class LighthouseServer:
         secret: the job's shared secret, or None.
         tls: serve TLS with this configuration, or None for plaintext.
         kill_button: offer a kill form per replica on the status page.
+        state_file: keep the job's high-water mark and last quorum in this
+            file across restarts (lighthouse.state_file); None: in memory only.
+        allow_fresh_start: let groups all at step 0 train although the job
+            already committed steps (lighthouse.quorum.fresh_start_refusal).
 
     Raises:
         ValueError: a bad option or an unparsable bind address.
@@ -379,6 +421,8 @@ class LighthouseServer:
         suspect_min_ms: int = 700,
         tls: TLSConfig | None = None,
         kill_button: bool = False,
+        state_file: str | None = None,
+        allow_fresh_start: bool = False,
     ) -> None:
         if tls is not None:
             tls.require_server("lighthouse")
@@ -389,10 +433,12 @@ class LighthouseServer:
             heartbeat_timeout_ms=heartbeat_timeout_ms,
             suspect_phi=suspect_phi,
             suspect_min_ms=suspect_min_ms,
+            allow_fresh_start=allow_fresh_start,
         )
         host, port = parse_bind(bind)
         self.metrics = LighthouseMetrics()
-        self._coord = _Coordinator(self.config, self.metrics)
+        self._state = StateFile(state_file) if state_file else None
+        self._coord = _Coordinator(self.config, self.metrics, self._state)
         self._loop = BackgroundLoop("lighthouse")
         self._http = None
         self._stopped = False
@@ -410,6 +456,7 @@ class LighthouseServer:
         logger.info("lighthouse listening on %s (gRPC, bind %s)", self.address(), bind)
         logger.info("access control: %s", "on (shared secret)" if secret else "off (no secret)")
         logger.info("transport: %s", _describe(tls))
+        log_start(self._state, allow_fresh_start)
         warning = auth.exposure_warning(secret, host, "lighthouse")
         if warning:
             logger.warning("%s", warning)
@@ -522,6 +569,22 @@ class LighthouseServer:
         if waiting:
             await asyncio.sleep(0.05)  # lets their handlers send the answer
         await self._server.stop(grace=None)
+        if self._state is not None:
+            self._state.flush(time.monotonic(), force=True)
+
+
+async def _write_all(
+    context: aio.ServicerContext[Any, Any], outbox: asyncio.Queue[pb.LighthouseHeartbeatAdvice]
+) -> None:
+    """Writes a HeartbeatPaced stream's messages in order until cancelled
+    or the stream fails (its reader then ends the call)."""
+    try:
+        while True:
+            await context.write(await outbox.get())
+    except asyncio.CancelledError:
+        pass
+    except Exception as e:  # the call ended under us (grpc's UsageError, an RpcError)
+        logger.debug("heartbeat stream write failed: %s", e)
 
 
 def _describe(tls: TLSConfig | None) -> str:

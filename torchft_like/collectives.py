@@ -98,12 +98,22 @@ class InOrderCollectives:
     two-round collective (allreduce_quantized) runs in one worker thread,
     and any collective asked for while one is still unissued queues behind
     it; otherwise it is issued at once on the caller's thread.
+
+    `abort` breaks the step (a member of its quorum is gone,
+    torchft_like.gone_watch): every allreduce in flight completes at once
+    with its error, later ones fail at once, until `reset` (the next step).
     """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._queued = 0
+        self._generation = 0
+        """Bumped by abort: a worker thread abandoned then does not count."""
         self._executor: ThreadPoolExecutor | None = None
+        self._in_flight: dict[int, tuple[Any, torch.Tensor, Callable[[Exception], None]]] = {}
+        """id -> (its future, its tensor, its on_error), until settled."""
+        self._next_id = 0
+        self._broken: Exception | None = None
 
     def issue(self, start: Callable[[], dist.Work], two_rounds: bool) -> dist.Work:
         """`start()` issues the collective and returns its Work. Returns a
@@ -115,7 +125,7 @@ class InOrderCollectives:
             self._queued += 1
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="torchft_collectives")
-            executor = self._executor
+            executor, generation = self._executor, self._generation
         result: torch.futures.Future[Any] = torch.futures.Future()
 
         def settle(fut: torch.futures.Future[Any]) -> None:
@@ -132,7 +142,8 @@ class InOrderCollectives:
                 return
             finally:
                 with self._lock:
-                    self._queued -= 1
+                    if generation == self._generation:
+                        self._queued -= 1
             work.get_future().add_done_callback(settle)
 
         executor.submit(job)
@@ -152,6 +163,10 @@ class InOrderCollectives:
         error goes to `on_error` and the Work completes with the tensor
         (the Manager's wrap_future contract in one callback, one future less
         per bucket)."""
+        broken = self._broken
+        if broken is not None:
+            on_error(broken)
+            return completed_work(tensor)
         try:
             work = self.issue(
                 (lambda: allreduce_quantized(tensor, pg))
@@ -162,17 +177,47 @@ class InOrderCollectives:
         except Exception as e:
             on_error(e)
             return completed_work(tensor)
+        out: torch.futures.Future[Any] = torch.futures.Future()
+        with self._lock:
+            key, self._next_id = self._next_id, self._next_id + 1
+            self._in_flight[key] = (out, tensor, on_error)
 
-        def finish(fut: torch.futures.Future[Any]) -> torch.Tensor:
+        def finish(fut: torch.futures.Future[Any]) -> None:
+            with self._lock:
+                if self._in_flight.pop(key, None) is None:
+                    return  # aborted: settled already, the tensor is no longer ours
             try:
                 fut.value()
                 if divide_by is not None:
                     tensor.div_(divide_by)
             except Exception as e:
                 on_error(e)
-            return tensor
+            out.set_result(tensor)
 
-        return FutureWork(work.get_future().then(finish))
+        work.get_future().add_done_callback(finish)
+        return FutureWork(out)
+
+    def abort(self, error: Exception) -> int:
+        """Settles every allreduce in flight with `error` (its on_error, its
+        tensor as the value) and fails later ones at once, until `reset`.
+        A two-round collective's worker thread is abandoned. Returns how
+        many were in flight."""
+        with self._lock:
+            self._broken = error
+            in_flight, self._in_flight = self._in_flight, {}
+            executor, self._executor = self._executor, None
+            self._queued = 0
+            self._generation += 1
+        if executor is not None:
+            executor.shutdown(wait=False, cancel_futures=True)
+        for out, tensor, on_error in in_flight.values():
+            on_error(error)
+            out.set_result(tensor)
+        return len(in_flight)
+
+    def reset(self) -> None:
+        """A new step: collectives are issued again."""
+        self._broken = None
 
     def shutdown(self) -> None:
         with self._lock:

@@ -37,6 +37,7 @@ from torchft_like.checkpointing import CheckpointTransport
 from torchft_like.collectives import InOrderCollectives
 from torchft_like.commit import check_retries, rank_vote
 from torchft_like.fingerprint import step_fingerprint
+from torchft_like.gone_watch import GoneWatch
 from torchft_like.group_quorum import QuorumRequest
 from torchft_like.manager_client import ManagerClient, ManagerClientProtocol
 from torchft_like.manager_config import WorldSizeMode, resolve_config
@@ -202,6 +203,8 @@ class Manager:
         self.replica_id = started.replica_id
         self._client: ManagerClientProtocol = started.client
         self._metrics_server = started.metrics_server
+        self._gone = GoneWatch(config, self._store, self.replica_id, self._manager_server,
+                               self._collectives, pg, self._logger)  # fmt: skip
         self._logger.info("manager ready, server %s", started.manager_address)
 
     # ---- state -------------------------------------------------------------
@@ -277,6 +280,7 @@ class Manager:
             raise self._fatal
         self._errored = None
         self._healing = False
+        self._gone.new_step()
         self._step_state = StepState(started=time.monotonic())
         state_fingerprint = step_fingerprint(
             self._step,
@@ -391,6 +395,7 @@ class Manager:
                 store, self.replica_id, result.replica_rank, result.replica_world_size
             )
             self._quorum_id = result.quorum_id
+        self._gone.quorum_applied(result.quorum_id)
         transport = self._checkpoint_transport
         plan = transfer_plan(result, self.config.heal_sources if transport.can_stripe else 1)
         if allow_heal and plan.serve_to:
@@ -621,6 +626,7 @@ class Manager:
     def shutdown(self, wait: bool = True) -> None:
         """Stops the servers and unblocks every background wait."""
         self._client.close()
+        self._gone.close()
         if self._metrics_server is not None:
             self._metrics_server.shutdown()
         if self._manager_server is not None:

@@ -13,6 +13,7 @@ import asyncio
 import logging
 import os
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -37,7 +38,9 @@ from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.rpc.tls import TLSConfig, scheme
 from torchft_like import wire
+from torchft_like._quorum_gate import QuorumGate
 from torchft_like._round import Round
+from torchft_like.gone_watch import gone_in_quorum
 from torchft_like.group_quorum import QuorumRequest, merge_requests
 from torchft_like.manager_client import ManagerClient
 from torchft_like.recovery import QuorumResult, compute_quorum_result
@@ -116,13 +119,18 @@ class ManagerServer:
         self._local_collectives = local_collectives
         self._prev_quorum_ids: tuple[str, ...] = ()
         """The members of the last quorum this group took part in (lighthouse.compat)."""
+        self._group_quorum: tuple[int, tuple[str, ...]] | None = None
+        """The id and members of the latest quorum handed to our ranks."""
+        self._gone_listeners: list[Callable[[int, tuple[str, ...]], None]] = []
         self._left_out_logged: set[str] = set()
         self._secret = secret
         if tls is not None:
             tls.require_server("manager server")
         self._tls = tls
         self._checkpoint_metadata: dict[int, str] = {}
-        self._quorum_round: Round[QuorumRequest] = Round()
+        self._gate = QuorumGate(
+            replica_id, world_size, self._checkpoint_metadata, self._lighthouse_quorum
+        )
         self._votes: dict[int, Round[bool]] = {}
         self._stopped = False
         host, port = parse_bind(bind)
@@ -145,6 +153,7 @@ class ManagerServer:
         self._lighthouse = AsyncLighthouseClient(
             self._lighthouse_addr, self._connect_timeout, self._secret, self._tls
         )
+        self._lighthouse.on_gone = self._on_gone
         self._server = serve.new_server(
             pb_grpc.add_ManagerServiceServicer_to_server,
             _ManagerServicer(self),
@@ -172,18 +181,15 @@ class ManagerServer:
             QuorumTimeoutError: no answer within `timeout_s`; the text names the
                 ranks that did not ask, or carries the lighthouse's reason.
             ValueError: a field out of range (QuorumRequest.check).
+            ValueError, QuorumError: a stray or forged call (quorum_admission).
         """
         request.check(self._world_size)
-        self._checkpoint_metadata[request.group_rank] = request.checkpoint_metadata
         wait_s = MAX_WAIT_S if timeout_s is None else timeout_s
-        rnd = self._quorum_round
-        future = rnd.join(request.group_rank, request, time.monotonic() + wait_s)
-        if not rnd.missing(self._world_size):
-            self._quorum_round = Round()
-            asyncio.get_running_loop().create_task(self._lighthouse_quorum(rnd))
+        rnd = self._gate.round
+        future = self._gate.join(rnd, request, time.monotonic() + wait_s)  # or refuses it
 
         def stalled() -> QuorumTimeoutError:
-            if rnd is self._quorum_round:
+            if rnd is self._gate.round:
                 reason = rnd.stall_reason(self._world_size, "ask for a quorum", wait_s)
                 return QuorumTimeoutError(
                     f"replica group {self.replica_id}: {reason}; is a rank of this group "
@@ -212,8 +218,10 @@ class ManagerServer:
         deadline = min(rnd.deadlines.values(), default=time.monotonic() + MAX_WAIT_S)
         try:
             quorum = await self._quorum_with_retries(group.member, deadline)
+            self._gate.issued(quorum)
             if not self._local_collectives:
                 quorum = self._compatible_members(quorum)
+                self._group_quorum = (quorum.quorum_id, quorum.replica_ids())
         except Exception as e:
             for f in rnd.futures.values():
                 if not f.done():
@@ -316,6 +324,18 @@ class ManagerServer:
                     time.monotonic() - outage_start,
                 )
             return quorum
+
+    def add_gone_listener(self, listener: Callable[[int, tuple[str, ...]], None]) -> None:
+        """`listener(quorum_id, gone)` runs on this server's loop when the
+        lighthouse says members of the group's latest quorum are gone
+        (torchft_like.gone_watch); it must return at once."""
+        self._gone_listeners.append(listener)
+
+    def _on_gone(self, quorum_id: int, gone: tuple[str, ...]) -> None:
+        ours = gone_in_quorum(quorum_id, gone, self._group_quorum)
+        if ours:
+            for listener in self._gone_listeners:
+                listener(quorum_id, ours)
 
     # ---- commit vote -------------------------------------------------------
 

@@ -3,14 +3,16 @@
 All are `torch.distributed.ProcessGroup` subclasses, so torch code (DDP
 included) accepts them; torch dispatches their collectives to their Python
 methods. One module per kind: `gloo` (the group rebuilt on every quorum, with
-`gloo_work`), `dummy`, `wrappers` (delegating, error-swallowing, fake) and
-`managed` (the Manager's allreduce as a group), over `base`.
+`gloo_work`), `baby` (gloo in a child process that abort kills), `dummy`,
+`wrappers` (delegating, error-swallowing, fake) and `managed` (the Manager's
+allreduce as a group), over `base`.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from torchft_like.process_group.baby import ProcessGroupBabyGloo
 from torchft_like.process_group.base import SUPPORTED_OPS
 from torchft_like.process_group.dummy import ProcessGroupDummy
 from torchft_like.process_group.gloo import ProcessGroupGloo, parse_store_addr
@@ -29,6 +31,7 @@ __all__ = [
     "ErrorSwallowingProcessGroupWrapper",
     "FakeProcessGroupWrapper",
     "ManagedProcessGroup",
+    "ProcessGroupBabyGloo",
     "ProcessGroupDummy",
     "ProcessGroupGloo",
     "parse_store_addr",

@@ -337,6 +337,18 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
     gather = _unsupported("gather")
     scatter = _unsupported("scatter")
 
+    def abort(self, errored: bool = True) -> None:
+        """Drops the group now (a member is gone, torchft_like.gone_watch):
+        later collectives raise until configure(). gloo cannot interrupt a
+        collective in flight: it runs on, on the dropped group, to its
+        timeout; the Manager's own futures are settled at once instead."""
+        with self._lock:
+            if errored and self._error is None:
+                self._error = RuntimeError(
+                    "gloo process group aborted; configure() builds a new one"
+                )
+        self._abort_backend()
+
     def errored(self) -> Exception | None:
         """The failure of a collective since the last configure(), if any."""
         return self._error

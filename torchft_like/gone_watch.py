@@ -1,0 +1,229 @@
+"""A step's collectives end at once when a member of its quorum is gone.
+
+Why: a replica group that dies or hangs (SIGSTOP, a frozen host) inside a
+collective holds every other member of it until the collective timeout,
+though the lighthouse knows within about a heartbeat timeout. The
+lighthouse tells the quorum's live members (lighthouse.gone: a notice
+"quorum Q: members X gone" on rank 0's HeartbeatPaced stream). The
+ManagerServer keeps only notices about its group's latest quorum that name
+one of its members (`gone_in_quorum`) and hands them to rank 0's Manager in
+process; rank 0 publishes them in the group's TCPStore, where a watcher
+thread of each other rank is blocked on its next key. Each rank then breaks
+its step of quorum Q (`StepBreaks`): the allreduces in flight complete at
+once with the error (InOrderCollectives.abort), so the training thread
+stops waiting, the process group is aborted, later collectives of the step
+fail, the step votes no, and the next quorum forms without the gone group.
+
+No false alarms: a notice for another quorum id, or naming no member of our
+quorum, does nothing; and a step whose collectives had all completed is not
+failed (a group that finished its last step and left costs the others
+nothing). The lighthouse never issues a quorum id again after a notice
+about it, so a notice never reaches a later quorum's step.
+
+The mechanism is the process group's: with ProcessGroupGloo the Manager
+settles its own futures and drops the gloo group, whose collective runs on
+to its timeout on a daemon thread; ProcessGroupBabyGloo's abort kills the
+child process that runs gloo.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Iterable
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed import TCPStore
+
+from torchft_like.collectives import InOrderCollectives
+from torchft_like.manager_config import ManagerConfig
+
+logger = logging.getLogger(__name__)
+
+KEEP_BROKEN = 16
+"""Broken quorum ids remembered (a notice may come before its step's quorum)."""
+GONE_KEY = "torchft_like/gone/"
+"""Store key prefix of the notices rank 0 publishes for the other ranks."""
+STOP = "stop"
+
+
+class MemberGoneError(RuntimeError):
+    """A member of this step's quorum is gone: the step's collectives are aborted."""
+
+
+def gone_in_quorum(
+    quorum_id: int, gone: Iterable[str], latest: tuple[int, tuple[str, ...]] | None
+) -> tuple[str, ...]:
+    """The gone replicas that are members of `latest` (quorum id, member
+    ids), the group's latest quorum; () for a notice about another quorum."""
+    if latest is None or quorum_id != latest[0]:
+        return ()
+    members = set(latest[1])
+    return tuple(sorted(rid for rid in gone if rid in members))
+
+
+class StepBreaks:
+    """Which quorums are broken, and whether this rank's current step is one.
+
+    `notice` and `quorum_applied` each return the gone members when the
+    step must abort now; None otherwise. Not thread-safe (GoneWatch locks).
+    """
+
+    def __init__(self, keep: int = KEEP_BROKEN) -> None:
+        self.broken: dict[int, tuple[str, ...]] = {}
+        self.step_quorum: int | None = None
+        """The quorum id applied for the current step; None before it is."""
+        self._keep = keep
+
+    def notice(self, quorum_id: int, gone: tuple[str, ...]) -> tuple[str, ...] | None:
+        self.broken[quorum_id] = gone
+        while len(self.broken) > self._keep:
+            del self.broken[next(iter(self.broken))]
+        return gone if self.step_quorum == quorum_id else None
+
+    def step_started(self) -> None:
+        self.step_quorum = None
+
+    def quorum_applied(self, quorum_id: int) -> tuple[str, ...] | None:
+        self.step_quorum = quorum_id
+        return self.broken.get(quorum_id)
+
+
+def _key(replica_id: str, rank: int, seq: int) -> str:
+    return f"{GONE_KEY}{replica_id}/{rank}/{seq}"
+
+
+class GoneWatch:
+    """One rank's side: hears the notices and breaks its steps.
+
+    Args:
+        config: the Manager's (the group's store, this rank, the group's size).
+        store: the group's store (rank 0 publishes in it).
+        replica_id: the group's `{name}:{uuid}`.
+        manager_server: rank 0's ManagerServer (None on the other ranks).
+        collectives: the Manager's collectives, aborted on a notice.
+        pg: the process group; its `abort()` is called if it has one.
+        log: the Manager's logger.
+    """
+
+    def __init__(
+        self,
+        config: ManagerConfig,
+        store: Any,
+        replica_id: str,
+        manager_server: Any,
+        collectives: InOrderCollectives,
+        pg: Any,
+        log: logging.LoggerAdapter[logging.Logger],
+    ) -> None:
+        self._store, self._prefix, self._replica_id = store, config.store_prefix, replica_id
+        self._rank, self._world_size = config.rank, config.world_size
+        self._collectives, self._pg, self._log = collectives, pg, log
+        self._breaks = StepBreaks()
+        self._lock = threading.Lock()
+        self._published = 0
+        self._watch_seq = 0
+        """The key the watcher waits on (another rank)."""
+        self._stopped = False
+        self._watcher: threading.Thread | None = None
+        if manager_server is not None:
+            manager_server.add_gone_listener(self._heard_in_server)
+        elif config.world_size > 1:
+            watch_store = TCPStore(
+                config.store_addr, config.store_port, is_master=False, wait_for_workers=False,
+                timeout=timedelta(days=1),
+            )  # fmt: skip
+            self._watcher = threading.Thread(
+                target=self._watch, args=(watch_store,), name="torchft_gone_watch", daemon=True
+            )
+            self._watcher.start()
+
+    def new_step(self) -> None:
+        """The step starts: its quorum is not known yet."""
+        with self._lock:
+            self._breaks.step_started()
+        self._collectives.reset()
+
+    def quorum_applied(self, quorum_id: int) -> None:
+        """This step's quorum is `quorum_id`: aborts at once if it is broken."""
+        with self._lock:
+            gone = self._breaks.quorum_applied(quorum_id)
+        if gone is not None:
+            self._abort(quorum_id, gone)
+
+    def notice(self, quorum_id: int, gone: tuple[str, ...]) -> None:
+        """Members `gone` of quorum `quorum_id` are gone."""
+        with self._lock:
+            now = self._breaks.notice(quorum_id, gone)
+        if now is not None:
+            self._abort(quorum_id, now)
+
+    def _abort(self, quorum_id: int, gone: tuple[str, ...]) -> None:
+        error = MemberGoneError(
+            f"quorum {quorum_id}: replica group(s) {', '.join(gone)} gone (the lighthouse "
+            "says so); aborting this step's collectives"
+        )
+        in_flight = self._collectives.abort(error)
+        self._log.warning("%s (%d in flight)", error, in_flight)
+        # Only a collective in flight is reason to drop the group: a step
+        # whose collectives all completed still commits.
+        if in_flight and hasattr(self._pg, "abort"):
+            try:
+                self._pg.abort()
+            except Exception as e:
+                self._log.warning("aborting the process group failed: %s", e)
+
+    def _heard_in_server(self, quorum_id: int, gone: tuple[str, ...]) -> None:
+        """Rank 0, on the ManagerServer's loop: off it at once (publishing and
+        settling futures run DDP's callbacks, which must not hold the loop)."""
+        threading.Thread(
+            target=self._publish_and_notice, args=(quorum_id, gone), daemon=True,
+            name="torchft_gone_notice",
+        ).start()  # fmt: skip
+
+    def _publish_and_notice(self, quorum_id: int, gone: tuple[str, ...]) -> None:
+        if self._world_size > 1:
+            value = json.dumps([quorum_id, list(gone)])
+            with self._lock:
+                seq, self._published = self._published, self._published + 1
+            try:
+                for rank in range(1, self._world_size):
+                    self._store.set(self._prefix + _key(self._replica_id, rank, seq), value)
+            except Exception as e:  # the store is gone: so is the group
+                self._log.warning("could not pass a gone notice to the other ranks: %s", e)
+        self.notice(quorum_id, gone)
+
+    def _watch(self, store: Any) -> None:
+        """Another rank: waits on each next key rank 0 publishes for it."""
+        while not self._stopped:
+            key = self._prefix + _key(self._replica_id, self._rank, self._watch_seq)
+            try:
+                store.wait([key])
+                value = store.get(key).decode()
+            except Exception as e:  # the store closed: the group is ending
+                logger.debug("gone watcher stops: %s", e)
+                return
+            if value == STOP:
+                return
+            self._watch_seq += 1
+            try:
+                quorum_id, gone = json.loads(value)
+                self.notice(int(quorum_id), tuple(str(g) for g in gone))
+            except (ValueError, TypeError) as e:
+                self._log.warning("ignoring a malformed gone notice %r: %s", value, e)
+
+    def close(self) -> None:
+        """Stops the watcher thread: it wakes on a stop at the key it waits on."""
+        self._stopped = True
+        watcher, self._watcher = self._watcher, None
+        for _ in range(3):
+            if watcher is None or not watcher.is_alive():
+                return
+            try:
+                key = _key(self._replica_id, self._rank, self._watch_seq)
+                self._store.set(self._prefix + key, STOP)
+            except Exception:
+                return  # the store is gone: so is the watcher's wait
+            watcher.join(1.0)
