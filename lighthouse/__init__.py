@@ -10,6 +10,7 @@ from lighthouse.client import LighthouseClient
 from lighthouse.quorum import LighthouseConfig, Quorum, QuorumMember
 from lighthouse.rpc.errors import (
     DuplicateGroupError,
+    FreshStartRefusedError,
     IncompatibleGroupError,
     LighthouseUnavailableError,
     QuorumError,
@@ -24,6 +25,7 @@ except _metadata.PackageNotFoundError:  # run from a source tree that was never 
 
 __all__ = [
     "DuplicateGroupError",
+    "FreshStartRefusedError",
     "IncompatibleGroupError",
     "LighthouseClient",
     "LighthouseConfig",

@@ -46,7 +46,8 @@ environment:
 
 example:
   {auth.SECRET_FILE_ENV}=/etc/torchft/secret torchft-lighthouse --min-replicas 2 \\
-      --bind 10.0.0.5:29510 --http-bind 127.0.0.1:29511
+      --bind 10.0.0.5:29510 --http-bind 127.0.0.1:29511 \\
+      --state-file /var/lib/torchft/lighthouse.json
 """,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
@@ -116,6 +117,22 @@ example:
         default=None,
         help=f"file holding the job's shared secret; every call must then carry it "
         f"(default: ${auth.SECRET_FILE_ENV}, else ${auth.SECRET_ENV}, else no access control)",
+    )
+    p.add_argument(
+        "--state-file",
+        default=None,
+        metavar="PATH",
+        help="keep the job's high-water mark (its highest committed step) and last quorum in "
+        "this JSON file, replaced atomically, and read it at start: a restarted lighthouse then "
+        "refuses to let groups at step 0 start the job over and issues its first quorum as "
+        "soon as the last one's members are back (default: none, kept in memory only)",
+    )
+    p.add_argument(
+        "--allow-fresh-start",
+        action="store_true",
+        help="let replica groups that are all at step 0 train from fresh weights although the "
+        "job already committed steps; without it they wait, and are told why, until a group "
+        "that holds the job's state (or a durable checkpoint) is back (default off)",
     )
     p.add_argument(
         "--kill-button",
@@ -199,6 +216,8 @@ def main(argv: list[str] | None = None) -> int:
             secret=secret,
             tls=tls_config,
             kill_button=args.kill_button,
+            state_file=args.state_file,
+            allow_fresh_start=args.allow_fresh_start,
         )
     except (ValueError, OSError) as e:
         print(f"torchft-lighthouse: error: {e}", file=sys.stderr)

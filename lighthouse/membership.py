@@ -233,6 +233,8 @@ class Membership:
         """The latest quorum's members judged gone, and who was told."""
         self.reason = "no replica has asked for a quorum yet"
         """The latest decision's reason (a timed-out caller hears it)."""
+        self.refused_fresh_start = False
+        """The latest decision was quorum.fresh_start_refusal's veto."""
         self.summary = self.reason
         """The status page's line: the last issued quorum's reason, a calm
         count mid-step, or the reason of a stall (lighthouse.quorum_log)."""
@@ -370,7 +372,7 @@ class Membership:
             restored=self.restored,
         )
         decision = compute_quorum(now, state, self.decide_config)
-        self.reason = decision.reason
+        self.reason, self.refused_fresh_start = decision.reason, decision.kind == "fresh_start"
         effects: list[Effect] = []
         for rid, why in decision.refused.items():
             self._refuse(rid, why, effects)

@@ -86,6 +86,10 @@ class LighthouseConfig:
     suspect_min_ms: int = 700
     """Never suspect a replica silent for less than this, whatever its rhythm:
     GIL contention and a loaded machine delay heartbeats by hundreds of ms."""
+    allow_fresh_start: bool = False
+    """Issue a quorum whose members are all at step 0 even though the job
+    already committed steps (see fresh_start_refusal): a deliberate restart
+    from fresh weights."""
 
     def __post_init__(self) -> None:
         if self.min_replicas < 1:
@@ -199,6 +203,12 @@ class LighthouseState:
     described: Mapping[str, QuorumMember] = field(default_factory=dict)
     """replica_id -> its latest self-description (its last Quorum call), so a
     live replica not waiting now still counts for lighthouse.compat."""
+    high_water_step: int = 0
+    """The highest step of any issued quorum's member, kept across lighthouse
+    restarts by its state file (lighthouse.state_file)."""
+    restored: bool = False
+    """`prev_quorum` was read from the state file at start and no quorum has
+    been issued since: its members are the replicas to wait for."""
 
 
 @dataclass(frozen=True)
@@ -346,6 +356,10 @@ def compute_quorum(now: float, state: LighthouseState, config: LighthouseConfig)
     if refused:
         tally += f"[{len(refused)} refused, another rendezvous: {_some(set(refused))}]"
     decision = _decide(now, state, config, candidates, joined, healthy, members, prev_ids, tally)
+    # A veto of the quorum the rule would issue, not a rule of who to wait for.
+    veto = fresh_start_refusal(decision.members, state.high_water_step, config.allow_fresh_start)
+    if veto is not None:
+        decision = QuorumDecision(None, f"{veto} {tally}", "fresh_start")
     return replace(decision, refused=refused) if refused else decision
 
 
@@ -397,21 +411,51 @@ def _decide(
     # others half a heartbeat timeout since the start (at most the join
     # timeout) to reconnect, rather than issue a quorum of the first caller
     # alone and make the rest heal. Half: a caller that sends no heartbeats
-    # besides its Quorum call must still be healthy when the wait ends.
-    if state.prev_quorum is None and any(m.step > 0 for m in members):
+    # besides its Quorum call must still be healthy when the wait ends. With
+    # the previous quorum restored from the state file, only its members not
+    # yet back are waited for (all back: the fast quorum above, no wait).
+    missing = prev_ids - joined.keys() if state.restored else set()
+    if (state.prev_quorum is None or missing) and any(m.step > 0 for m in members):
         first_join = min(p.joined_at for p in candidates.values())
         left_s = min(
             config.heartbeat_timeout_ms / 2000 - (now - state.started_at),
             config.join_timeout_ms / 1000 - (now - first_join),
         )
         if left_s > 0:
+            who = f"previous members {_some(missing)}" if missing else "replicas"
             return QuorumDecision(
                 None,
-                f"lighthouse restarted mid-job: waiting {left_s:.1f} s for replicas "
+                f"lighthouse restarted mid-job: waiting {left_s:.1f} s for {who} "
                 f"to reconnect {tally}",
                 "restart_grace",
             )
     return QuorumDecision(members, f"every healthy replica joined {tally}", "valid")
+
+
+def fresh_start_refusal(
+    members: tuple[QuorumMember, ...] | None, high_water_step: int, allow_fresh_start: bool
+) -> str | None:
+    """Why the quorum of `members` the rule would issue must not be, or None.
+
+    Every member at step 0 while the job already committed steps means no
+    live group holds the job's state: a group whose heal source died, or a
+    replacement that came after the others finished. Issued, it would train
+    from fresh weights and throw the job's progress away without a word. A
+    group restored from a durable checkpoint (any step past 0, even below
+    the mark) is fine; a deliberate fresh start needs `allow_fresh_start`.
+    """
+    if allow_fresh_start or high_water_step <= 0 or not members:
+        return None
+    if any(m.step > 0 for m in members):
+        return None
+    return (
+        f"refusing to train from step 0: the job already committed step {high_water_step} "
+        "(the lighthouse's high-water mark) and no live replica group holds a step past 0 to "
+        "heal from; restart the replica groups from their durable checkpoint "
+        "(torchft_like.checkpointing.durable) or bring back a group that holds the job's "
+        "state, or, to train from fresh weights on purpose, restart the lighthouse with "
+        "--allow-fresh-start"
+    )
 
 
 def _some(ids: set[str] | frozenset[str]) -> str:

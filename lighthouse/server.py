@@ -272,7 +272,8 @@ class _LighthouseServicer:
                 quorum = await asyncio.wait_for(future, budget_s)
             except asyncio.TimeoutError:
                 if future.cancelled():  # wait_for's own timeout
-                    raise QuorumTimeoutError(
+                    fresh = self._coord.membership.refused_fresh_start
+                    raise (errors.FreshStartRefusedError if fresh else QuorumTimeoutError)(
                         f"no quorum containing {member.replica_id} within {budget_s:.1f} s: "
                         f"{self._coord.membership.reason}"
                     ) from None

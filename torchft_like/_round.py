@@ -27,6 +27,9 @@ class Round(Generic[T]):
     wait. Per call, so that a call that gave up takes its deadline with it."""
     asked: set[int] = field(default_factory=set)
     """Every rank that called in this round, also those that gave up since."""
+    untrusted: dict[int, float] = field(default_factory=dict)
+    """Ranks whose waiting call may be a stray one -> when it came
+    (torchft_like.quorum_admission); quorum rounds only."""
 
     def join(self, group_rank: int, call: T, deadline: float) -> asyncio.Future[Any]:
         """Registers a rank's call; a second call of the same rank supersedes the first."""
@@ -45,6 +48,7 @@ class Round(Generic[T]):
         if self.futures.get(group_rank) is future and not future.done():
             del self.calls[group_rank], self.futures[group_rank]
             self.deadlines.pop(group_rank, None)
+            self.untrusted.pop(group_rank, None)
 
     def missing(self, world_size: int) -> list[int]:
         """Ranks without a waiting call: the round completes when there are none."""

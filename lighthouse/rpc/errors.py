@@ -60,6 +60,14 @@ class IncompatibleGroupError(QuorumError):
     Not retried: the other groups keep training without it."""
 
 
+class FreshStartRefusedError(QuorumTimeoutError):
+    """No quorum came in time because every waiting group is at step 0 but
+    the job already committed steps (lighthouse.quorum.fresh_start_refusal):
+    no live group holds the job's state. The text names the mark and the ways
+    on. The lighthouse answers a held call with it after a few seconds; our
+    client logs it and asks again until its own deadline."""
+
+
 MAX_DETAILS_CHARS = 4000
 """Longest status text sent: it travels in trailing metadata, which gRPC caps
 at 16 KiB, and a reason quoting huge ids (bad input) would break the answer."""
@@ -67,6 +75,7 @@ at 16 KiB, and a reason quoting huge ids (bad input) would break the answer."""
 _STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     # The most specific first: the first class an error is an instance of wins.
     (ValueError, grpc.StatusCode.INVALID_ARGUMENT),
+    (FreshStartRefusedError, grpc.StatusCode.OUT_OF_RANGE),
     (QuorumTimeoutError, grpc.StatusCode.DEADLINE_EXCEEDED),
     (LighthouseUnavailableError, grpc.StatusCode.UNAVAILABLE),
     (NotServedError, grpc.StatusCode.NOT_FOUND),

@@ -51,3 +51,37 @@ def test_a_restarted_lighthouse_waits_half_a_heartbeat_timeout_for_a_running_job
     assert decision.kind == kind, decision.reason
     assert reason_part in decision.reason
     assert (decision.members is None) == (kind == "restart_grace")
+
+
+def restored(joined: dict[str, int], prev: tuple[str, ...], started_ago: float) -> LighthouseState:
+    """A lighthouse that read the previous quorum `prev` from its state file."""
+    participants = {rid: Participant(QuorumMember(rid, step=s), NOW) for rid, s in joined.items()}
+    return LighthouseState(
+        participants,
+        {rid: NOW for rid in joined},
+        Quorum(7, tuple(QuorumMember(r) for r in prev), 0.0),
+        started_at=NOW - started_ago,
+        high_water_step=12,
+        restored=True,
+    )
+
+
+@pytest.mark.parametrize(
+    "name, st, kind, reason_part",
+    [
+        ("every previous member back: no wait", restored({"a": 12, "b": 12}, ("a", "b"), 0.1),
+         "fast", "fast quorum"),
+        ("one not back yet: waits for it, by name", restored({"a": 12}, ("a", "b"), 0.1),
+         "restart_grace", "waiting 0.9 s for previous members b to reconnect"),
+        ("at most half a heartbeat timeout", restored({"a": 12}, ("a", "b"), 1.0),
+         "valid", "every healthy replica joined"),
+        ("a newcomer besides every previous member: no wait",
+         restored({"a": 12, "b": 12, "c": 0}, ("a", "b"), 0.1), "fast", "fast quorum"),
+    ],
+)  # fmt: skip
+def test_a_lighthouse_with_its_last_quorum_restored_waits_only_for_its_missing_members(
+    name, st, kind, reason_part
+):
+    decision = compute_quorum(NOW, st, CONFIG)
+    assert decision.kind == kind, decision.reason
+    assert reason_part in decision.reason

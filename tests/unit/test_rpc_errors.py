@@ -5,6 +5,7 @@ import pytest
 
 from lighthouse.rpc.errors import (
     DuplicateGroupError,
+    FreshStartRefusedError,
     IncompatibleGroupError,
     LighthouseUnavailableError,
     NotServedError,
@@ -27,6 +28,7 @@ from lighthouse.rpc.errors import (
             IncompatibleGroupError("replica r speaks another rendezvous"),
             grpc.StatusCode.FAILED_PRECONDITION,
         ),
+        (FreshStartRefusedError("refusing to train from step 0"), grpc.StatusCode.OUT_OF_RANGE),
         (PermissionError("Kill needs the job's secret"), grpc.StatusCode.PERMISSION_DENIED),
         (QuorumError("replica r left"), grpc.StatusCode.ABORTED),
     ],
