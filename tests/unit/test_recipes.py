@@ -23,8 +23,9 @@ def env_of(container: dict[str, Any]) -> dict[str, Any]:
 
 
 def test_the_lighthouse_is_one_deployment_behind_a_service_on_its_grpc_port():
-    deployment, service = load("k8s-lighthouse.yaml")
-    assert (deployment["kind"], service["kind"]) == ("Deployment", "Service")
+    deployment, service, claim = load("k8s-lighthouse.yaml")
+    kinds = (deployment["kind"], service["kind"], claim["kind"])
+    assert kinds == ("Deployment", "Service", "PersistentVolumeClaim")
     assert deployment["spec"]["replicas"] == 1
     assert deployment["spec"]["strategy"]["type"] == "Recreate"
     labels = deployment["spec"]["template"]["metadata"]["labels"]
@@ -33,11 +34,17 @@ def test_the_lighthouse_is_one_deployment_behind_a_service_on_its_grpc_port():
     assert "--bind=[::]:29510" in container["args"]
     assert "--secret-file=/etc/torchft/secret" in container["args"]
     assert {"name": "grpc", "port": 29510, "targetPort": "grpc"} in service["spec"]["ports"]
+    # The state file lives on the claim, so a replacement pod keeps the job's mark.
+    assert "--state-file=/var/lib/torchft/lighthouse.json" in container["args"]
+    pod = deployment["spec"]["template"]["spec"]
+    mount = next(m for m in container["volumeMounts"] if m["mountPath"] == "/var/lib/torchft")
+    volume = next(v for v in pod["volumes"] if v["name"] == mount["name"])
+    assert volume["persistentVolumeClaim"]["claimName"] == claim["metadata"]["name"]
 
 
 def test_each_replica_group_pod_gets_its_index_the_service_its_ip_and_the_secret_file():
     (job,) = load("k8s-replica-groups.yaml")
-    _, service = load("k8s-lighthouse.yaml")
+    _, service, _ = load("k8s-lighthouse.yaml")
     spec = job["spec"]
     assert job["kind"] == "Job" and spec["completionMode"] == "Indexed"
     assert spec["completions"] == spec["parallelism"]

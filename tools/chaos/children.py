@@ -104,7 +104,9 @@ class Children:
                 [sys.executable, "-m", "lighthouse", "--min-replicas", "1",
                  "--bind", f"127.0.0.1:{self.port}", "--http-bind", "",
                  "--heartbeat-timeout-ms", str(self.args.heartbeat_timeout_ms),
-                 "--join-timeout-ms", str(self.args.join_timeout_ms)],
+                 "--join-timeout-ms", str(self.args.join_timeout_ms),
+                 # As a supervisor runs it: a restart keeps the job's mark and last quorum.
+                 "--state-file", str(self.out / "lighthouse-state.json")],
                 "lighthouse.log", {},
             )  # fmt: skip
             while self.lighthouse.poll() is None and time.monotonic() < deadline:
