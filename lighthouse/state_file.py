@@ -143,7 +143,9 @@ class StateFile:
         self._written_at = float("-inf")
         folder = os.path.dirname(os.path.abspath(path))
         if not os.access(folder, os.W_OK):
-            raise ValueError(f"state file {path}: its folder {folder} is not writable")
+            raise ValueError(
+                f"state file {path}: its folder {folder} does not exist or is not writable"
+            )
 
     def issued(self, now: float, quorum: Quorum, high_water_step: int) -> None:
         """Records an issued quorum. Call it before the quorum is delivered."""

@@ -77,3 +77,29 @@ def test_a_port_in_use_exits_non_zero_without_a_traceback(children):
     )
     assert out.returncode != 0
     assert "port is in use" in out.stderr and "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("garbage", "is not a lighthouse state file"),
+        (None, "does not exist or is not writable"),
+    ],
+)
+def test_a_bad_state_file_exits_non_zero_with_one_clear_line(tmp_path, content, message):
+    path = tmp_path / "state.json"
+    if content is None:
+        path = tmp_path / "missing" / "state.json"
+    else:
+        path.write_text(content)
+    out = subprocess.run(
+        lighthouse_command()
+        + ["--min-replicas", "1", "--bind", "127.0.0.1:0", "--http-bind", "", "--state-file",
+           str(path)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )  # fmt: skip
+    assert out.returncode == 2
+    assert message in out.stderr and str(path) in out.stderr
+    assert "Traceback" not in out.stderr
