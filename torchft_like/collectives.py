@@ -102,6 +102,12 @@ class InOrderCollectives:
     `abort` breaks the step (a member of its quorum is gone,
     torchft_like.gone_watch): every allreduce in flight completes at once
     with its error, later ones fail at once, until `reset` (the next step).
+    An abandoned gloo collective runs on to its timeout, and would write into
+    its tensor if the gone member came back meanwhile (a SIGCONT): so each
+    allreduce reduces a private copy (reused across steps, never after an
+    abort) and only its completion copies the result into the caller's
+    tensor. The price is one copy in per allreduce (the copy back is the
+    division's pass) and one more copy of the buffers in flight in memory.
     """
 
     def __init__(self) -> None:
@@ -114,6 +120,8 @@ class InOrderCollectives:
         """id -> (its future, its tensor, its on_error), until settled."""
         self._next_id = 0
         self._broken: Exception | None = None
+        self._spare: dict[tuple[Any, ...], list[torch.Tensor]] = {}
+        """(dtype, device, shape) -> private copies free for the next allreduce."""
 
     def issue(self, start: Callable[[], dist.Work], two_rounds: bool) -> dist.Work:
         """`start()` issues the collective and returns its Work. Returns a
@@ -167,11 +175,16 @@ class InOrderCollectives:
         if broken is not None:
             on_error(broken)
             return completed_work(tensor)
+        shape = (tensor.dtype, tensor.device, tuple(tensor.shape))
+        with self._lock:
+            free = self._spare.get(shape)
+            private = free.pop() if free else torch.empty(shape[2], dtype=shape[0], device=shape[1])
+        private.copy_(tensor)
         try:
             work = self.issue(
-                (lambda: allreduce_quantized(tensor, pg))
+                (lambda: allreduce_quantized(private, pg))
                 if quantize
-                else (lambda: pg.allreduce([tensor], dist.ReduceOp.SUM)),
+                else (lambda: pg.allreduce([private], dist.ReduceOp.SUM)),
                 two_rounds=quantize,
             )
         except Exception as e:
@@ -185,13 +198,17 @@ class InOrderCollectives:
         def finish(fut: torch.futures.Future[Any]) -> None:
             with self._lock:
                 if self._in_flight.pop(key, None) is None:
-                    return  # aborted: settled already, the tensor is no longer ours
+                    return  # aborted: settled already; `private` is never reused
             try:
                 fut.value()
-                if divide_by is not None:
-                    tensor.div_(divide_by)
+                if divide_by is None:
+                    tensor.copy_(private)
+                else:
+                    torch.div(private, divide_by, out=tensor)
             except Exception as e:
                 on_error(e)
+            with self._lock:
+                self._spare.setdefault(shape, []).append(private)
             out.set_result(tensor)
 
         work.get_future().add_done_callback(finish)
@@ -204,6 +221,7 @@ class InOrderCollectives:
         many were in flight."""
         with self._lock:
             self._broken = error
+            self._spare = {}  # an abandoned collective may still write into its copy
             in_flight, self._in_flight = self._in_flight, {}
             executor, self._executor = self._executor, None
             self._queued = 0

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 import time
 from datetime import timedelta
@@ -44,6 +45,9 @@ parser.add_argument(
     "--no-abort", action="store_true", help="ignore gone notices (the behaviour before them)"
 )
 args = parser.parse_args()
+logging.basicConfig(
+    level=logging.INFO, format=f"%(asctime)s g{args.group} %(levelname)s %(name)s: %(message)s"
+)
 torch.set_num_threads(1)
 if args.no_abort:
     GoneWatch.notice = lambda self, quorum_id, gone: None  # type: ignore[method-assign]

@@ -54,8 +54,9 @@ def stall_around(records: list[dict], fault_t: float) -> float:
 
 
 def run_scenario(
-    children, tmp_path: Path, groups: int, sig: int, pg: str = "gloo", abort: bool = True
-) -> float:
+    children, tmp_path: Path, groups: int, sig: int, pg: str = "gloo", abort: bool = True,
+    hold_after: int = HOLD_AFTER,
+) -> float:  # fmt: skip
     """Starts `groups` groups; the last holds inside a collective and gets
     `sig`. Returns the survivors' longest stall (s) around it."""
     lighthouse = start_lighthouse(children)
@@ -65,9 +66,10 @@ def run_scenario(
     for group in range(groups):
         args = [PYTHON, "tests/e2e/_stall_worker.py", "--lighthouse", lighthouse,
                 "--group", str(group), "--groups", str(groups), "--pg", pg,
-                "--timeout-s", str(COLLECTIVE_TIMEOUT_S), "--log", str(tmp_path / f"g{group}.jsonl")]  # fmt: skip
+                "--timeout-s", str(COLLECTIVE_TIMEOUT_S),
+                "--log", str(tmp_path / f"g{group}.jsonl")]  # fmt: skip
         if group == victim:
-            args += ["--hold-after", str(HOLD_AFTER), "--hold-file", str(hold_file)]
+            args += ["--hold-after", str(hold_after), "--hold-file", str(hold_file)]
         if not abort:
             args.append("--no-abort")
         procs.append(children.spawn(args, log=tmp_path / f"g{group}.log"))

@@ -13,6 +13,7 @@ import logging
 import pytest
 
 from lighthouse.compat import HANDLES_FIELD
+from lighthouse.gone import Gone
 from lighthouse.membership import (
     AdviceChanged,
     DecideSoon,
@@ -96,6 +97,9 @@ def describe(effect: Effect) -> str:
         return f"advice {effect.advice_ms}"
     if isinstance(effect, DecideSoon):
         return "decide soon"
+    if isinstance(effect, Gone):
+        n = effect.notice
+        return f"gone {','.join(n.gone)} of {n.quorum_id} -> {','.join(n.recipients)}"
     assert isinstance(effect, Log)
     return f"{logging.getLevelName(effect.level)} {effect.msg % effect.args}"
 
@@ -103,6 +107,10 @@ def describe(effect: Effect) -> str:
 TWO_WAITING = [("heartbeat", 0.0, "g0:a"), ("heartbeat", 0.0, "g1:b"), ("join", 0.1, "g0:a")]
 STALLED = [("join", 0.0, "a"), ("heartbeat", 4.9, "a"), ("heartbeat", 4.9, "b"), ("decide", 5.0)]
 """a has waited 5 s for b: a stall (lighthouse.quorum_log)."""
+AB_QUORUM = [("join", 0.0, "a"), ("join", 0.0, "b"), ("decide", 0.0)]
+"""Quorum 1000000000 of a and b (lighthouse.gone's notices are about it)."""
+B_SILENT = AB_QUORUM + [("heartbeat", 1.05, "a"), ("tick", 1.1)]
+"""b silent past the heartbeat timeout while a heartbeats."""
 
 
 @pytest.mark.parametrize(
@@ -239,6 +247,36 @@ STALLED = [("join", 0.0, "a"), ("heartbeat", 4.9, "a"), ("heartbeat", 4.9, "b"),
             [("heartbeat", 0.0, f"r{i}") for i in range(150)] + [("tick", 0.1)],
             None,
             ["advice 200"],
+        ),
+        # -- gone members of the latest quorum (lighthouse.gone) --
+        # A member's stream closes: the others hear of it at once.
+        (
+            AB_QUORUM + [("open", 0.0, "b"), ("end", 0.5, "b")],
+            None,
+            ["INFO replica b: heartbeat stream closed",
+             "INFO quorum 1000000000: members gone (b: heartbeat stream closed (process or "
+             "connection gone)); telling a to abort the collectives they share with them",
+             "gone b of 1000000000 -> a"],
+        ),
+        # Silent past the heartbeat timeout: the tick tells, once.
+        (B_SILENT, None, ["INFO quorum 1000000000: members gone (b: silent 1.1 s",
+                          "gone b of 1000000000 -> a"]),
+        (B_SILENT + [("heartbeat", 1.15, "a"), ("tick", 1.2)], None, []),
+        # b heard from again (SIGCONT): told that it is gone from that quorum.
+        (B_SILENT + [("heartbeat", 1.2, "b")], None, ["gone b of 1000000000 -> b"]),
+        # A member that leaves is gone too; a non-member leaving is no news.
+        (AB_QUORUM + [("leave", 0.5, "b")],
+         None, ["INFO replica b left", "forget b", "INFO quorum 1000000000: members gone "
+                "(b: left or forgotten)", "gone b of 1000000000 -> a"]),
+        (AB_QUORUM + [("heartbeat", 0.1, "z"), ("leave", 0.5, "z")],
+         None, ["INFO replica z left", "forget z"]),
+        # The next quorum has a new id even with the same members: no notice
+        # can name a later quorum's collectives.
+        (
+            B_SILENT + [("heartbeat", 1.2, "b"), ("join", 1.3, "a"), ("join", 1.3, "b"),
+                        ("decide", 1.3)],
+            None,
+            ["issue a,b to #(3, 4) news: fast quorum: every previous member joined"],
         ),
         # -- spares --
         ([("spare", 0.0, "")], "spare_id must be a non-empty string", []),

@@ -28,6 +28,7 @@ from multiprocessing.reduction import recv_handle
 from typing import Any
 
 import torch
+import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
 
@@ -59,7 +60,7 @@ def _decode(x: Any, buffers: dict[int, torch.Tensor]) -> Any:
         return buffers[buf_id][:nbytes].view(dtype).view(shape)
     if isinstance(x, tuple) and x and x[0] == "O":
         _, name, fields = x
-        opts = getattr(dist, name)()
+        opts = getattr(c10d, name)()
         for field, value in fields.items():
             if field == "reduceOp":
                 value = dist.ReduceOp.RedOpType(value)

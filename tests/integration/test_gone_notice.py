@@ -1,0 +1,130 @@
+"""Gone notices end to end in one process: a real lighthouse tells the live
+ManagerServer of a quorum that its other member's process is gone
+(lighthouse.gone), and rank 0 passes it to the group's other ranks through
+the group's store (torchft_like.gone_watch)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+from torch.distributed import TCPStore
+
+from lighthouse import LighthouseServer
+from torchft_like._work import FutureWork
+from torchft_like.collectives import InOrderCollectives
+from torchft_like.gone_watch import GoneWatch
+from torchft_like.group_quorum import QuorumRequest
+from torchft_like.manager_config import resolve_config
+from torchft_like.manager_server import LocalManagerClient, ManagerServer
+
+pytestmark = pytest.mark.timeout(60)
+T = timedelta(seconds=20)
+
+
+def wait_until(condition, timeout: float = 10) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.01)
+
+
+def test_the_live_member_hears_at_once_that_the_other_died_and_nothing_else():
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=2, heartbeat_timeout_ms=5000)
+    servers = [
+        ManagerServer(
+            replica_id=f"g{i}:x",
+            lighthouse_addr=lighthouse.address(),
+            hostname="127.0.0.1",
+            bind="127.0.0.1:0",
+            store_addr="127.0.0.1:1",
+            world_size=1,
+        )  # fmt: skip
+        for i in range(2)
+    ]
+    heard: list[tuple[int, tuple[str, ...]]] = []
+    servers[0].add_gone_listener(lambda q, gone: heard.append((q, gone)))
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            asks = [
+                pool.submit(LocalManagerClient(s).quorum, QuorumRequest(0, 0), T) for s in servers
+            ]
+            quorum_id = asks[0].result().quorum_id
+        # A notice about another quorum, or naming no member of ours, is dropped.
+        servers[0]._on_gone(quorum_id - 1, ("g1:x",))
+        servers[0]._on_gone(quorum_id, ("z:y",))
+        assert heard == []
+        start = time.monotonic()
+        servers[1].shutdown(leave=False)  # its stream closes, as when its process dies
+        wait_until(lambda: heard != [])
+        assert heard == [(quorum_id, ("g1:x",))]
+        # Well before the 5 s heartbeat timeout: the closed stream tells.
+        assert time.monotonic() - start < 2.0
+    finally:
+        for server in servers:
+            server.shutdown()
+        lighthouse.shutdown()
+
+
+class _Server:
+    """What GoneWatch needs of rank 0's ManagerServer."""
+
+    def __init__(self) -> None:
+        self.listeners: list[Any] = []
+
+    def add_gone_listener(self, listener: Any) -> None:
+        self.listeners.append(listener)
+
+
+class _Stuck:
+    """A process group whose allreduce never completes."""
+
+    def __init__(self) -> None:
+        self.aborted = threading.Event()
+
+    def allreduce(self, tensors: list[torch.Tensor], op: Any) -> Any:
+        return FutureWork(torch.futures.Future())
+
+    def abort(self) -> None:
+        self.aborted.set()
+
+
+def test_rank_0_passes_a_notice_to_the_other_ranks_through_the_store():
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    server, watches, groups, errors = _Server(), [], [], []
+    try:
+        for rank in range(2):
+            config = resolve_config(
+                rank=rank, world_size=2, store_addr="127.0.0.1", store_port=store.port,
+                lighthouse_addr="http://127.0.0.1:1", environ={},
+            )  # fmt: skip
+            colls, pg = InOrderCollectives(), _Stuck()
+            watch = GoneWatch(
+                config, store, "g:x", server if rank == 0 else None, colls, pg,
+                _logger(rank),
+            )  # fmt: skip
+            watch.new_step()
+            watch.quorum_applied(7)
+            colls.allreduce(torch.ones(2), pg, False, None, errors.append)
+            watches.append(watch)
+            groups.append(pg)
+        (listener,) = server.listeners
+        listener(7, ("c:y",))
+        for pg in groups:
+            assert pg.aborted.wait(10), "a rank's collective was not aborted"
+        assert len(errors) == 2 and all("quorum 7" in str(e) for e in errors)
+    finally:
+        watcher = watches[1]._watcher if len(watches) > 1 else None
+        for watch in watches:
+            watch.close()
+    assert watcher is not None and not watcher.is_alive(), "close() leaves no thread behind"
+
+
+def _logger(rank: int) -> logging.LoggerAdapter[logging.Logger]:
+    return logging.LoggerAdapter(logging.getLogger(f"test.rank{rank}"), {})
