@@ -293,7 +293,9 @@ class ManagerServer:
                         remaining,
                         e,
                     )
-                delay = retry_delay_s(num_unreachable)
+                # At most a heartbeat period: a restart costs itself and one period.
+                cap_s = self._heartbeat_interval.total_seconds()
+                delay = min(retry_delay_s(num_unreachable), cap_s)
                 num_unreachable += 1
                 if time.monotonic() + delay >= deadline:
                     raise LighthouseUnavailableError(
