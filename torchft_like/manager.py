@@ -381,6 +381,9 @@ class Manager:
         wrong = result.batch_slots_wrong_all if every_member_counts else result.batch_slots_wrong
         if wrong:
             self.report_error(RuntimeError(f"batches not the quorum's: {wrong}"))
+            # Every replica reads the same: none serves or heals for a step
+            # that cannot commit (a healer would wait for a source gone by).
+            allow_heal = False
         self.metrics.record_quorum(result.quorum_id, self._num_participants)
         if result.quorum_id != self._quorum_id:
             store = f"{result.store_address}/torchft/{result.quorum_id}/{self._group_rank}"
