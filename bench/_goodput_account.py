@@ -183,3 +183,46 @@ def longest_stall(times: list[float], t0: float, end: float) -> float:
     """Longest stretch of (t0, end] with no committed step anywhere."""
     points = [t0, *sorted(t for t in times if t0 < t <= end), end]
     return max(b - a for a, b in zip(points, points[1:]))
+
+
+def replacement_times(
+    logs: list[list[dict[str, Any]]], kills: list[dict[str, Any]], end: float
+) -> list[float | None]:
+    """Per kill of group g at time k: seconds from k to the first commit of
+    the process that trains as g next (a restart, or a spare's takeover);
+    None if none by `end`."""
+    starts = [
+        (r["t"], r["group"], records) for records in logs for r in records if r["event"] == "start"
+    ]
+    out: list[float | None] = []
+    for kill in kills:
+        if kill.get("missed"):
+            continue
+        after = sorted((t, recs) for t, g, recs in starts if g == kill["group"] and t > kill["t"])
+        commit = next(
+            (r["t"] for _, recs in after[:1] for r in recs
+             if r["event"] == "step" and r["committed"] and r["t"] > kill["t"]),
+            None,
+        )  # fmt: skip
+        out.append(commit - kill["t"] if commit is not None and commit <= end else None)
+    return out
+
+
+def restart_times(
+    logs: list[list[dict[str, Any]]], kills: list[dict[str, Any]], end: float
+) -> list[float | None]:
+    """Checkpoint-restart, per kill at time k: seconds from k to the first
+    step trained by the job's next incarnation; None if none by `end`."""
+    records = sorted((r for rank in logs for r in rank), key=lambda r: r["t"])
+    out: list[float | None] = []
+    for kill in kills:
+        inc = next(
+            (r["inc"] for r in records if r["event"] == "start" and r["t"] > kill["t"]), None
+        )
+        step = next(
+            (r["t"] for r in records
+             if r["event"] == "step" and r["inc"] == inc and r["t"] > kill["t"]),
+            None,
+        )  # fmt: skip
+        out.append(step - kill["t"] if step is not None and step <= end else None)
+    return out

@@ -23,6 +23,7 @@ from datetime import timedelta
 from itertools import islice
 from pathlib import Path
 
+PYTHON_START = time.time()  # the interpreter is up; torch not yet imported
 gc.disable()  # as every bench.goodput worker: see examples/train_ddp.py
 
 import torch  # noqa: E402
@@ -70,7 +71,7 @@ if latest.exists():
     model.load_state_dict(state["model"])
     inner.load_state_dict(state["optim"])
     step, epoch, batch = state["step"], state["epoch"], state["batch"]
-log("start", inc=incarnation, resumed=step)
+log("start", inc=incarnation, resumed=step, python_start=PYTHON_START)
 
 
 def save() -> None:

@@ -30,6 +30,7 @@ import time
 from datetime import timedelta
 from typing import Any
 
+PYTHON_START = time.time()  # the interpreter is up; torch not yet imported
 gc.disable()  # start-up makes millions of long-lived objects; see examples/train_ddp.py
 
 import torch  # noqa: E402
@@ -120,7 +121,7 @@ manager_ready = time.time()
 ddp = ft.DistributedDataParallel(manager, model)
 optimizer = ft.Optimizer(manager, inner)
 criterion = nn.CrossEntropyLoss()
-log("start", group=group, taken=taken, manager_s=manager_ready - taken)
+log("start", group=group, python_start=PYTHON_START, taken=taken, manager_s=manager_ready - taken)
 
 
 def quorum_id() -> int:

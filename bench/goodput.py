@@ -37,11 +37,17 @@ seconds a seeded choice of group (the same sequence for every contender) is
 SIGKILLed: its whole torchrun tree, or for checkpoint_restart the worker of
 that local rank. A group (torchrun) that exits by itself is restarted too.
 
-Reported (definitions in bench._goodput_account): goodput = distinct samples
-of the final history trained per second over the contender's own fault-free
-rate, and over torchft_like's fault-free rate; samples lost, trained twice,
-rolled back; steps committed (and, for checkpoint_restart, rolled back);
-the longest stretch with no commit; the faults injected; the window.
+Reported (definitions in bench._goodput_account): goodput_pct = distinct
+samples of the final history trained per second over the contender's own
+fault-free rate; vs_prekill_pct, over its rate in the same faulted run
+before the first kill (a baseline minutes closer, when other work on the
+machine moves the rates); vs_torchft_like_pct, over torchft_like's
+fault-free rate; samples lost, trained twice, rolled back; steps committed,
+failed (not committed by the group) and, for checkpoint_restart, rolled
+back; the longest stretch with no commit anywhere; replace_s, per kill, the
+seconds until the killed group's replacement (restart or spare) commits, or
+for checkpoint_restart until the restarted job trains; the faults injected;
+the window.
 """
 
 from __future__ import annotations
@@ -294,6 +300,7 @@ def run_replica_groups(
     figures = acc.account(trainings, t0, end, args.seed, GROUPS * args.batch_size)
     commits = [r["t"] for records in logs for r in records if r.get("committed")]
     figures.update(
+        replace_s=acc.replacement_times(logs, events["kills"], end),
         steps=acc.committed_steps(logs, t0, end),
         failed_steps=sum(
             1
@@ -373,6 +380,7 @@ def run_checkpoint_restart(
     commits = [r["t"] for r in logs[0] if r["event"] == "step"
                and r["step"] <= back_to.get(r["inc"], r["step"])]  # fmt: skip
     figures.update(
+        replace_s=acc.restart_times(logs, events["kills"], end),
         steps=kept,
         failed_steps=0,
         rolled_back_steps=rolled,
@@ -434,6 +442,8 @@ def main() -> int:
         print(f"{c} fault-free: {free['samples_per_s']:.1f} samples/s", flush=True)
         if args.fault_free_s:
             faulted = run(c, args, root / name, args.seconds, args.kill_every)
+        if args.kill_every:
+            faulted["pre_kill"] = run_segment(c, args, root / name, faulted)
         print(f"{c} faulted: {faulted['samples_per_s']:.1f} samples/s, lost {faulted['lost']}, "
               f"twice {faulted['twice']}", flush=True)  # fmt: skip
         results[c] = {"fault_free": free, "faulted": faulted}
@@ -490,6 +500,9 @@ def row(contender: str, result: dict[str, Any], reference: float | None) -> dict
     return {
         "contender": contender,
         "goodput_pct": pct(free["samples_per_s"]),
+        "vs_prekill_pct": pct(faulted["pre_kill"]["samples_per_s"])
+        if "pre_kill" in faulted
+        else None,
         "vs_torchft_like_pct": pct(reference),
         "fault_free_per_s": round(free["samples_per_s"], 1),
         "faulted_per_s": round(rate, 1),
@@ -501,6 +514,8 @@ def row(contender: str, result: dict[str, Any], reference: float | None) -> dict
         "failed_steps": faulted["failed_steps"],
         "rolled_back_steps": faulted["rolled_back_steps"],
         "longest_stall_s": round(faulted["longest_stall_s"], 2),
+        "replace_s": "/".join("-" if t is None else f"{t:.1f}" for t in faulted["replace_s"])
+        or "-",
         "faults": len(faulted["events"]["kills"]),
         "window_s": round(faulted["window_s"], 1),
     }
