@@ -28,6 +28,8 @@ from torch.distributed import ReduceOp
 from lighthouse.rpc.errors import DuplicateGroupError, IncompatibleGroupError, QuorumError
 from lighthouse.rpc.tls import TLSConfig
 from torchft_like import healing, parent_watch
+from torchft_like._batch_claims import BatchClaims
+from torchft_like._manager_views import ManagerViews
 from torchft_like._state_gate import StateReadGate
 from torchft_like._step_state import StepState
 from torchft_like._training_thread import TrainingThreadReads
@@ -48,13 +50,7 @@ from torchft_like.rank_startup import (
     check_transport,
     start_rank_servers,
 )
-from torchft_like.recovery import (
-    BatchSlot,
-    QuorumResult,
-    participation,
-    slot_forecast,
-    transfer_plan,
-)
+from torchft_like.recovery import BatchSlot, QuorumResult, participation, transfer_plan
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +63,7 @@ class _ManagerLogger(logging.LoggerAdapter):
         return f"[{m.replica_id}/{m._group_rank} step={m._step}] {msg}", kwargs
 
 
-class Manager:
+class Manager(ManagerViews):
     """Quorum, fault-tolerant allreduce, commit vote and live healing for one rank.
 
     Argument names follow pytorch/torchft's Manager. Every argument but the
@@ -168,10 +164,7 @@ class Manager:
         self._healing = False
         self._participating_rank: int | None = None
         self._num_participants = 0
-        self._last_result: tuple[QuorumResult, int | None] | None = None
-        """The last quorum's result and spare cap (claim_batch_slot forecasts from it)."""
-        self._batch_slot: int | None = None
-        """The slot claimed for the next quorum request (claim_batch_slot)."""
+        self._claims = BatchClaims()
         self._quorum_future: Future[None] | None = None
         self._training_thread = TrainingThreadReads()
         self._collectives_ready = self._training_thread.event()
@@ -296,9 +289,8 @@ class Manager:
             shrink_only,
             timeout or self.config.quorum_timeout,
             state_fingerprint,
-            self._batch_slot,
+            self._claims.take(),
         )
-        self._batch_slot = None
         self._quorum_future.add_done_callback(lambda _: self._training_thread.wake())
         # A replica of a fresh job (every replica at step 0) may receive the
         # initial weights (init_sync): applying them before the forward pass
@@ -377,10 +369,9 @@ class Manager:
         self._num_participants, self._participating_rank = participation(
             result, every_member_counts=every_member_counts, max_participants=cap
         )
-        self._last_result = (result, cap)
-        wrong = result.batch_slots_wrong_all if every_member_counts else result.batch_slots_wrong
-        if wrong:
-            self.report_error(RuntimeError(f"batches not the quorum's: {wrong}"))
+        wrong = self._claims.verdict(result, cap, every_member_counts)
+        if wrong is not None:
+            self.report_error(wrong)
             # Every replica reads the same: none serves or heals for a step
             # that cannot commit (a healer would wait for a source gone by).
             allow_heal = False
@@ -559,72 +550,14 @@ class Manager:
             check_retries(self._commit_failures, self.config.max_retries, self._errored)
         return decision
 
-    # ---- introspection -----------------------------------------------------
-
-    def current_step(self) -> int:
-        return self._step
+    # ---- data ---------------------------------------------------------------
 
     def claim_batch_slot(self) -> BatchSlot:
-        """Our participating rank next step, as forecast from the last quorum
-        (slot -1 before the first), and claims it: the next quorum checks
-        that every participant claimed its actual rank, and no replica
-        commits the step otherwise (recovery.batch_slots_wrong). StepBatches
-        calls it before each step to take the batch of unit
-        `batches_committed() + slot` without waiting for the quorum."""
-        if self._last_result is None:
-            forecast = BatchSlot(slot=-1, participants=1)
-        else:
-            result, cap = self._last_result
-            participating = (self._num_participants, self._participating_rank)
-            forecast = slot_forecast(result, cap, self._commit_failures == 0, participating)
-        self._batch_slot = forecast.slot
-        return forecast
-
-    def batches_committed(self) -> int:
-        return self._batches_committed
-
-    def num_participants(self) -> int:
-        """Replicas that count in this step's collectives; 0 before the
-        first quorum (torchtitan's checkpointer asks after every step)."""
-        if self._quorum_future is None:
-            return 0
-        self._wait_collectives_ready()
-        return self._num_participants
-
-    def participating_rank(self) -> int | None:
-        """Our rank among this step's participants; None when we do not
-        count (healing) or before the first quorum."""
-        if self._quorum_future is None:
-            return None
-        self._wait_collectives_ready()
-        return self._participating_rank
-
-    def is_participating(self) -> bool:
-        return self.participating_rank() is not None
-
-    def quorum_id(self) -> int:
-        return self._quorum_id
-
-    def did_heal(self) -> bool:
-        """Whether this step's quorum made us copy the state from a peer."""
-        return self._step_state.healed
-
-    def is_serving_state(self) -> bool:
-        """Whether this step's quorum made us serve our state to a healing
-        peer. The transfer reads the live tensors until should_commit, so a
-        caller that writes them before (DiLoCo's inner steps while a sync is
-        in flight) waits for the peer first."""
-        self.wait_quorum()
-        return self._step_state.serving
-
-    def metrics_address(self) -> str | None:
-        """`http://host:port/metrics` of this rank's metrics, or None when not served."""
-        return self._metrics_server.address() if self._metrics_server else None
-
-    def timings(self) -> dict[str, float]:
-        """Seconds spent on this step's quorum (`quorum_s`), and on receiving a
-        healing state (`heal_recv_s`) when there was one."""
-        return dict(self._step_state.timings)
+        """Our participating rank next step, forecast from the last quorum,
+        claimed in the next quorum request (torchft_like._batch_claims):
+        StepBatches trains unit `batches_committed() + slot`."""
+        participating = (self._num_participants, self._participating_rank)
+        return self._claims.claim(self._commit_failures == 0, participating)
 
     def shutdown(self, wait: bool = True) -> None:
         """Stops the servers and unblocks every background wait."""
