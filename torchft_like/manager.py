@@ -520,6 +520,7 @@ class Manager(ManagerViews):
         pg_error = self._pg.errored() if hasattr(self._pg, "errored") else None
         if pg_error is not None:
             self.report_error(pg_error)
+        self._gone.check_frozen(self.report_error)
         vote, too_few = rank_vote(
             self._errored is not None,
             self._healing,

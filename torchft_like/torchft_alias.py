@@ -53,12 +53,15 @@ MISSING_MODULES = {
     "torchft.otel": "no OpenTelemetry logging; torchft_like logs through `logging` and serves "
     "Prometheus metrics",
     "torchft.parameter_server": "no parameter server",
-    "torchft.multiprocessing": "no subprocess (Baby) process groups",
+    "torchft.multiprocessing": "no _MonitoredPipe: ProcessGroupBabyGloo keeps its own socket",
     "torchft.work": "no torchft Work classes; works are torch.distributed.Work",
 }
 """torchft modules torchft_like does not have, and what to use instead."""
 
-_NO_NCCL = "no NCCL/XCCL or subprocess (Baby) process groups yet; use ProcessGroupGloo"
+_NO_NCCL = (
+    "no NCCL/XCCL process groups (nor their Baby subprocess forms) yet; use ProcessGroupGloo "
+    "or ProcessGroupBabyGloo"
+)
 MISSING_NAMES = {
     "torchft_like": dict.fromkeys(
         ("ProcessGroupNCCL", "ProcessGroupXCCL", "ProcessGroupBabyNCCL", "ProcessGroupBabyXCCL"),
@@ -70,7 +73,6 @@ MISSING_NAMES = {
             "ProcessGroupXCCL",
             "ProcessGroupBabyNCCL",
             "ProcessGroupBabyXCCL",
-            "ProcessGroupBabyGloo",
         ),
         _NO_NCCL,
     ),  # fmt: skip

@@ -13,6 +13,7 @@ would), so that SIGSTOP and SIGKILL hit exactly one group.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import logging
 import os
@@ -24,7 +25,7 @@ import torch
 from torch import nn
 from torch.distributed import TCPStore
 
-from torchft_like import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+from torchft_like import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo, gone_watch
 from torchft_like.gone_watch import GoneWatch
 from torchft_like.process_group import ProcessGroupBabyGloo
 
@@ -42,6 +43,12 @@ parser.add_argument(
 )
 parser.add_argument("--hold-file", default=None)
 parser.add_argument(
+    "--go-file", default=None, help="after holding, go on with the allreduce once this exists"
+)
+parser.add_argument(
+    "--no-freeze-veto", action="store_true", help="commit a step during which it was frozen"
+)
+parser.add_argument(
     "--no-abort", action="store_true", help="ignore gone notices (the behaviour before them)"
 )
 args = parser.parse_args()
@@ -51,6 +58,8 @@ logging.basicConfig(
 torch.set_num_threads(1)
 if args.no_abort:
     GoneWatch.notice = lambda self, quorum_id, gone: None  # type: ignore[method-assign]
+if args.no_freeze_veto:
+    gone_watch.FROZEN_S = float("inf")
 
 timeout = timedelta(seconds=args.timeout_s)
 store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
@@ -76,14 +85,17 @@ manager = Manager(
     max_retries=1000,
 )
 together = 0
+held = False
 if args.hold_after is not None:
     allreduce = manager.allreduce
 
     def held_allreduce(tensor, *rest, **kwargs):  # type: ignore[no-untyped-def]
-        if together >= args.hold_after:
+        global held
+        if together >= args.hold_after and not held:
+            held = True
             Path(args.hold_file).write_text(str(time.time()))
-            while True:  # until SIGSTOP or SIGKILL
-                time.sleep(1)
+            while args.go_file is None or not Path(args.go_file).exists():
+                time.sleep(0.05)  # until SIGSTOP or SIGKILL, or told to go on
         return allreduce(tensor, *rest, **kwargs)
 
     manager.allreduce = held_allreduce  # type: ignore[method-assign]
@@ -104,6 +116,9 @@ while manager.current_step() < args.steps:
         "committed": manager.current_step() > before,
         "participants": manager.num_participants(),
         "quorum_id": manager.quorum_id(),
+        "hash": hashlib.sha256(
+            b"".join(p.detach().numpy().tobytes() for p in model.parameters())
+        ).hexdigest()[:16],
     }
     together += record["committed"] and record["participants"] == args.groups
     log.write(json.dumps(record) + "\n")

@@ -107,3 +107,55 @@ def test_a_group_gone_inside_a_collective_costs_the_survivors_a_heartbeat_timeou
     assert stall_s <= MAX_STALL_S, (
         f"the survivors stalled {stall_s:.2f} s (collective timeout {COLLECTIVE_TIMEOUT_S} s)"
     )
+
+
+def continued_too_soon(children, tmp_path: Path, veto: bool = True) -> dict[int, set[str]]:
+    """2 groups; the second is stopped inside a collective, and continued
+    (into that collective) once the first trained 3 steps without it, long
+    before the collective timeout. Returns step -> the state hashes groups
+    committed it with."""
+    lighthouse = start_lighthouse(children)
+    hold, go = tmp_path / "held", tmp_path / "go"
+    procs = []
+    for group in range(2):
+        args = [PYTHON, "tests/e2e/_stall_worker.py", "--lighthouse", lighthouse,
+                "--group", str(group), "--groups", "2", "--timeout-s", str(COLLECTIVE_TIMEOUT_S),
+                "--log", str(tmp_path / f"g{group}.jsonl")]  # fmt: skip
+        if group == 1:
+            args += ["--hold-after", str(HOLD_AFTER), "--hold-file", str(hold)]
+            args += ["--go-file", str(go)]
+            args += [] if veto else ["--no-freeze-veto"]
+        procs.append(children.spawn(args, log=tmp_path / f"g{group}.log"))
+    wait_until(hold.exists, 90, "the victim to hold inside a collective")
+    signal_tree(procs[1].pid, signal.SIGSTOP)
+    fault_t = float(hold.read_text())
+    survivor, victim = tmp_path / "g0.jsonl", tmp_path / "g1.jsonl"
+    wait_until(
+        lambda: len([r for r in commits(survivor) if r["t"] > fault_t]) >= 3, 20, "the survivor"
+    )
+    go.touch()  # it goes on into its collective the moment it is continued
+    continued_t = time.time()
+    signal_tree(procs[1].pid, signal.SIGCONT)
+    wait_until(
+        lambda: len([r for r in commits(victim) if r["t"] > continued_t]) >= 3,
+        COLLECTIVE_TIMEOUT_S,
+        "the continued group to commit again",
+    )
+    hashes: dict[int, set[str]] = {}
+    for path in (survivor, victim):
+        for r in commits(path):
+            hashes.setdefault(r["step"], set()).add(r["hash"])
+    return hashes
+
+
+@pytest.mark.timeout(150)
+def test_a_group_continued_inside_its_abandoned_collective_does_not_commit_that_step(
+    children, tmp_path
+):
+    # The survivor's abandoned collective still runs (gloo cannot stop it),
+    # so the continued group's can complete; the step it was frozen in must
+    # not commit there, or it holds other weights than the survivor's at the
+    # same step (torchft_like.gone_watch, check_frozen).
+    hashes = continued_too_soon(children, tmp_path)
+    diverged = {step: h for step, h in hashes.items() if len(h) > 1}
+    assert not diverged, f"groups committed one step with different weights: {diverged}"

@@ -55,11 +55,12 @@ def test_with_the_variable_every_torchft_path_is_torchft_likes_module():
                  for t, o in modules.items()}}
         import torchft, torchft.manager, torchft_like
         from torchft.checkpointing.pg_transport import PGTransport
+        from torchft.process_group import ProcessGroupBabyGloo
         with mock.patch("torchft.manager.ManagerClient") as patched:
             seen = torchft_like.manager.ManagerClient is patched
         errors = {{}}
         for statement in ("from torchft import ProcessGroupNCCL",
-                          "from torchft.process_group import ProcessGroupBabyGloo",
+                          "from torchft.process_group import ProcessGroupBabyNCCL",
                           "import torchft.otel", "import torchft.nonesuch"):
             try:
                 exec(statement)
@@ -69,7 +70,8 @@ def test_with_the_variable_every_torchft_path_is_torchft_likes_module():
             "found": found, "same": same, "patched": seen,
             "classes": [torchft.Manager is torchft_like.Manager,
                         PGTransport is torchft_like.checkpointing.pg_transport.PGTransport,
-                        torchft.Optimizer is torchft_like.Optimizer],
+                        torchft.Optimizer is torchft_like.Optimizer,
+                        ProcessGroupBabyGloo is torchft_like.process_group.ProcessGroupBabyGloo],
             "own_spec": torchft_like.__spec__.name,
             "logger": torchft.manager.logger.name,
             "errors": errors,
@@ -86,8 +88,8 @@ def test_with_the_variable_every_torchft_path_is_torchft_likes_module():
         in errors["from torchft import ProcessGroupNCCL"]
     )
     assert (
-        "torchft.process_group.ProcessGroupBabyGloo"
-        in errors["from torchft.process_group import ProcessGroupBabyGloo"]
+        "torchft.process_group.ProcessGroupBabyNCCL"
+        in errors["from torchft.process_group import ProcessGroupBabyNCCL"]
     )
     assert MISSING_MODULES["torchft.otel"] in errors["import torchft.otel"]
     assert "torchft.nonesuch" in errors["import torchft.nonesuch"]
