@@ -289,8 +289,14 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
             return
         failure = RuntimeError(f"ProcessGroupBabyGloo collective failed: {error}")
         with self._lock:
-            self._error = self._error or failure
+            self._error = self._error or RuntimeError(
+                f"ProcessGroupBabyGloo aborted after a failed collective ({error}); "
+                "configure() builds a new one"
+            )
         op.future.set_exception(failure)
+        # As ProcessGroupGloo: a gloo group that failed once is broken for
+        # good, so the collectives still queued in the child fail now.
+        self._drop_child(failure, wait=False)
 
     def _run(
         self, calls: list[tuple[str, list[Any]]], value: Any, divide_by: int | None = None
