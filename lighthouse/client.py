@@ -365,7 +365,10 @@ class AsyncLighthouseClient:
             async for advice in call:
                 self._advice_ms = max(0, int(advice.interval_ms))
                 if advice.HasField("gone") and self.on_gone is not None:
-                    self.on_gone(int(advice.gone.quorum_id), tuple(advice.gone.replica_ids))
+                    try:
+                        self.on_gone(int(advice.gone.quorum_id), tuple(advice.gone.replica_ids))
+                    except Exception:  # the advice must still be read
+                        logger.exception("handling a gone notice failed")
         except (grpc.RpcError, asyncio.InvalidStateError):
             pass
 
