@@ -222,6 +222,8 @@ class Membership:
         self.quorum_id = 0
         self.high_water_step = 0
         """The highest step of any issued quorum's member (quorum.fresh_start_refusal)."""
+        self.held_state: set[str] = set()
+        """Replicas that asked at a step past 0 (quorum.fresh_start_refusal)."""
         if restored is not None:
             self.high_water_step, self.quorum_id = restored.high_water_step, restored.quorum_id
             self.prev_quorum = restored.quorum()
@@ -280,6 +282,8 @@ class Membership:
             return refusal
         self._heard(now, rid)
         self.described[rid] = member
+        if member.step > 0:
+            self.held_state.add(rid)
         effects: list[Effect] = [Joined(member)]
         old = self.tickets.get(rid)
         if old is not None:
@@ -369,6 +373,7 @@ class Membership:
             arrivals=self.arrivals,
             described=self.described,
             high_water_step=self.high_water_step,
+            held_state=self.held_state,
             restored=self.restored,
         )
         decision = compute_quorum(now, state, self.decide_config)
@@ -566,6 +571,7 @@ class Membership:
         self.heartbeats.pop(replica_id, None)
         self.arrivals.pop(replica_id, None)
         self.described.pop(replica_id, None)
+        self.held_state.discard(replica_id)
         self.streams_closed.pop(replica_id, None)
         if self.prev_quorum is not None and replica_id in self.prev_quorum.replica_ids():
             self.departed[replica_id] = why

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -206,6 +207,9 @@ class LighthouseState:
     high_water_step: int = 0
     """The highest step of any issued quorum's member, kept across lighthouse
     restarts by its state file (lighthouse.state_file)."""
+    held_state: AbstractSet[str] = frozenset()
+    """Replicas that asked for a quorum at a step past 0 themselves: one
+    that then asks at step 0 went back on purpose (fresh_start_refusal)."""
     restored: bool = False
     """`prev_quorum` was read from the state file at start and no quorum has
     been issued since: its members are the replicas to wait for."""
@@ -357,7 +361,9 @@ def compute_quorum(now: float, state: LighthouseState, config: LighthouseConfig)
         tally += f"[{len(refused)} refused, another rendezvous: {_some(set(refused))}]"
     decision = _decide(now, state, config, candidates, joined, healthy, members, prev_ids, tally)
     # A veto of the quorum the rule would issue, not a rule of who to wait for.
-    veto = fresh_start_refusal(decision.members, state.high_water_step, config.allow_fresh_start)
+    veto = fresh_start_refusal(
+        decision.members, state.high_water_step, config.allow_fresh_start, state.held_state
+    )
     if veto is not None:
         decision = QuorumDecision(None, f"{veto} {tally}", "fresh_start")
     return replace(decision, refused=refused) if refused else decision
@@ -433,7 +439,10 @@ def _decide(
 
 
 def fresh_start_refusal(
-    members: tuple[QuorumMember, ...] | None, high_water_step: int, allow_fresh_start: bool
+    members: tuple[QuorumMember, ...] | None,
+    high_water_step: int,
+    allow_fresh_start: bool,
+    held_state: AbstractSet[str] = frozenset(),
 ) -> str | None:
     """Why the quorum of `members` the rule would issue must not be, or None.
 
@@ -443,10 +452,13 @@ def fresh_start_refusal(
     from fresh weights and throw the job's progress away without a word. A
     group restored from a durable checkpoint (any step past 0, even below
     the mark) is fine; a deliberate fresh start needs `allow_fresh_start`.
+    So is a replica in `held_state`, which asked at a step past 0 itself and
+    now asks at 0: no newcomer, but a caller that chose to go back (as
+    pytorch/torchft's lighthouse tests do).
     """
     if allow_fresh_start or high_water_step <= 0 or not members:
         return None
-    if any(m.step > 0 for m in members):
+    if any(m.step > 0 or m.replica_id in held_state for m in members):
         return None
     return (
         f"refusing to train from step 0: the job already committed step {high_water_step} "

@@ -101,3 +101,16 @@ def test_fresh_start_refusal(steps, mark, allow, refused):
     members = tuple(QuorumMember(f"r{i}", step=s) for i, s in enumerate(steps))
     assert (fresh_start_refusal(members, mark, allow) is not None) == refused
     assert fresh_start_refusal(None, mark, allow) is None
+
+
+@pytest.mark.parametrize(
+    "held, refused",
+    [
+        (frozenset(), True),  # b never held a step past 0: a newcomer on fresh weights
+        (frozenset({"a"}), True),  # the one that held it is gone
+        (frozenset({"b"}), False),  # b itself asked at a step past 0 before: its own choice
+    ],
+)
+def test_a_replica_that_held_a_step_itself_may_go_back_to_0(held, refused):
+    members = (QuorumMember("b", step=0),)
+    assert (fresh_start_refusal(members, 40, False, held) is not None) == refused
