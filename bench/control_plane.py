@@ -21,9 +21,9 @@ import multiprocessing as mp
 import os
 import statistics
 import time
-from datetime import timedelta
 
 from bench import _rpc_count
+from bench._group_manager import one_rank_manager
 from bench._report import add_common_args, report, results_file
 
 WARMUP = 20
@@ -34,28 +34,13 @@ TORCHFT_LIGHTHOUSE_RPCS = 1
 def group_main(mode: str, lighthouse: str, group: int, steps: int, out: mp.Queue) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     _rpc_count.install()
-    from torch.distributed import TCPStore
 
     if mode == "ft":
         import torchft_like as ft
     else:
         import torchft as ft  # type: ignore[no-redef]
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    manager = ft.Manager(
-        pg=ft.ProcessGroupGloo(timeout=timedelta(seconds=30)),
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=1,
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        lighthouse_addr=lighthouse,
-        replica_id=f"bench{group}",
-        hostname="127.0.0.1",
-        init_sync=False,  # no model: nothing to sync, and no allreduce to fence a transfer
-    )
+    store, manager = one_rank_manager(ft, lighthouse, group)
     if mode == "torchft":
         rpcs = {"_quorum": "Quorum", "should_commit": "ShouldCommit"}
         manager._client = _rpc_count.CountingProxy(manager._client, rpcs)

@@ -29,6 +29,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from bench._group_manager import one_rank_manager
 from bench._report import REPO, add_common_args, report, results_file
 from tools.procs import free_port, kill_tree, spawn
 
@@ -36,26 +37,10 @@ from tools.procs import free_port, kill_tree, spawn
 def group_main(lighthouse: str, group: int, step_sleep: float, out: Any, stop: Any) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
     import torch
-    from torch.distributed import TCPStore
 
     import torchft_like as ft
 
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-    manager = ft.Manager(
-        pg=ft.ProcessGroupGloo(timeout=timedelta(seconds=30)),
-        load_state_dict=None,
-        state_dict=None,
-        min_replica_size=1,
-        rank=0,
-        world_size=1,
-        store_addr="127.0.0.1",
-        store_port=store.port,
-        lighthouse_addr=lighthouse,
-        replica_id=f"bench{group}",
-        hostname="127.0.0.1",
-        init_sync=False,
-        quorum_timeout=timedelta(seconds=60),
-    )
+    store, manager = one_rank_manager(ft, lighthouse, group, quorum_timeout=timedelta(seconds=60))
     grad = torch.ones(1024)
     while not stop.is_set():
         manager.start_quorum()
