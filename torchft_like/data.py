@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from itertools import islice
 from typing import Any
 
 import torch
@@ -64,21 +63,8 @@ class DistributedSampler(data.distributed.DistributedSampler):
         super().__init__(
             dataset, num_replicas=self.global_world_size, rank=self.global_rank, **kwargs
         )
-        self.start = 0
-        """Index into this epoch's shard where iteration begins, so a loader
-        resumes mid-epoch without reading the samples before it
-        (torchft_like.StepBatches sets it)."""
         self._steer: tuple[int, int, int] | None = None
         self._perm: tuple[int, list[int]] = (-1, [])
-
-    def set_start(self, start: int) -> None:
-        """Begins every later iteration at `start` (0: the shard's beginning)."""
-        if not 0 <= start <= self.num_samples:
-            raise ValueError(
-                f"start ({start}) must be in [0, {self.num_samples}] (the samples per shard "
-                "in an epoch); pass the index of the first sample to read this epoch"
-            )
-        self.start = start
 
     def units_per_epoch(self, batch_size: int) -> int:
         """Whole units (one group's batch: `batch_size` per rank) in an epoch.
@@ -127,4 +113,4 @@ class DistributedSampler(data.distributed.DistributedSampler):
     def __iter__(self) -> Iterator[Any]:
         if self._steer is not None:
             return self._steered(*self._steer)
-        return islice(super().__iter__(), self.start, None)
+        return super().__iter__()

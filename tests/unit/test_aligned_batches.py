@@ -11,7 +11,6 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 from torch.utils.data.distributed import DistributedSampler as TorchSampler
 
-from torchft_like.data import DistributedSampler
 from torchft_like.step_batches import StepBatches
 
 NUM_SAMPLES, BATCH, GROUPS = 40, 4, 2  # 5 batches per shard per epoch
@@ -152,9 +151,3 @@ def test_a_step_that_goes_back_is_an_error():
     steps.step = 2
     with pytest.raises(RuntimeError, match="went back from 4 to 2"):
         next(batches)
-
-
-def test_a_start_past_the_shard_is_refused():
-    sampler = DistributedSampler(DATASET, 0, GROUPS, group_rank=0, num_replicas=1)
-    with pytest.raises(ValueError, match=r"start \(21\) must be in \[0, 20\]"):
-        sampler.set_start(21)
