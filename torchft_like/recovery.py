@@ -164,6 +164,7 @@ def compute_quorum_result(
         for i, m in enumerate(recovering)
         if source_of(i).replica_id == replica_id
     )
+    claims = batch_claims(participants)
     return QuorumResult(
         quorum_id=quorum.quorum_id,
         replica_rank=replica_rank,
@@ -183,8 +184,8 @@ def compute_quorum_result(
         ),
         commit_failures=max(m.commit_failures for m in participants),
         divergence=divergence.reason if divergence else "",
-        batch_slots_wrong=batch_slots_wrong(at_max),
-        batch_slots_wrong_all=batch_slots_wrong(participants),
+        batch_slots_wrong=batch_slots_wrong(at_max, claims),
+        batch_slots_wrong_all=batch_slots_wrong(participants, claims),
     )
 
 
@@ -218,7 +219,12 @@ def slot_forecast(
     return BatchSlot(slot=result.replica_rank, participants=max(count, 1))
 
 
-def batch_slots_wrong(participants: list[QuorumMember]) -> str:
+def batch_claims(members: Sequence[QuorumMember]) -> dict[str, int | None]:
+    """Each member's claimed batch slot (lighthouse.member_data.batch_slot_of), read once."""
+    return {m.replica_id: batch_slot_of(m.data) for m in members}
+
+
+def batch_slots_wrong(participants: list[QuorumMember], claims: Mapping[str, int | None]) -> str:
     """Why the step's batches are not the quorum's, or "" when they are.
 
     Participant r (in the order given, the order of participating ranks)
@@ -229,7 +235,7 @@ def batch_slots_wrong(participants: list[QuorumMember]) -> str:
     the wrong group. Members that claim nothing are not checked.
     """
     for rank, member in enumerate(participants):
-        claim = batch_slot_of(member.data)
+        claim = claims[member.replica_id]
         if claim is None or claim == rank:
             continue
         took = "no batch slot (it had no quorum yet)" if claim < 0 else f"batch slot {claim}"
