@@ -103,11 +103,14 @@ class InOrderCollectives:
     torchft_like.gone_watch): every allreduce in flight completes at once
     with its error, later ones fail at once, until `reset` (the next step).
     An abandoned gloo collective runs on to its timeout, and would write into
-    its tensor if the gone member came back meanwhile (a SIGCONT): so each
-    allreduce reduces a private copy (reused across steps, never after an
-    abort) and only its completion copies the result into the caller's
-    tensor. The price is one copy in per allreduce (the copy back is the
-    division's pass) and one more copy of the buffers in flight in memory.
+    its tensor if the gone member came back meanwhile (a SIGCONT): so by
+    default each allreduce reduces a private copy (reused across steps, never
+    after an abort) and only its completion copies the result into the
+    caller's tensor. The price is one copy in per allreduce (the copy back is
+    the division's pass) and one more copy of the buffers in flight in
+    memory. A caller that can give up its tensor's memory after an abort
+    (DDP's buckets: it builds new ones) passes `in_place` instead: no copy,
+    and `abandoned` counts the tensors it must never use again.
     """
 
     def __init__(self) -> None:
@@ -116,12 +119,14 @@ class InOrderCollectives:
         self._generation = 0
         """Bumped by abort: a worker thread abandoned then does not count."""
         self._executor: ThreadPoolExecutor | None = None
-        self._in_flight: dict[int, tuple[Any, torch.Tensor, Callable[[Exception], None]]] = {}
-        """id -> (its future, its tensor, its on_error), until settled."""
+        self._in_flight: dict[int, tuple[Any, torch.Tensor, Callable[[Exception], None], bool]] = {}
+        """id -> (its future, its tensor, its on_error, in place), until settled."""
         self._next_id = 0
         self._broken: Exception | None = None
         self._spare: dict[tuple[Any, ...], list[torch.Tensor]] = {}
         """(dtype, device, shape) -> private copies free for the next allreduce."""
+        self.abandoned = 0
+        """In-place tensors left to an abandoned collective so far (`abort`)."""
 
     def issue(self, start: Callable[[], dist.Work], two_rounds: bool) -> dist.Work:
         """`start()` issues the collective and returns its Work. Returns a
@@ -164,22 +169,33 @@ class InOrderCollectives:
         quantize: bool,
         divide_by: int | None,
         on_error: Callable[[Exception], None],
+        in_place: bool = False,
     ) -> dist.Work:
         """Sums `tensor` over `pg` in place, in order (`issue`), then divides
         it by `divide_by` if given; `quantize` sends it as int8
         (allreduce_quantized). Never raises, and the Work never fails: an
         error goes to `on_error` and the Work completes with the tensor
         (the Manager's wrap_future contract in one callback, one future less
-        per bucket)."""
+        per bucket). `in_place`: gloo reduces `tensor` itself, which after an
+        `abort` may still be written to (counted in `abandoned`)."""
         broken = self._broken
         if broken is not None:
             on_error(broken)
             return completed_work(tensor)
         shape = (tensor.dtype, tensor.device, tuple(tensor.shape))
-        with self._lock:
-            free = self._spare.get(shape)
-            private = free.pop() if free else torch.empty(shape[2], dtype=shape[0], device=shape[1])
-        private.copy_(tensor)
+        if in_place:
+            private = tensor
+        else:
+            with self._lock:
+                free = self._spare.get(shape)
+                private = (
+                    free.pop() if free else torch.empty(shape[2], dtype=shape[0], device=shape[1])
+                )
+            private.copy_(tensor)
+        out: torch.futures.Future[Any] = torch.futures.Future()
+        with self._lock:  # in flight before it is issued: an abort between counts it
+            key, self._next_id = self._next_id, self._next_id + 1
+            self._in_flight[key] = (out, tensor, on_error, in_place)
         try:
             work = self.issue(
                 (lambda: allreduce_quantized(private, pg))
@@ -188,12 +204,11 @@ class InOrderCollectives:
                 two_rounds=quantize,
             )
         except Exception as e:
+            with self._lock:
+                if self._in_flight.pop(key, None) is None:
+                    return FutureWork(out)  # aborted meanwhile: settled already
             on_error(e)
             return completed_work(tensor)
-        out: torch.futures.Future[Any] = torch.futures.Future()
-        with self._lock:
-            key, self._next_id = self._next_id, self._next_id + 1
-            self._in_flight[key] = (out, tensor, on_error)
 
         def finish(fut: torch.futures.Future[Any]) -> None:
             with self._lock:
@@ -201,14 +216,18 @@ class InOrderCollectives:
                     return  # aborted: settled already; `private` is never reused
             try:
                 fut.value()
-                if divide_by is None:
+                if in_place:
+                    if divide_by is not None:
+                        tensor.div_(divide_by)
+                elif divide_by is None:
                     tensor.copy_(private)
                 else:
                     torch.div(private, divide_by, out=tensor)
             except Exception as e:
                 on_error(e)
-            with self._lock:
-                self._spare.setdefault(shape, []).append(private)
+            if not in_place:
+                with self._lock:
+                    self._spare.setdefault(shape, []).append(private)
             out.set_result(tensor)
 
         work.get_future().add_done_callback(finish)
@@ -223,12 +242,13 @@ class InOrderCollectives:
             self._broken = error
             self._spare = {}  # an abandoned collective may still write into its copy
             in_flight, self._in_flight = self._in_flight, {}
+            self.abandoned += sum(1 for *_, in_place in in_flight.values() if in_place)
             executor, self._executor = self._executor, None
             self._queued = 0
             self._generation += 1
         if executor is not None:
             executor.shutdown(wait=False, cancel_futures=True)
-        for out, tensor, on_error in in_flight.values():
+        for out, tensor, on_error, _ in in_flight.values():
             on_error(error)
             out.set_result(tensor)
         return len(in_flight)

@@ -9,6 +9,7 @@ hook sends each gradient bucket through `Manager.allreduce`.
 from __future__ import annotations
 
 import inspect
+import logging
 from collections.abc import Mapping
 from enum import Enum
 from typing import Any
@@ -101,8 +102,9 @@ class _ManagerUsedMapGroup(ProcessGroupDummy):
 
 def _comm_hook(manager, bucket):
     # Unannotated on purpose: DDP compares the annotation with dist.GradBucket,
-    # and this module's postponed annotations would be strings.
-    return manager.allreduce(bucket.buffer()).get_future()
+    # and this module's postponed annotations would be strings. In place: the
+    # bucket is ours to drop after an abort (DistributedDataParallel.forward).
+    return manager.allreduce(bucket.buffer(), in_place=True).get_future()
 
 
 class DistributedDataParallel(parallel.DistributedDataParallel):
@@ -164,9 +166,38 @@ class DistributedDataParallel(parallel.DistributedDataParallel):
         if _HAS_BUCKET_CAP_LIST:
             self.reducer = _NoRebuildReducer(self.reducer)
         self._manager = manager
+        self._abandoned = manager.abandoned()
         self._buffer_groups = _group_buffers(module, buffer_sync)
         if self._buffer_groups:
             manager.register_commit_hook(self._sync_buffers_through_manager)
+
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        if self._manager.abandoned() != self._abandoned:
+            self._fresh_buckets()
+        return super().forward(*inputs, **kwargs)
+
+    def _fresh_buckets(self) -> None:
+        """A bucket allreduce was abandoned (a member gone): gloo may still
+        write into that bucket, and the gradients are views of it. A new
+        Reducer has new buckets; the gradients of the broken step, which did
+        not commit, are dropped (None), so no step reads the old memory again.
+        Reducing in the bucket (no private copy) is what pays for this rare
+        rebuild: one pass over the gradients less per step (bench/NOTES.md)."""
+        self._abandoned = self._manager.abandoned()
+        logging.getLogger(__name__).info("new gradient buckets: an allreduce was abandoned")
+        self.reducer._remove_autograd_hooks()
+        parameters, expect_sparse = self._build_params_for_reducer()
+        for param in parameters:
+            param.grad = None
+        names = self._build_debug_param_to_name_mapping(parameters)
+        self._ddp_init_helper(parameters, expect_sparse, names, self.static_graph)
+        if self.static_graph:
+            self.reducer._set_static_graph()
+            self.logger._set_static_graph()  # type: ignore[union-attr]
+        for hook, state in self._comm_hooks:
+            dist._register_comm_hook(self.reducer, state, hook)
+        if _HAS_BUCKET_CAP_LIST:
+            self.reducer = _NoRebuildReducer(self.reducer)
 
     def _sync_buffers_through_manager(self) -> None:
         """Runs in should_commit, after healing, so healed replicas match too."""

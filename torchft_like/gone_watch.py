@@ -29,12 +29,14 @@ FROZEN_S or more (long enough for the lighthouse to suspect it) does
 not commit (`check_frozen`).
 
 The default mechanism is in-process abandon: the Manager settles its own
-futures at once, reducing a private copy so that the abandoned gloo
+futures at once, and ProcessGroupGloo drops the group. The abandoned gloo
 collective (which gloo cannot interrupt: it runs on to its timeout on the
-dropped group) never writes into a tensor of ours, and ProcessGroupGloo
-drops the group. ProcessGroupBabyGloo's abort kills the child process that
-runs gloo instead. Measured (tests/e2e/test_gone_abort.py, 30 s collective
-timeout, 1 s heartbeat timeout, medians of 5 runs on a shared 2-core box),
+dropped group) never writes into a tensor in use: Manager.allreduce
+reduces a private copy, and DDP, which reduces its buckets in place, trains
+on new buckets after an abort (InOrderCollectives). ProcessGroupBabyGloo's
+abort kills the child process that runs gloo instead. Measured
+(tests/e2e/test_gone_abort.py, 30 s collective timeout, 1 s heartbeat
+timeout, medians of 5 runs on a shared 2-core box),
 the survivors' longest stall with one group stopped inside a collective was
 0.79 s (2 groups) and 0.84 s (3 groups) in process, 0.84 s and 0.89 s with
 the baby when its standby child was warm, and 2.5 to 3 s when the fault

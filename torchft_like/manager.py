@@ -432,6 +432,8 @@ class Manager(ManagerViews):
         tensor: torch.Tensor,
         should_quantize: bool = False,
         reduce_op: ReduceOp.RedOpType = ReduceOp.AVG,
+        *,
+        in_place: bool = False,
     ) -> dist.Work:
         """Sums `tensor` over the quorum in place and, for AVG, divides by the
         number of participating replicas. A replica that is healing or a spare
@@ -447,6 +449,10 @@ class Manager(ManagerViews):
                 on every replica. DiLoCo uses it for pseudo-gradients.
                 torchft quantizes to fp8 only on CUDA; we do it on any device.
             reduce_op: SUM or AVG (SUM, then divide by num_participants()).
+            in_place: gloo reduces `tensor` itself instead of a private copy
+                (one pass less); an allreduce abandoned when a member is gone
+                may then write into it later, so the caller must never use
+                its memory again once `abandoned()` has grown (DDP's buckets).
 
         Raises:
             ValueError: AVG of a tensor that is not floating point (the
@@ -466,9 +472,15 @@ class Manager(ManagerViews):
             tensor.zero_()
         divide_by = self._num_participants if reduce_op == ReduceOp.AVG else None
         quantize = should_quantize and torch.is_floating_point(tensor)
-        work = self._collectives.allreduce(tensor, self._pg, quantize, divide_by, self.report_error)
+        work = self._collectives.allreduce(
+            tensor, self._pg, quantize, divide_by, self.report_error, in_place
+        )
         self._step_state.pending_work.append(work)
         return work
+
+    def abandoned(self) -> int:
+        """How many `in_place` tensors were left to abandoned collectives so far."""
+        return self._collectives.abandoned
 
     def wrap_future(
         self, fut: torch.futures.Future[Any], default: Any, timeout: timedelta | None = None

@@ -87,3 +87,17 @@ def test_private_copies_are_reused_across_steps():
     pg.complete(0, 1.0)
     colls.allreduce(t, pg, False, None, errors.append)
     assert pg.issued[1][0] is pg.issued[0][0]
+
+
+def test_in_place_the_caller_tensor_is_reduced_and_an_abort_counts_it_abandoned():
+    pg, colls, errors = HandPG(), InOrderCollectives(), []
+    t, u = torch.ones(4), torch.ones(2)
+    work = colls.allreduce(t, pg, False, 2, errors.append, in_place=True)
+    assert pg.issued[0][0] is t, "no private copy"
+    pg.complete(0, 6.0)
+    assert work.get_future().wait() is t and torch.equal(t, torch.full((4,), 3.0))
+    colls.allreduce(u, pg, False, None, errors.append, in_place=True)
+    colls.allreduce(torch.ones(1), pg, False, None, errors.append)  # a private copy
+    assert colls.abandoned == 0
+    assert colls.abort(RuntimeError("gone")) == 2
+    assert colls.abandoned == 1, "only the in-place tensor is left to the abandoned collective"

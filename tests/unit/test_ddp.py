@@ -25,13 +25,23 @@ class ManagerDouble:
         self.ops: list[ReduceOp] = []
         self.hooks = []
         self._rank = participating_rank
+        self.abandon = False
+        """Leave every in-place allreduce to an abandoned collective (a member gone)."""
+        self.left: list[torch.Tensor] = []
+        """Tensors of abandoned collectives, which gloo may still write into."""
 
-    def allreduce(self, tensor, reduce_op=ReduceOp.AVG):
+    def allreduce(self, tensor, reduce_op=ReduceOp.AVG, *, in_place=False):
         self.sizes.append(tensor.numel())
         self.ops.append(reduce_op)
+        if self.abandon and in_place:
+            self.left.append(tensor)
+            return completed_work(tensor)
         if reduce_op == ReduceOp.AVG:
             tensor.div_(2)
         return completed_work(tensor)
+
+    def abandoned(self) -> int:
+        return len(self.left)
 
     def register_commit_hook(self, hook) -> None:
         self.hooks.append(hook)
@@ -70,6 +80,34 @@ def test_the_hook_is_called_per_bucket_and_gradients_are_the_average():
     assert sum(manager.sizes) == sum(p.numel() for p in model.parameters())
     for p, r in zip(model.parameters(), reference.parameters()):
         torch.testing.assert_close(p.grad, r.grad / 2)
+
+
+def test_a_bucket_left_to_an_abandoned_allreduce_is_never_a_gradient_again():
+    # Buckets are reduced in place (no private copy): after an abort, gloo may
+    # still write into them when the gone member comes back. DDP must then
+    # train on new buckets, or that late write lands in a live gradient.
+    manager = ManagerDouble()
+    model = mlp()
+    reference = copy.deepcopy(model)
+    ddp = DistributedDataParallel(manager, model, bucket_cap_mb=0.01)
+    step(ddp)
+    manager.abandon = True
+    step(ddp, 2)  # a member is gone: every bucket's allreduce is abandoned
+    manager.abandon = False
+    assert len(manager.left) > 1
+    ddp.zero_grad(set_to_none=False)  # into the old buckets, as a user may
+    step(ddp, 3)
+    step(reference, 3)
+    for t in manager.left:
+        t.fill_(1e6)  # the gone member came back: the abandoned allreduces complete
+    for p, r in zip(model.parameters(), reference.parameters()):
+        torch.testing.assert_close(p.grad, r.grad / 2)
+    old = {t.untyped_storage().data_ptr() for t in manager.left}
+    assert not any(p.grad.untyped_storage().data_ptr() in old for p in model.parameters())
+    # ...and the layout of the new buckets is the old one (every replica's must match).
+    sizes = manager.sizes
+    per_step = len(manager.left)
+    assert sizes[-per_step:] == sizes[:per_step]
 
 
 def test_bucket_layout_of_a_restarted_wrapper_matches_one_that_ran_for_a_while():
