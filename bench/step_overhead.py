@@ -20,14 +20,17 @@ driver then has them take turns: a round gives each contender one block of
 C, C B A, ...), so slow drifts in the machine's load fall on all alike.
 The first step of each block is not counted (caches cold after the wait).
 Per step, rank 0 reports wall time, its process's CPU time (all threads:
-less sensitive to other load than wall time) and minor page faults.
+less sensitive to other load than wall time), minor page faults, and the
+wall of the step's phases (forward, backward, optimizer: where a gap is).
 
 Statistics. Per contender: the median over all counted steps (wall, CPU),
-and mean minor faults per step. Ratio to plain under the same allocator:
-per round, the ratio of the two blocks' medians; the figure is the
-geometric mean of those per-round ratios, and its 95% interval a percentile
-bootstrap over rounds (2000 resamples of the rounds with replacement,
-random.Random(0)). Wall and CPU ratios both. Also the RPCs the step sends on
+mean minor faults per step, and CPU drift: the median CPU per step of the
+last fifth of its counted steps over that of the first fifth, minus 1.
+Ratio to plain under the same allocator: per round, the ratio of the two
+blocks' medians; the figure is the geometric mean of those per-round
+ratios, and its 95% interval a percentile bootstrap over rounds (2000
+resamples of the rounds with replacement, random.Random(0)). Wall and CPU
+ratios both. Also the RPCs the step sends on
 its critical path (heartbeats left out).
 """
 
@@ -217,6 +220,14 @@ def ratio_interval(ratios: list[float]) -> tuple[float, float]:
     return means[int(0.025 * len(means))], means[int(0.975 * len(means)) - 1]
 
 
+def cpu_drift(cpu: list[float]) -> float:
+    """Median CPU per step of the last fifth of the counted steps (in run
+    order) over that of the first fifth, minus 1: a heap or cache that grows
+    through the run shows here, not in the medians."""
+    fifth = max(1, len(cpu) // 5)
+    return statistics.median(cpu[-fifth:]) / statistics.median(cpu[:fifth]) - 1
+
+
 def summarize(hidden: int, allocator: str, blocks: dict[str, list[dict]]) -> dict:
     """One row per (size, allocator): per contender the median step in ms
     (wall, CPU) over all counted steps, faults per step, and the ratios to
@@ -229,6 +240,12 @@ def summarize(hidden: int, allocator: str, blocks: dict[str, list[dict]]) -> dic
         row[f"{mode}_ms"] = round(1000 * statistics.median(wall), 1)
         row[f"{mode}_cpu_ms"] = round(1000 * statistics.median(cpu), 1)
         row[f"{mode}_minflt"] = round(statistics.fmean(f for b in bs for f in b["minflt"]), 1)
+        row[f"{mode}_drift_cpu"] = round(cpu_drift(cpu), 3)
+        phases = [s for b in bs for s in b.get("phases", [])]  # an older ftbase has none
+        if phases:
+            row[f"{mode}_fwd_bwd_opt_ms"] = "/".join(
+                f"{1000 * statistics.median(s[i] for s in phases):.1f}" for i in range(3)
+            )
         per_round[mode] = {
             "wall": [statistics.median(b["times"]) for b in bs],
             "cpu": [statistics.median(b["cpu"]) for b in bs],
