@@ -14,6 +14,8 @@ be driven, so one run measures, interleaved per N:
 
 - `ref`: pytorch/torchft's Rust lighthouse (.venv/bin/torchft_lighthouse),
 - `ours`: torchft-lighthouse with unary Heartbeat calls,
+- `ours_grpcio`: the same served by grpcio's server (`--rpc-server grpcio`)
+  instead of our lean one,
 - `ours_stream`: torchft-lighthouse with the HeartbeatStream RPC,
 - `ours_paced`: torchft-lighthouse with HeartbeatPaced, each group
   heartbeating at the longer of --heartbeat-ms and the lighthouse's advice
@@ -50,7 +52,7 @@ import psutil
 from bench._report import REPO, add_common_args, report, results_file
 from tools.procs import free_port
 
-CONTENDERS = ("ref", "ours", "ours_stream", "ours_paced")
+CONTENDERS = ("ref", "ours", "ours_grpcio", "ours_stream", "ours_paced")
 VENV_BIN = Path(sys.executable).parent
 
 
@@ -208,6 +210,7 @@ def start_server(contender: str, n: int, port: int, log: str | None) -> subproce
         args = [sys.executable, "-m", "lighthouse", "--min-replicas", str(n),
                 "--bind", f"127.0.0.1:{port}", "--http-bind", "",
                 "--log-level", "INFO" if log else "WARNING"]  # fmt: skip
+        args += ["--rpc-server", "grpcio" if contender == "ours_grpcio" else "lean"]
     args += ["--join_timeout_ms", "60000", "--heartbeat_timeout_ms", "5000"]
     out = open(f"{log}.{contender}.{n}", "w") if log else subprocess.DEVNULL
     proc = subprocess.Popen(args, stdout=out, stderr=out, cwd=REPO)
@@ -257,7 +260,7 @@ def run_one(contender: str, n: int, args: argparse.Namespace) -> dict:
             cfg = {
                 "target": f"127.0.0.1:{port}",
                 "gids": list(range(p, n, procs)),
-                "mode": contender.removeprefix("ours_") if "_" in contender else "unary",
+                "mode": {"ours_stream": "stream", "ours_paced": "paced"}.get(contender, "unary"),
                 "heartbeat_ms": args.heartbeat_ms,
                 "step_s": args.step_s,
             }

@@ -11,7 +11,7 @@ import threading
 from typing import NoReturn
 
 from lighthouse import __version__
-from lighthouse.rpc import auth, tls
+from lighthouse.rpc import auth, serve, tls
 from lighthouse.server import LighthouseServer
 
 logger = logging.getLogger(__name__)
@@ -167,6 +167,13 @@ example:
         f"(mutual TLS; default: ${tls.CLIENT_AUTH_ENV}=1, else off)",
     )
     p.add_argument(
+        "--rpc-server",
+        default="lean",
+        choices=serve.RPC_SERVERS,
+        help="what serves the gRPC port, on the same wire: lean (our asyncio HTTP/2 server, a "
+        "fraction of grpcio's CPU per call) or grpcio (grpc's own asyncio server) (default lean)",
+    )
+    p.add_argument(
         "--log-level",
         default="INFO",
         type=str.upper,
@@ -218,6 +225,7 @@ def main(argv: list[str] | None = None) -> int:
             kill_button=args.kill_button,
             state_file=args.state_file,
             allow_fresh_start=args.allow_fresh_start,
+            rpc_server=args.rpc_server,
         )
     except (ValueError, OSError) as e:
         print(f"torchft-lighthouse: error: {e}", file=sys.stderr)

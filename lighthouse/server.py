@@ -424,6 +424,7 @@ class LighthouseServer:
         kill_button: bool = False,
         state_file: str | None = None,
         allow_fresh_start: bool = False,
+        rpc_server: str = "lean",
     ) -> None:
         if tls is not None:
             tls.require_server("lighthouse")
@@ -446,6 +447,7 @@ class LighthouseServer:
         self._secret = secret
         self._tls = tls
         self._kill_button = kill_button
+        self._rpc_server = rpc_server
         try:
             self._port = self._loop.run(self._start(host, port))
             self._host = advertised_host(host)
@@ -468,6 +470,7 @@ class LighthouseServer:
             _LighthouseServicer(self._coord),
             self._secret,
             "lighthouse",
+            self._rpc_server,
         )
         bound = serve.bind(
             self._server, host, port, "choose another --bind port (0 picks a free one)", self._tls

@@ -1,4 +1,8 @@
-"""Starting the project's asyncio gRPC servers: auth, TLS, guarded decoding, the bound port."""
+"""Starting the project's asyncio gRPC servers: auth, TLS, guarded decoding, the bound port.
+
+Two server runtimes serve the same handlers: grpcio's (`"grpcio"`) and
+lighthouse.rpc.lean_server (`"lean"`, a fraction of grpcio's CPU per call).
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ from grpc import aio
 from lighthouse.rpc import auth
 from lighthouse.rpc.address import join_host_port
 from lighthouse.rpc.decode_guard import add_servicer
+from lighthouse.rpc.lean_server import LeanServer
 from lighthouse.rpc.tls import TLSConfig
 
 SERVER_OPTIONS = [
@@ -24,20 +29,34 @@ SERVER_OPTIONS = [
 ]
 
 
+RPC_SERVERS = ("lean", "grpcio")
+
+
 def new_server(
-    add_to_server: Callable[[Any, Any], None], servicer: Any, secret: str | None, service: str
-) -> aio.Server:
-    """An aio server serving `servicer`, refusing calls without the secret
-    (`service` names it in refusals) and undecodable requests."""
-    server = aio.server(
-        options=SERVER_OPTIONS,
-        interceptors=auth.server_interceptors(secret, service),
-    )
+    add_to_server: Callable[[Any, Any], None],
+    servicer: Any,
+    secret: str | None,
+    service: str,
+    rpc_server: str = "grpcio",
+) -> Any:
+    """A server (`rpc_server`: one of RPC_SERVERS) serving `servicer`,
+    refusing calls without the secret (`service` names it in refusals) and
+    undecodable requests."""
+    server: Any
+    if rpc_server == "lean":
+        server = LeanServer(secret, service)
+    elif rpc_server == "grpcio":
+        server = aio.server(
+            options=SERVER_OPTIONS,
+            interceptors=auth.server_interceptors(secret, service),
+        )
+    else:
+        raise ValueError(f"rpc_server must be one of {', '.join(RPC_SERVERS)}; got {rpc_server!r}")
     add_servicer(add_to_server, servicer, server)
     return server
 
 
-def bind(server: aio.Server, host: str, port: int, fix: str, tls: TLSConfig | None = None) -> int:
+def bind(server: Any, host: str, port: int, fix: str, tls: TLSConfig | None = None) -> int:
     """Adds the listening port, TLS with `tls`, plaintext without; returns
     the port bound (port 0 picks one).
 
@@ -46,7 +65,13 @@ def bind(server: aio.Server, host: str, port: int, fix: str, tls: TLSConfig | No
             ends with `fix`, which names the flag or variable to change.
     """
     address = join_host_port(host, port)
-    credentials = tls.server_credentials() if tls is not None else None
+    credentials: Any = None
+    if tls is not None and isinstance(server, LeanServer):
+        credentials = tls.server_context()
+        credentials.set_alpn_protocols(["h2"])
+    elif tls is not None:
+        credentials = tls.server_credentials()
+    bound: int
     try:
         if credentials is not None:
             bound = server.add_secure_port(address, credentials)

@@ -1,0 +1,461 @@
+"""A gRPC server on asyncio alone (lighthouse.rpc.http2), for the lighthouse's hot path.
+
+It serves the method tables grpcio's generated code registers (the same
+handlers, serializers and decode guard) with the subset of
+`aio.ServicerContext` the project's servicers use. Same wire, same
+statuses; what differs is the cost: one `data_received` and one `write`
+per unary call on the loop's own thread, and a handler that finishes
+without waiting runs inline, with no task. `serve.new_server` picks it or
+grpcio's server (`rpc_server`).
+
+Left out, as our servicers need none: compression (a compressed request is
+refused with UNIMPLEMENTED), server-side interceptors other than the
+shared secret, and the idle-connection timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import inspect
+import logging
+import socket
+import ssl
+import time
+import urllib.parse
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import grpc
+
+from lighthouse.rpc import auth, http2
+from lighthouse.rpc.http2 import Connection
+
+logger = logging.getLogger(__name__)
+
+_OK_HEADERS = b"\x88" + http2.literal("content-type", "application/grpc")
+"""`:status: 200` (static table entry 8) and the gRPC content type."""
+_OK_TRAILERS = http2.literal("grpc-status", "0")
+_UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED
+_TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+_RESERVED = frozenset(
+    ("content-type", "te", "grpc-timeout", "grpc-encoding", "grpc-accept-encoding", "user-agent")
+)
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+"""grpcio's default limit on a received message."""
+
+
+class _Abort(Exception):
+    """`context.abort`: ends the call with this status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+def _trailers(code: grpc.StatusCode, details: str) -> bytes:
+    block = http2.literal("grpc-status", str(code.value[0]))
+    if details:
+        block += http2.literal(
+            "grpc-message", urllib.parse.quote(details, safe=" !#$&'()*+,/:;=?@[]~")
+        )
+    return block
+
+
+class _Requests:
+    """A streaming call's request iterator, fed by the connection."""
+
+    def __init__(self, decode: Callable[[bytes], Any] | None) -> None:
+        self._decode = decode
+        self._items: collections.deque[Any] = collections.deque()
+        self._waiter: asyncio.Future[None] | None = None
+
+    def push(self, item: Any) -> None:
+        """A message's bytes, or None for the end of the stream."""
+        self._items.append(item)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    def __aiter__(self) -> _Requests:
+        return self
+
+    async def __anext__(self) -> Any:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            await self._waiter
+        item = self._items.popleft()
+        if item is None:
+            self._items.appendleft(None)
+            raise StopAsyncIteration
+        return self._decode(item) if self._decode is not None else item
+
+
+class _Call:
+    """One call: its stream, its handler and the `ServicerContext` it is given."""
+
+    __slots__ = (
+        "conn", "stream_id", "handler", "method", "deadline", "metadata",
+        "body", "requests", "task", "headers_sent", "done", "timer",
+    )  # fmt: skip
+
+    def __init__(self, conn: Connection, stream_id: int, handler: Any, method: str) -> None:
+        self.conn = conn
+        self.stream_id = stream_id
+        self.handler = handler
+        self.method = method
+        self.deadline: float | None = None
+        self.metadata: tuple[tuple[str, str], ...] = ()
+        self.body = bytearray()
+        self.requests: _Requests | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.headers_sent = False
+        self.done = False
+        self.timer: asyncio.TimerHandle | None = None
+
+    # ---- the ServicerContext subset ---------------------------------------------
+
+    def time_remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
+        raise _Abort(code, details)
+
+    def peer(self) -> str:
+        return self.conn.peer
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.metadata
+
+    def cancelled(self) -> bool:
+        return self.done and not self.conn.is_open(self.stream_id)
+
+    async def write(self, message: Any) -> None:
+        if self.done or not self.conn.is_open(self.stream_id):
+            raise grpc.RpcError("the call has ended")
+        self.send_message(message, None)
+
+    # ---- answers -------------------------------------------------------------------
+
+    def send_message(self, message: Any, trailers: bytes | None) -> None:
+        serialize = self.handler.response_serializer
+        raw = message if serialize is None else serialize(message)
+        headers = None if self.headers_sent else _OK_HEADERS
+        self.headers_sent = True
+        body = b"\x00" + len(raw).to_bytes(4, "big") + raw
+        self.conn.send(self.stream_id, headers, body, trailers)
+
+    def finish(self, code: grpc.StatusCode, details: str = "") -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.timer is not None:
+            self.timer.cancel()
+        trailers = _OK_TRAILERS if code is grpc.StatusCode.OK else _trailers(code, details)
+        headers = None if self.headers_sent else _OK_HEADERS
+        self.conn.send(self.stream_id, headers, b"", trailers)
+
+
+class _Rest:
+    """The rest of a handler coroutine whose first step ran inline and then
+    waited on `first`: awaited by a task, it resumes where the step stopped."""
+
+    def __init__(self, coro: Any, first: Any) -> None:
+        self._coro = coro
+        self._first = first
+
+    def __await__(self) -> Any:
+        waiting = self._first
+        while True:
+            try:
+                yield waiting
+            except BaseException as e:  # thrown into the task: pass it on
+                try:
+                    waiting = self._coro.throw(e)
+                except StopIteration as stop:
+                    return stop.value
+                continue
+            try:
+                waiting = self._coro.send(None)
+            except StopIteration as stop:
+                return stop.value
+
+
+class LeanServer:
+    """A gRPC server for handler tables registered the way grpcio's
+    generated `add_*_to_server` does; the API of `aio.Server` that
+    lighthouse.rpc.serve uses."""
+
+    def __init__(self, secret: str | None = None, service: str = "server") -> None:
+        if secret is not None:
+            auth.validate_secret(secret, f"the {service}'s `secret` argument")
+        self._secret = secret
+        self._service = service
+        self._refusals = auth.RefusalLog()
+        self._handlers: dict[str, Any] = {}
+        self._calls: dict[tuple[Connection, int], _Call] = {}
+        self._conns: set[Connection] = set()
+        self._servers: list[asyncio.AbstractServer] = []
+        self._sockets: list[tuple[socket.socket, ssl.SSLContext | None]] = []
+
+    # ---- registration (what generated code and decode_guard call) ----------------
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass  # the same methods come again through add_registered_method_handlers
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        for name, handler in handlers.items():
+            self._handlers[f"/{service}/{name}"] = handler
+
+    # ---- ports and lifetime ---------------------------------------------------------
+
+    def add_insecure_port(self, address: str) -> int:
+        return self._bind(address, None)
+
+    def add_secure_port(self, address: str, context: ssl.SSLContext) -> int:
+        return self._bind(address, context)
+
+    def _bind(self, address: str, context: ssl.SSLContext | None) -> int:
+        """Binds now (so the port is known and a taken one fails here); the
+        sockets listen from `start`. Returns the port, 0 if none bound."""
+        host, _, port_text = address.rpartition(":")
+        host = host.strip("[]")
+        port = int(port_text)
+        bound = 0
+        for family, _, _, _, sockaddr in socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        ):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6 and sockaddr[0] == "::":
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                sock.bind((sockaddr[0], bound or port, *sockaddr[2:]))
+            except OSError:
+                sock.close()
+                continue
+            bound = sock.getsockname()[1]
+            self._sockets.append((sock, context))
+        return bound
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sock, context in self._sockets:
+            server = await loop.create_server(
+                self._connection, sock=sock, ssl=context, backlog=1024
+            )
+            self._servers.append(server)
+
+    def _connection(self) -> Connection:
+        conn = Connection(self, self._conns.discard)
+        self._conns.add(conn)
+        return conn
+
+    async def stop(self, grace: float | None) -> None:
+        """Stops listening; open calls get `grace` seconds (None: none), then are cancelled."""
+        for server in self._servers:
+            server.close()
+        for conn in list(self._conns):
+            conn.goaway()
+        if grace:
+            deadline = time.monotonic() + grace
+            while self._calls and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+        calls, self._calls = list(self._calls.values()), {}
+        tasks = [call.task for call in calls if call.task is not None]
+        for call in calls:
+            call.finish(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        for task in tasks:
+            task.cancel()
+        if tasks:  # their `finally` blocks run before the loop may stop
+            await asyncio.wait(tasks, timeout=5)
+            await asyncio.sleep(0)  # and the tasks those cancelled in turn
+        for conn in list(self._conns):
+            conn.close()
+        for server in self._servers:
+            await server.wait_closed()
+
+    # ---- calls (lighthouse.rpc.http2.StreamHandler) -------------------------------
+
+    def on_headers(self, conn: Connection, stream_id: int, headers: list[tuple[str, str]]) -> None:
+        path = method = content_type = ""
+        timeout: str | None = None
+        presented: str | None = None
+        metadata = []
+        for name, value in headers:
+            if name[0] == ":":
+                if name == ":path":
+                    path = value
+                elif name == ":method":
+                    method = value
+            elif name == "content-type":
+                content_type = value
+            elif name == "grpc-timeout":
+                timeout = value
+            elif name == "grpc-encoding" and value != "identity":
+                unsupported = f"compression {value!r} is not supported"
+                conn.send(stream_id, _OK_HEADERS, b"", _trailers(_UNIMPLEMENTED, unsupported))
+                return
+            elif name not in _RESERVED:
+                metadata.append((name, value))
+                if name == auth.METADATA_KEY:
+                    presented = value
+        if method != "POST" or not content_type.startswith("application/grpc"):
+            conn.reset(stream_id, http2.PROTOCOL_ERROR)  # not a gRPC request
+            return
+        handler = self._handlers.get(path)
+        if handler is None:
+            conn.send(stream_id, _OK_HEADERS, b"", _trailers(
+                grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {path}"))  # fmt: skip
+            return
+        if self._secret is not None:
+            why = auth.refusal(presented, self._secret, self._service)
+            if why is not None:
+                self._refusals.refused(conn.peer.rsplit(":", 1)[0], path, why)
+                conn.send(
+                    stream_id, _OK_HEADERS, b"", _trailers(grpc.StatusCode.UNAUTHENTICATED, why)
+                )
+                return
+        call = _Call(conn, stream_id, handler, path)
+        call.metadata = tuple(metadata)
+        if timeout is not None:
+            try:
+                call.deadline = time.monotonic() + int(timeout[:-1]) * _TIMEOUT_UNITS[timeout[-1]]
+            except (KeyError, ValueError):
+                pass
+        self._calls[conn, stream_id] = call
+        if handler.request_streaming:
+            call.requests = _Requests(handler.request_deserializer)
+            self._run(call, call.requests)
+
+    def on_data(self, conn: Connection, stream_id: int, data: bytes, end: bool) -> None:
+        call = self._calls.get((conn, stream_id))
+        if call is None:
+            return
+        body = call.body
+        body += data
+        while len(body) >= 5:
+            size = int.from_bytes(body[1:5], "big")
+            if size > MAX_MESSAGE_BYTES:
+                why = f"received message larger than max ({size} vs. {MAX_MESSAGE_BYTES})"
+                self._end(call, grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+                conn.reset(stream_id)
+                return
+            if len(body) < 5 + size:
+                break
+            if body[0]:
+                self._end(
+                    call, grpc.StatusCode.UNIMPLEMENTED, "compressed messages are not supported"
+                )
+                return
+            message = bytes(body[5 : 5 + size])
+            del body[: 5 + size]
+            if call.requests is not None:
+                call.requests.push(message)
+            elif call.task is None and not call.done:
+                call.body = bytearray()  # a unary call runs on its first message
+                self._run_unary(call, message)
+                return
+        if end:
+            if call.requests is not None:
+                call.requests.push(None)
+            elif call.task is None and not call.done:
+                self._end(call, grpc.StatusCode.INTERNAL, "the request carried no message")
+
+    def on_closed(self, conn: Connection, stream_id: int) -> None:
+        call = self._calls.pop((conn, stream_id), None)
+        if call is not None:
+            call.done = True
+            if call.timer is not None:
+                call.timer.cancel()
+            if call.task is not None:
+                call.task.cancel()
+
+    # ---- running handlers ---------------------------------------------------------------
+
+    def _run_unary(self, call: _Call, raw: bytes) -> None:
+        handler = call.handler
+        decode = handler.request_deserializer
+        try:
+            request = decode(raw) if decode is not None else raw
+        except Exception as e:
+            self._end(call, grpc.StatusCode.INTERNAL, f"cannot decode the request: {e}")
+            return
+        self._run(call, request)
+
+    def _run(self, call: _Call, request: Any) -> None:
+        """Runs the handler's first step inline; a handler that waits goes on in a task."""
+        handler = call.handler
+        if handler.request_streaming:
+            behavior = handler.stream_stream if handler.response_streaming else handler.stream_unary
+        else:
+            behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
+        try:
+            result = behavior(request, call)
+            if inspect.isasyncgen(result):
+                result = _stream_out(result, call)
+            elif not inspect.iscoroutine(result):
+                self._answer(call, result)
+                return
+            first = result.send(None)
+        except StopIteration as stop:
+            self._answer(call, stop.value)
+            return
+        except BaseException as e:
+            self._failed(call, e)
+            return
+        call.task = asyncio.get_running_loop().create_task(self._rest(call, _Rest(result, first)))
+        if call.deadline is not None:
+            call.timer = asyncio.get_running_loop().call_at(
+                asyncio.get_running_loop().time() + (call.time_remaining() or 0.0),
+                self._overdue, call,
+            )  # fmt: skip
+
+    async def _rest(self, call: _Call, rest: _Rest) -> None:
+        try:
+            result = await rest
+        except BaseException as e:
+            self._failed(call, e)
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                raise
+            return
+        self._answer(call, result)
+
+    def _answer(self, call: _Call, result: Any) -> None:
+        if call.done:
+            return
+        self._calls.pop((call.conn, call.stream_id), None)
+        if call.handler.response_streaming:
+            call.finish(grpc.StatusCode.OK)
+            return
+        if result is None:
+            call.finish(grpc.StatusCode.INTERNAL, f"{call.method} returned no response")
+            return
+        call.done = True
+        if call.timer is not None:
+            call.timer.cancel()
+        call.send_message(result, _OK_TRAILERS)
+
+    def _failed(self, call: _Call, e: BaseException) -> None:
+        if isinstance(e, _Abort):
+            self._end(call, e.code, e.details)
+        elif isinstance(e, asyncio.CancelledError):
+            self._end(call, grpc.StatusCode.CANCELLED, "the call was cancelled")
+        else:
+            logger.error("%s failed", call.method, exc_info=e)
+            self._end(call, grpc.StatusCode.UNKNOWN, f"Unexpected {type(e).__name__}: {e}")
+
+    def _end(self, call: _Call, code: grpc.StatusCode, details: str) -> None:
+        self._calls.pop((call.conn, call.stream_id), None)
+        call.finish(code, details)
+
+    def _overdue(self, call: _Call) -> None:
+        if call.task is not None and not call.done:
+            self._end(call, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            call.task.cancel()
+
+
+async def _stream_out(responses: Any, call: _Call) -> None:
+    """A response-streaming handler written as an async generator."""
+    async for response in responses:
+        await call.write(response)
