@@ -134,8 +134,9 @@ class Connection(asyncio.Protocol):
             frame(SETTINGS, 0, 0, settings)
             + frame(WINDOW_UPDATE, 0, 0, _U32.pack(RECV_WINDOW - DEFAULT_WINDOW))
         )
-        loop = asyncio.get_running_loop()
-        self._handshake_timer = loop.call_later(HANDSHAKE_TIMEOUT_S, self._handshake_overdue)
+        self._handshake_timer = asyncio.get_event_loop().call_later(
+            HANDSHAKE_TIMEOUT_S, self._handshake_overdue
+        )
 
     def _handshake_overdue(self) -> None:
         if not self._preface_seen and self.transport is not None:

@@ -8,9 +8,9 @@ per unary call on the loop's own thread, and a handler that finishes
 without waiting runs inline, with no task. `serve.new_server` picks it or
 grpcio's server (`rpc_server`).
 
-Left out, as our servicers need none: compression (a compressed request is
-refused with UNIMPLEMENTED), server-side interceptors other than the
-shared secret, and the idle-connection timeout.
+Compressed requests (gzip, deflate) are read; answers go uncompressed, as
+gRPC allows. Left out, as our servicers need none: server-side
+interceptors other than the shared secret, and the idle-connection timeout.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ import socket
 import ssl
 import time
 import urllib.parse
+import zlib
 from collections.abc import Callable
 from typing import Any, NoReturn
 
@@ -41,6 +42,8 @@ _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1
 _RESERVED = frozenset(
     ("content-type", "te", "grpc-timeout", "grpc-encoding", "grpc-accept-encoding", "user-agent")
 )
+_WBITS = {"gzip": 31, "deflate": 15}
+"""grpc-encoding -> zlib's wbits for it."""
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 """grpcio's default limit on a received message."""
 
@@ -96,7 +99,7 @@ class _Call:
 
     __slots__ = (
         "conn", "stream_id", "handler", "method", "deadline", "metadata",
-        "body", "requests", "task", "headers_sent", "done", "timer",
+        "body", "requests", "task", "headers_sent", "done", "timer", "encoding",
     )  # fmt: skip
 
     def __init__(self, conn: Connection, stream_id: int, handler: Any, method: str) -> None:
@@ -112,6 +115,7 @@ class _Call:
         self.headers_sent = False
         self.done = False
         self.timer: asyncio.TimerHandle | None = None
+        self.encoding = "identity"
 
     # ---- the ServicerContext subset ---------------------------------------------
 
@@ -281,6 +285,7 @@ class LeanServer:
         path = method = content_type = ""
         timeout: str | None = None
         presented: str | None = None
+        encoding = "identity"
         metadata = []
         for name, value in headers:
             if name[0] == ":":
@@ -293,9 +298,11 @@ class LeanServer:
             elif name == "grpc-timeout":
                 timeout = value
             elif name == "grpc-encoding" and value != "identity":
-                unsupported = f"compression {value!r} is not supported"
-                conn.send(stream_id, _OK_HEADERS, b"", _trailers(_UNIMPLEMENTED, unsupported))
-                return
+                if value not in _WBITS:
+                    unsupported = f"compression {value!r} is not supported (gzip, deflate are)"
+                    conn.send(stream_id, _OK_HEADERS, b"", _trailers(_UNIMPLEMENTED, unsupported))
+                    return
+                encoding = value
             elif name not in _RESERVED:
                 metadata.append((name, value))
                 if name == auth.METADATA_KEY:
@@ -318,6 +325,7 @@ class LeanServer:
                 return
         call = _Call(conn, stream_id, handler, path)
         call.metadata = tuple(metadata)
+        call.encoding = encoding
         if timeout is not None:
             try:
                 call.deadline = time.monotonic() + int(timeout[:-1]) * _TIMEOUT_UNITS[timeout[-1]]
@@ -339,17 +347,19 @@ class LeanServer:
             if size > MAX_MESSAGE_BYTES:
                 why = f"received message larger than max ({size} vs. {MAX_MESSAGE_BYTES})"
                 self._end(call, grpc.StatusCode.RESOURCE_EXHAUSTED, why)
-                conn.reset(stream_id)
                 return
             if len(body) < 5 + size:
                 break
-            if body[0]:
-                self._end(
-                    call, grpc.StatusCode.UNIMPLEMENTED, "compressed messages are not supported"
-                )
-                return
             message = bytes(body[5 : 5 + size])
+            compressed = body[0]
             del body[: 5 + size]
+            if compressed:
+                try:
+                    message = zlib.decompress(message, _WBITS[call.encoding])
+                except (KeyError, zlib.error) as e:
+                    why = f"a compressed message that does not decompress as {call.encoding}: {e}"
+                    self._end(call, grpc.StatusCode.INTERNAL, why)
+                    return
             if call.requests is not None:
                 call.requests.push(message)
             elif call.task is None and not call.done:

@@ -1,0 +1,212 @@
+"""lighthouse.rpc.http2 frame by frame: a connection fed bytes, its writes parsed (no sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+
+import hpack
+import pytest
+
+from lighthouse.rpc import http2
+from lighthouse.rpc.http2 import (
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    GOAWAY,
+    HEADERS,
+    PING,
+    RST_STREAM,
+    SETTINGS,
+    WINDOW_UPDATE,
+    Connection,
+    frame,
+)
+
+REQUEST = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", "/svc/M"),
+    (":authority", "x"),
+    ("content-type", "application/grpc"),
+]
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.out += data
+
+    def get_extra_info(self, name: str) -> object:
+        return ("127.0.0.1", 5) if name == "peername" else None
+
+    def close(self) -> None:
+        self.closed = True
+
+    abort = close
+
+    def frames(self) -> list[tuple[int, int, int, bytes]]:
+        """The frames written since the last call."""
+        out, pos = [], 0
+        while pos < len(self.out):
+            hi, lo, kind, flags, sid = struct.unpack_from(">BHBBI", self.out, pos)
+            length = hi << 16 | lo
+            out.append((kind, flags, sid, bytes(self.out[pos + 9 : pos + 9 + length])))
+            pos += 9 + length
+        self.out.clear()
+        return out
+
+
+class _Handler:
+    def __init__(self) -> None:
+        self.events: list[tuple] = []
+
+    def on_headers(self, conn, stream_id, headers):
+        self.events.append(("headers", stream_id, dict(headers)))
+
+    def on_data(self, conn, stream_id, data, end):
+        self.events.append(("data", stream_id, data, end))
+
+    def on_closed(self, conn, stream_id):
+        self.events.append(("closed", stream_id))
+
+
+@pytest.fixture
+def conn():
+    """A connection past the preface and the client's (empty) SETTINGS."""
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    handler = _Handler()
+    c = Connection(handler)
+    t = _Transport()
+    c.connection_made(t)
+    c.data_received(http2.PREFACE + frame(SETTINGS, 0, 0, b""))
+    c.handler, c.t, c.enc = handler, t, hpack.Encoder()
+    yield c
+    asyncio.set_event_loop(None)
+    loop.close()
+
+
+def test_the_server_speaks_first_then_acknowledges_the_clients_settings(conn):
+    kinds = [(k, f, sid) for k, f, sid, _ in conn.t.frames()]
+    assert kinds == [(SETTINGS, 0, 0), (WINDOW_UPDATE, 0, 0), (SETTINGS, http2.ACK, 0)]
+
+
+def test_a_request_split_over_continuation_frames_with_padding_arrives_whole(conn):
+    conn.t.frames()
+    block = conn.enc.encode(REQUEST)
+    padded = bytes([3]) + block[:5] + b"\0\0\0"
+    conn.data_received(
+        frame(HEADERS, http2.PADDED, 1, padded)
+        + frame(CONTINUATION, END_HEADERS, 1, block[5:])
+        + frame(DATA, END_STREAM, 1, b"abc")
+    )
+    assert conn.handler.events == [
+        ("headers", 1, dict(REQUEST)),
+        ("data", 1, b"abc", True),
+    ]
+
+
+@pytest.mark.parametrize(
+    "payload, closed",
+    [
+        (b"GET / HTTP/1.1\r\n\r\n", True),  # not HTTP/2
+        (frame(PING, 0, 0, b"12345678"), False),  # answered
+        (frame(DATA, 0, 7, b"x"), True),  # data on a stream never opened
+        (frame(HEADERS, END_HEADERS, 2, b""), True),  # client streams are odd
+        (frame(SETTINGS, 0, 0, b"\0\4\0"), True),  # not a whole setting
+        (frame(HEADERS, END_HEADERS, 1, b"\xff\xff\xff\xff\x0f"), True),  # bad HPACK
+    ],
+    ids=["http1", "ping", "idle-data", "even-stream", "short-settings", "bad-hpack"],
+)
+def test_protocol_errors_close_with_goaway_and_pings_are_echoed(payload, closed):
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    try:
+        c, t = Connection(_Handler()), _Transport()
+        c.connection_made(t)
+        c.data_received((b"" if payload.startswith(b"GET") else http2.PREFACE) + payload)
+        frames = t.frames()
+        assert t.closed is closed
+        assert (frames[-1][0] == GOAWAY) is closed
+        if not closed:
+            assert frames[-1] == (PING, http2.ACK, 0, b"12345678")
+    finally:
+        asyncio.set_event_loop(None)
+        loop.close()
+
+
+def test_data_beyond_the_peers_window_waits_for_its_window_update(conn):
+    conn.data_received(frame(SETTINGS, 0, 0, struct.pack(">HI", 0x4, 10)))  # 10-byte windows
+    conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, 1, conn.enc.encode(REQUEST)))
+    conn.t.frames()
+    conn.send(1, b"H", b"0123456789abcdef", b"T")
+    assert [(k, p) for k, _, _, p in conn.t.frames()] == [(HEADERS, b"H"), (DATA, b"0123456789")]
+    assert conn.is_open(1)
+    conn.data_received(frame(WINDOW_UPDATE, 0, 1, struct.pack(">I", 100)))
+    out = conn.t.frames()
+    assert [(k, f, p) for k, f, _, p in out] == [
+        (DATA, 0, b"abcdef"),
+        (HEADERS, END_HEADERS | END_STREAM, b"T"),
+    ]
+    assert not conn.is_open(1)
+
+
+def test_a_message_larger_than_the_peers_frame_size_goes_in_several_frames(conn):
+    conn.data_received(frame(SETTINGS, 0, 0, struct.pack(">HI", 0x4, 1 << 20)))
+    conn.data_received(frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1 << 20)))
+    conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, 1, conn.enc.encode(REQUEST)))
+    conn.t.frames()
+    conn.send(1, None, bytes(40_000), b"T")
+    sizes = [(k, len(p)) for k, _, _, p in conn.t.frames()]
+    assert sizes == [(DATA, 16_384), (DATA, 16_384), (DATA, 7_232), (HEADERS, 1)]
+
+
+def test_rst_stream_and_a_lost_connection_close_the_handlers_streams(conn):
+    for sid in (1, 3):
+        conn.data_received(frame(HEADERS, END_HEADERS, sid, conn.enc.encode(REQUEST)))
+    conn.data_received(frame(RST_STREAM, 0, 1, struct.pack(">I", http2.CANCEL)))
+    conn.send(1, b"H", b"late", b"T")  # a closed stream sends nothing
+    assert [k for k, *_ in conn.t.frames()] == [SETTINGS, WINDOW_UPDATE, SETTINGS]
+    conn.connection_lost(None)
+    assert [e for e in conn.handler.events if e[0] == "closed"] == [("closed", 1), ("closed", 3)]
+
+
+def test_a_long_stream_gets_its_window_back_and_the_connection_too(conn):
+    conn.data_received(frame(HEADERS, END_HEADERS, 1, conn.enc.encode(REQUEST)))
+    conn.t.frames()
+    chunk = bytes(http2.MAX_FRAME_SIZE)
+    for _ in range(http2.RECV_WINDOW // 2 // len(chunk)):
+        conn.data_received(frame(DATA, 0, 1, chunk))
+    updates = [(sid, struct.unpack(">I", p)[0]) for k, _, sid, p in conn.t.frames()]
+    assert updates == [(0, http2.RECV_WINDOW // 2), (1, http2.RECV_WINDOW // 2)]
+
+
+def test_a_repeated_block_of_indexed_fields_is_decoded_once_until_the_table_changes(conn):
+    first = conn.enc.encode(REQUEST)
+    again = conn.enc.encode(REQUEST)  # all indexed now
+    assert not again.translate(None, bytes(range(0x80, 0xFF)))
+    conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, 1, first))
+    conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, 3, again))
+    conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, 5, again))
+    assert list(conn._decoded) == [again]
+    # A block that adds to the table may shift what the same indexes mean.
+    changed = [*REQUEST[:2], (":path", "/svc/Other"), *REQUEST[3:]]
+    conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, 7, conn.enc.encode(changed)))
+    assert conn._decoded == {}
+    conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, 9, conn.enc.encode(changed)))
+    paths = [e[2][":path"] for e in conn.handler.events if e[0] == "headers"]
+    assert paths == ["/svc/M", "/svc/M", "/svc/M", "/svc/Other", "/svc/Other"]
+
+
+@pytest.mark.parametrize(
+    "value, prefix, encoded",
+    [(10, 5, b"\x0a"), (1337, 5, b"\x1f\x9a\x0a"), (42, 8, b"\x2a"), (127, 7, b"\x7f\x00")],
+)
+def test_hpack_integers_match_rfc_7541_examples(value, prefix, encoded):
+    assert http2.encode_int(value, prefix) == encoded
+    assert hpack.Decoder().decode(http2.literal("grpc-status", "0")) == [("grpc-status", "0")]
