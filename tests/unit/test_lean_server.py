@@ -124,7 +124,8 @@ def test_answers_aborts_and_handler_errors_carry_the_same_statuses(server):
 def test_a_call_without_the_secret_is_refused_saying_what_to_set(server):
     _, channel = server
     for stub in (channel(secret=None), channel(secret="wrong")):
-        code, details = _status(lambda: stub.Heartbeat(pb.LighthouseHeartbeatRequest(), timeout=5))
+        call = stub.Heartbeat
+        code, details = _status(lambda: call(pb.LighthouseHeartbeatRequest(), timeout=5))  # noqa: B023
         assert code == grpc.StatusCode.UNAUTHENTICATED
         assert "requires the job's shared secret" in details and auth.SECRET_FILE_ENV in details
 
