@@ -9,7 +9,7 @@ driver tells it to: the driver connects to nobody, each rank connects to it
 (--control HOST:PORT), says who it is, then obeys one JSON line at a time:
 {"cmd": "run", "steps": N} trains N steps and answers with, per step, wall
 seconds, CPU seconds of this process (all threads), minor page faults and
-the wall of its forward (with zero_grad), backward and optimizer step;
+the wall of its zero_grad, forward, backward and optimizer step;
 {"cmd": "profile", "dir": D} trains 5 steps under torch.profiler and writes
 its table (rank 0); {"cmd": "stop"} exits. Between blocks a rank waits in a
 blocking read, costing no CPU, so contenders take turns on the same cores
@@ -91,16 +91,17 @@ else:
     optimizer = ft.Optimizer(manager, inner)
 
 
-def train_step() -> tuple[float, float, float]:
-    """One step; returns when its forward, backward and optimizer step ended
-    (perf_counter), the wall of each phase."""
+def train_step() -> tuple[float, ...]:
+    """One step; returns when its zero_grad (the quorum's start), forward,
+    backward and optimizer step ended (perf_counter): the wall of each phase."""
     optimizer.zero_grad()
+    zero = time.perf_counter()
     loss = ddp(x).pow(2).mean()
     forward = time.perf_counter()
     loss.backward()
     backward = time.perf_counter()
     optimizer.step()
-    return forward, backward, time.perf_counter()
+    return zero, forward, backward, time.perf_counter()
 
 
 def run(steps: int) -> dict:
@@ -110,11 +111,11 @@ def run(steps: int) -> dict:
         faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         c = time.process_time()
         t = time.perf_counter()
-        forward, backward, end = train_step()
-        times.append(end - t)
+        ends = train_step()
+        times.append(ends[-1] - t)
         cpu.append(time.process_time() - c)
         minflt.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults)
-        phases.append([forward - t, backward - forward, end - backward])
+        phases.append([b - a for a, b in zip((t, *ends), ends)])
     rpcs = _rpc_count.critical_per_step(rpcs_before, _rpc_count.snapshot(), steps)
     return {"times": times, "cpu": cpu, "minflt": minflt, "phases": phases, "rpcs_per_step": rpcs}
 

@@ -21,7 +21,8 @@ C, C B A, ...), so slow drifts in the machine's load fall on all alike.
 The first step of each block is not counted (caches cold after the wait).
 Per step, rank 0 reports wall time, its process's CPU time (all threads:
 less sensitive to other load than wall time), minor page faults, and the
-wall of the step's phases (forward, backward, optimizer: where a gap is).
+wall of the step's phases (zero_grad, forward, backward, optimizer: where
+a gap is).
 
 Statistics. Per contender: the median over all counted steps (wall, CPU),
 mean minor faults per step, and CPU drift: the median CPU per step of the
@@ -101,6 +102,10 @@ def torchrun(
     return proc
 
 
+LIGHTHOUSE_CODE = [str(REPO)]
+"""Where `python -m lighthouse` runs from (--lighthouse-code)."""
+
+
 def start_lighthouse(mode: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     if mode == "ft":
@@ -112,7 +117,7 @@ def start_lighthouse(mode: str) -> tuple[subprocess.Popen, str]:
         cmd = [exe, "--min_replicas", "2"]
     proc = subprocess.Popen(
         [*cmd, "--bind", f"127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO,
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=LIGHTHOUSE_CODE[0],
     )  # fmt: skip
     try:
         wait_port(port, proc)
@@ -243,8 +248,8 @@ def summarize(hidden: int, allocator: str, blocks: dict[str, list[dict]]) -> dic
         row[f"{mode}_drift_cpu"] = round(cpu_drift(cpu), 3)
         phases = [s for b in bs for s in b.get("phases", [])]  # an older ftbase has none
         if phases:
-            row[f"{mode}_fwd_bwd_opt_ms"] = "/".join(
-                f"{1000 * statistics.median(s[i] for s in phases):.1f}" for i in range(3)
+            row[f"{mode}_zero_fwd_bwd_opt_ms"] = "/".join(
+                f"{1000 * statistics.median(s[i] for s in phases):.1f}" for i in range(4)
             )
         per_round[mode] = {
             "wall": [statistics.median(b["times"]) for b in bs],
@@ -320,8 +325,17 @@ def main() -> None:
         help="a checkout of torchft_like (e.g. `git archive` of an older commit) to run as one "
         "more contender, ftbase: a before/after of a change in one interleaved run",
     )  # fmt: skip
+    parser.add_argument(
+        "--lighthouse-code", default="",
+        help="a checkout (e.g. `git archive HEAD`) whose lighthouse package serves ft and "
+        "ftbase: work under way in this tree's lighthouse/ then does not change the run",
+    )  # fmt: skip
     add_common_args(parser)
     args = parser.parse_args()
+    if args.lighthouse_code:
+        if not (Path(args.lighthouse_code) / "lighthouse").is_dir():
+            raise ValueError(f"--lighthouse-code {args.lighthouse_code} has no lighthouse/")
+        LIGHTHOUSE_CODE[0] = str(Path(args.lighthouse_code).resolve())
     if args.smoke:
         args.hidden, args.steps, args.warmup, args.rounds = [64], 3, 2, 2
         args.contenders, args.allocator = ["plain", "ft"], ["default"]
