@@ -47,15 +47,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench._fleet_model import FAULT_FREE, FailureModel, failure_schedule
-from lighthouse.membership import (
-    AdviceChanged,
-    DecideSoon,
-    Fail,
-    Issued,
-    Membership,
-    Outcome,
-    Placed,
-)
+from lighthouse.effects import AdviceChanged, DecideSoon, Fail, Issued, Outcome, Placed
+from lighthouse.membership import Membership
 from lighthouse.quorum import LighthouseConfig, QuorumMember
 
 WALL_OFFSET = 1_700_000_000.0
@@ -191,7 +184,7 @@ class Fleet:
         self.spare_tickets: dict[int, Proc] = {}
         self.rounds: dict[int, Round] = {}
         self._next_round = 0
-        self._decide_pending = False
+        self._decide_pending: float | None = None
         self._next_decide_ok = 0.0
         self._procs = 0
         self.result = FleetResult(config)
@@ -307,8 +300,10 @@ class Fleet:
             self.by_ticket[out.ticket] = proc
         self._apply(out, cost)
 
-    def _on_decide(self, _: None) -> None:
-        self._decide_pending = False
+    def _on_decide(self, due: float) -> None:
+        if due != self._decide_pending:
+            return  # brought forward by a `DecideSoon(now=True)`
+        self._decide_pending = None
         if not self.m.participants:
             return
         out, cost = self._timed("decide", lambda: self.m.decide(self.now, self.wall))
@@ -398,7 +393,7 @@ class Fleet:
     def _apply(self, out: Outcome, cost: float) -> None:
         for effect in out.effects:
             if isinstance(effect, DecideSoon):
-                self._decide_soon()
+                self._decide_soon(effect.now)
             elif isinstance(effect, Issued):
                 self._issued(effect, cost)
             elif isinstance(effect, Placed):
@@ -414,12 +409,13 @@ class Fleet:
             elif isinstance(effect, AdviceChanged):
                 self.result.advice_ms.append(effect.advice_ms)
 
-    def _decide_soon(self) -> None:
-        if self._decide_pending:
+    def _decide_soon(self, now: bool) -> None:
+        if self._decide_pending is not None and (not now or self._decide_pending <= self.now):
             return
-        self._decide_pending = True
-        t = max(self.now, self._next_decide_ok) if self.c.measured_pacing else self.now
-        self.at(t, "decide")
+        paced = self.c.measured_pacing and not now
+        t = max(self.now, self._next_decide_ok) if paced else self.now
+        self._decide_pending = t
+        self.at(t, "decide", t)
 
     def _issued(self, issued: Issued, cost: float) -> None:
         members = []

@@ -19,8 +19,22 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
+from lighthouse.effects import (
+    AdviceChanged,
+    DecideSoon,
+    Effect,
+    Fail,
+    Forgotten,
+    Handed,
+    Issued,
+    Joined,
+    Log,
+    Outcome,
+    Placed,
+    TwinRefused,
+)
 from lighthouse.gone import Gone, GoneWatch
 from lighthouse.history import why_absent
 from lighthouse.pacing import advised_interval_ms, suspect_floor_ms
@@ -57,127 +71,8 @@ FRESH_START_HOLD_S = 3.0
 so the group's log says why it waits now, not at its deadline (it asks again)."""
 
 
-@dataclass(frozen=True)
-class Fail:
-    """The waiting call `ticket` ends with `error` (superseded, left, another rendezvous)."""
-
-    ticket: int
-    error: QuorumError
-
-
-@dataclass(frozen=True)
-class Issued:
-    """A quorum was issued; the calls `tickets` get it."""
-
-    quorum: Quorum
-    tickets: tuple[int, ...]
-    changed: bool
-    """Its members (or a commit failure) changed, so it has a new id."""
-    news: bool
-    """Worth an INFO line: a change, or the end of a logged stall."""
-    reason: str
-    prev_ids: tuple[str, ...]
-    """The previous quorum's members."""
-    absent: dict[str, str] = field(default_factory=dict)
-    """Previous members not in this quorum -> why (lighthouse.history.why_absent);
-    filled only when `changed`."""
-
-
-@dataclass(frozen=True)
-class Placed:
-    """The waiting TakeReplicaGroup call `ticket` trains as `group`."""
-
-    ticket: int
-    group: str
-
-
-@dataclass(frozen=True)
-class Handed:
-    """`group` was handed to `spare_id` (its first rank to be placed)."""
-
-    spare_id: str
-    group: str
-    wanted: str
-
-    @property
-    def promotion(self) -> bool:
-        """A spare took a dead group's name (not the one it asked for)."""
-        return self.group != self.wanted
-
-
-@dataclass(frozen=True)
-class Joined:
-    """A Quorum call described `member` (its step, any heal report)."""
-
-    member: QuorumMember
-
-
-@dataclass(frozen=True)
-class Forgotten:
-    """Every trace of `replica_id` was dropped (a Leave, or a long silence)."""
-
-    replica_id: str
-    why: str
-
-
-@dataclass(frozen=True)
-class TwinRefused:
-    """A second live replica of one group was refused (once per replica)."""
-
-    replica_id: str
-    reason: str
-
-
-@dataclass(frozen=True)
-class AdviceChanged:
-    """The heartbeat period advised on HeartbeatPaced streams changed."""
-
-    advice_ms: int
-
-
-@dataclass(frozen=True)
-class DecideSoon:
-    """Waiting calls changed: run `decide` soon (the server batches calls)."""
-
-
-@dataclass(frozen=True)
-class Log:
-    """A change worth a log line, %-style."""
-
-    level: int
-    msg: str
-    args: tuple[object, ...] = ()
-
-
-Effect = (
-    Fail
-    | Issued
-    | Placed
-    | Handed
-    | Joined
-    | Forgotten
-    | TwinRefused
-    | AdviceChanged
-    | Gone
-    | DecideSoon
-    | Log
-)
-"""Each effect an event may have (`Outcome.effects`)."""
-
-
-@dataclass(frozen=True)
-class Outcome:
-    """What an event leads to."""
-
-    effects: tuple[Effect, ...] = ()
-    error: Exception | None = None
-    """The calling RPC's refusal (a twin, bad input); its effects still apply."""
-    ticket: int = 0
-    """The call's ticket (join, spare_waits): name it to `withdraw`/`spare_ends`."""
-
-
 NOTHING = Outcome()
-_DECIDE_SOON = DecideSoon()
+_DECIDE_SOON, _DECIDE_NOW = DecideSoon(), DecideSoon(now=True)
 
 
 class Membership:
@@ -292,7 +187,8 @@ class Membership:
         self._next_ticket += 1
         self.participants[rid] = Participant(member, now)
         self.tickets[rid] = self._next_ticket
-        effects.append(_DECIDE_SOON)
+        everyone = len(self.participants) >= max(len(self.heartbeats), self.config.min_replicas)
+        effects.append(_DECIDE_NOW if everyone else _DECIDE_SOON)
         return Outcome(tuple(effects), ticket=self._next_ticket)
 
     def withdraw(self, replica_id: str, ticket: int) -> None:

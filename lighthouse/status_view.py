@@ -13,9 +13,10 @@ from collections import deque
 from collections.abc import Iterable
 from typing import Any
 
+from lighthouse.effects import Effect, Forgotten, Issued, Joined, TwinRefused
 from lighthouse.heals import HEAL_KEY, HealEvent, apply_report, heals_in_quorum, report_of
 from lighthouse.history import HISTORY_LENGTH, HistoryEntry, quorum_entry
-from lighthouse.membership import Effect, Forgotten, Issued, Joined, Membership, TwinRefused
+from lighthouse.membership import Membership
 from lighthouse.progress import RATE_WINDOW_S, Progress, step_rate
 from lighthouse.quorum import QuorumMember, group_name
 

@@ -13,8 +13,7 @@ import logging
 import pytest
 
 from lighthouse.compat import HANDLES_FIELD
-from lighthouse.gone import Gone
-from lighthouse.membership import (
+from lighthouse.effects import (
     AdviceChanged,
     DecideSoon,
     Effect,
@@ -24,11 +23,12 @@ from lighthouse.membership import (
     Issued,
     Joined,
     Log,
-    Membership,
     Outcome,
     Placed,
     TwinRefused,
 )
+from lighthouse.gone import Gone
+from lighthouse.membership import Membership
 from lighthouse.quorum import LighthouseConfig, QuorumMember
 
 CONFIG = LighthouseConfig(
@@ -96,7 +96,7 @@ def describe(effect: Effect) -> str:
     if isinstance(effect, AdviceChanged):
         return f"advice {effect.advice_ms}"
     if isinstance(effect, DecideSoon):
-        return "decide soon"
+        return "decide now" if effect.now else "decide soon"
     if isinstance(effect, Gone):
         n = effect.notice
         return f"gone {','.join(n.gone)} of {n.quorum_id} -> {','.join(n.recipients)}"
@@ -165,6 +165,8 @@ B_SILENT = AB_QUORUM + [("heartbeat", 1.05, "a"), ("tick", 1.1)]
         ),
         # -- Quorum calls --
         (TWO_WAITING, None, ["joined g0:a", "decide soon"]),
+        # Every replica heard of (and min_replicas) waits: nothing to batch.
+        (TWO_WAITING + [("join", 0.1, "g1:b")], None, ["joined g1:b", "decide now"]),
         (
             TWO_WAITING + [("decide", 0.1)],
             None,

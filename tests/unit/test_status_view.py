@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import json
 
-from lighthouse.membership import Membership, Outcome
+from lighthouse.effects import Outcome
+from lighthouse.membership import Membership
 from lighthouse.quorum import LighthouseConfig, QuorumMember
 from lighthouse.status_view import StatusView
 
