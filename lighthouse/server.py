@@ -68,7 +68,7 @@ class _Coordinator:
         self.outboxes: dict[str, set[asyncio.Queue[pb.LighthouseHeartbeatAdvice]]] = {}
         """replica_id -> the outboxes of its HeartbeatPaced streams (gone notices)."""
         self._decide_soon: asyncio.Handle | None = None
-        """The decision pending, a TimerHandle while it waits out the pacing."""
+        """The decision pending (decide_soon)."""
         self._decided_at = 0.0
         """perf_counter seconds when the last call-triggered decision ended."""
         self._decide_cost_s = 0.0
@@ -86,6 +86,10 @@ class _Coordinator:
                 goodput = self.view.progress.job_goodput()
                 if goodput is not None:
                     self.metrics.goodput.set(goodput)
+            if any(isinstance(e, DecideSoon) and e.now for e in outcome.effects):
+                # Every replica waits: decide in this turn of the loop, so the
+                # last caller's answer is ready when its handler goes on.
+                self._decide_now()
         if outcome.error is not None:
             raise outcome.error
 
@@ -113,8 +117,8 @@ class _Coordinator:
             )
         elif isinstance(effect, Log):
             logger.log(effect.level, effect.msg, *effect.args)
-        elif isinstance(effect, DecideSoon):
-            self.decide_soon(effect.now)
+        elif isinstance(effect, DecideSoon) and not effect.now:
+            self.decide_soon()
         elif isinstance(effect, AdviceChanged):
             self.metrics.heartbeat_advice.set(effect.advice_ms / 1000)
         elif isinstance(effect, Gone):
@@ -159,10 +163,11 @@ class _Coordinator:
         that contains `member`. The caller must `withdraw` it when done."""
         now = time.monotonic()
         outcome = self.membership.join(now, member)
+        future: asyncio.Future[Quorum] = asyncio.get_running_loop().create_future()
         if outcome.error is None:
-            self.quorums[outcome.ticket] = asyncio.get_running_loop().create_future()
-        self.apply(outcome, now)
-        return outcome.ticket, self.quorums[outcome.ticket]
+            self.quorums[outcome.ticket] = future
+        self.apply(outcome, now)  # may issue a quorum to `future` already
+        return outcome.ticket, future
 
     def withdraw(self, replica_id: str, ticket: int) -> None:
         self.quorums.pop(ticket, None)
@@ -204,26 +209,25 @@ class _Coordinator:
                 self.membership.spare_ends(outcome.ticket)
                 self.metrics.spares_waiting.set(self.membership.num_spares_waiting())
 
-    def decide_soon(self, now: bool = False) -> None:
+    def decide_soon(self) -> None:
         """Decides once for all the calls that arrive meanwhile. A decision
         costs O(replicas), so deciding per call is O(replicas^2) a step; the
         next one waits until 10x the last one's cost has passed, which keeps
         decisions under ~10% of the loop (20 us with 2 replicas, ~10 ms with
-        a thousand). `now`: every replica is waiting; decide on the next turn."""
+        a thousand)."""
+        if self._decide_soon is not None:
+            return
         loop = asyncio.get_running_loop()
-        pending = self._decide_soon
-        if pending is not None:
-            if not (now and isinstance(pending, asyncio.TimerHandle)):
-                return  # due on the next turn already, or paced and not urged
-            pending.cancel()
         wait = self._decided_at + DECIDE_COST_FACTOR * self._decide_cost_s - time.perf_counter()
-        if wait > 0 and not now:
+        if wait > 0:
             self._decide_soon = loop.call_later(wait, self._decide_now)
         else:
             self._decide_soon = loop.call_soon(self._decide_now)
 
     def _decide_now(self) -> None:
-        self._decide_soon = None
+        if self._decide_soon is not None:
+            self._decide_soon.cancel()
+            self._decide_soon = None
         if self.membership.participants:
             start = time.perf_counter()
             now = time.monotonic()

@@ -117,6 +117,8 @@ class Connection(asyncio.Protocol):
         self._stream_unacked: dict[int, int] = {}
         self._closing = False
         self._handshake_timer: asyncio.TimerHandle | None = None
+        self._pending_out: list[bytes] | None = None
+        """Writes held until the end of the `data_received` under way."""
 
     # ---- asyncio.Protocol --------------------------------------------------------
 
@@ -155,6 +157,7 @@ class Connection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         buf = self._buf
         buf += data
+        self._pending_out = []
         try:
             pos = 0
             if not self._preface_seen:
@@ -179,9 +182,18 @@ class Connection(asyncio.Protocol):
                 pos = end
             del buf[:pos]
         except ConnectionError_ as e:
+            self._flush_out()
             self.close(e.code, str(e))
         except hpack.HPACKError as e:
+            self._flush_out()
             self.close(COMPRESSION_ERROR, f"header block: {e}")
+        finally:
+            self._flush_out()
+
+    def _flush_out(self) -> None:
+        out, self._pending_out = self._pending_out, None
+        if out and self.transport is not None:
+            self.transport.write(out[0] if len(out) == 1 else b"".join(out))
 
     # ---- frames in ----------------------------------------------------------------
 
@@ -323,7 +335,12 @@ class Connection(asyncio.Protocol):
     # ---- frames out ---------------------------------------------------------------
 
     def _write(self, data: bytes) -> None:
-        if self.transport is not None:
+        """Writes now, or at the end of the `data_received` under way: what
+        one read asks for (answers, PING and SETTINGS acks, window updates)
+        goes out in one send."""
+        if self._pending_out is not None:
+            self._pending_out.append(data)
+        elif self.transport is not None:
             self.transport.write(data)
 
     def is_open(self, stream_id: int) -> bool:
@@ -355,7 +372,7 @@ class Connection(asyncio.Protocol):
                 chunks.append(frame(HEADERS, END_HEADERS | END_STREAM, stream_id, trailers))
                 self._forget(stream_id)
         if chunks:
-            self.transport.write(b"".join(chunks))
+            self._write(b"".join(chunks))
 
     def _data_frames(self, stream_id: int, out: _Outgoing, data: bytes, chunks: list[bytes]) -> int:
         """Appends DATA frames of `data` that the windows allow; returns bytes framed."""
