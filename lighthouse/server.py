@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from grpc import aio
@@ -63,6 +64,9 @@ class _Coordinator:
         self.view = StatusView(self.membership)
         self.quorums: dict[int, asyncio.Future[Quorum]] = {}
         """ticket -> the future of a waiting Quorum call."""
+        self.answer_now: dict[int, Callable[[bytes], None]] = {}
+        """ticket -> a waiting Quorum call's way to answer at once (Coordinator.join)."""
+        self._response: tuple[Quorum | None, bytes] = (None, b"")
         self.spares: dict[int, asyncio.Future[str]] = {}
         """ticket -> the future of a waiting TakeReplicaGroup call."""
         self.outboxes: dict[str, set[asyncio.Queue[pb.LighthouseHeartbeatAdvice]]] = {}
@@ -148,6 +152,9 @@ class _Coordinator:
         if self.state is not None:  # before any caller hears of it (lighthouse.state_file)
             self.state.issued(time.monotonic(), quorum, self.membership.high_water_step)
         for ticket in issued.tickets:
+            answer_now = self.answer_now.pop(ticket, None)
+            if answer_now is not None:  # the answers go out in one tight loop
+                answer_now(self.quorum_response(quorum))
             future = self.quorums.pop(ticket, None)
             if future is not None and not future.done():
                 future.set_result(quorum)
@@ -158,19 +165,35 @@ class _Coordinator:
         self.apply(self.membership.heartbeat(now, replica_id), now)
         self.metrics.heartbeats.inc()
 
-    def join(self, member: QuorumMember) -> tuple[int, asyncio.Future[Quorum]]:
+    def join(
+        self, member: QuorumMember, answer_now: Callable[[bytes], None] | None = None
+    ) -> tuple[int, asyncio.Future[Quorum]]:
         """Registers a Quorum call; its future gets the first issued quorum
-        that contains `member`. The caller must `withdraw` it when done."""
+        that contains `member`, and `answer_now` (lean_server's, if given)
+        its serialized answer in the same turn. The caller must `withdraw`
+        it when done."""
         now = time.monotonic()
         outcome = self.membership.join(now, member)
         future: asyncio.Future[Quorum] = asyncio.get_running_loop().create_future()
         if outcome.error is None:
             self.quorums[outcome.ticket] = future
+            if answer_now is not None:
+                self.answer_now[outcome.ticket] = answer_now
         self.apply(outcome, now)  # may issue a quorum to `future` already
         return outcome.ticket, future
 
+    def quorum_response(self, quorum: Quorum) -> bytes:
+        """Converts and serializes each issued quorum once: every member's call
+        returns the same bytes (decode_guard passes bytes through), where
+        doing either per call is O(members^2) a step."""
+        if self._response[0] is not quorum:
+            response = pb.LighthouseQuorumResponse(quorum=wire.quorum_to_proto(quorum))
+            self._response = (quorum, response.SerializeToString())
+        return self._response[1]
+
     def withdraw(self, replica_id: str, ticket: int) -> None:
         self.quorums.pop(ticket, None)
+        self.answer_now.pop(ticket, None)
         self.membership.withdraw(replica_id, ticket)
 
     def leave(self, replica_id: str) -> None:
@@ -231,9 +254,10 @@ class _Coordinator:
         if self.membership.participants:
             start = time.perf_counter()
             now = time.monotonic()
-            self.apply(self.membership.decide(now, time.time()), now)
+            outcome = self.membership.decide(now, time.time())
+            self._decide_cost_s = time.perf_counter() - start  # answers sent are not its cost
+            self.apply(outcome, now)
             self._decided_at = time.perf_counter()
-            self._decide_cost_s = self._decided_at - start
 
     def tick(self) -> None:
         now = time.monotonic()
@@ -252,16 +276,6 @@ class _LighthouseServicer:
 
     def __init__(self, coordinator: _Coordinator) -> None:
         self._coord = coordinator
-        self._response: tuple[Quorum | None, bytes] = (None, b"")
-
-    def _quorum_response(self, quorum: Quorum) -> bytes:
-        """Converts and serializes each issued quorum once: every member's call
-        returns the same bytes (decode_guard passes bytes through), where
-        doing either per call is O(members^2) a step."""
-        if self._response[0] is not quorum:
-            response = pb.LighthouseQuorumResponse(quorum=wire.quorum_to_proto(quorum))
-            self._response = (quorum, response.SerializeToString())
-        return self._response[1]
 
     async def Quorum(
         self, request: pb.LighthouseQuorumRequest, context: aio.ServicerContext[Any, Any]
@@ -270,7 +284,7 @@ class _LighthouseServicer:
         budget_s = reply_budget_s(context.time_remaining())
         try:
             member = wire.quorum_request_from_proto(request)
-            ticket, future = self._coord.join(member)
+            ticket, future = self._coord.join(member, getattr(context, "answer_now", None))
             # The future itself, with a timer that fails it: its answer wakes
             # this call in one turn of the loop (wait_for takes two, each as
             # long as the burst of calls at a step boundary: ~45 ms at 300 groups).
@@ -288,7 +302,7 @@ class _LighthouseServicer:
         except Exception as e:
             await errors.abort(context, e)
         self._coord.metrics.quorum_latency.observe(time.monotonic() - start)
-        return self._quorum_response(quorum)
+        return self._coord.quorum_response(quorum)
 
     def _expire(self, future: asyncio.Future[Any], replica_id: str, budget_s: float) -> None:
         """A Quorum call's deadline came first: it is told what was missing."""

@@ -134,6 +134,18 @@ class _Call:
     def cancelled(self) -> bool:
         return self.done and not self.conn.is_open(self.stream_id)
 
+    def answer_now(self, response: Any) -> None:
+        """Sends a unary call's answer at once, from outside its handler
+        (lean_server only): the handler's own return value is then dropped.
+        The lighthouse answers a quorum's callers this way in the turn that
+        issues it, instead of one handler wake-up at a time."""
+        if self.done or self.handler.response_streaming:
+            return
+        self.done = True
+        if self.timer is not None:
+            self.timer.cancel()
+        self.send_message(response, _OK_TRAILERS)
+
     async def write(self, message: Any) -> None:
         if self.done or not self.conn.is_open(self.stream_id):
             raise grpc.RpcError("the call has ended")
@@ -432,9 +444,9 @@ class LeanServer:
         self._answer(call, result)
 
     def _answer(self, call: _Call, result: Any) -> None:
-        if call.done:
-            return
         self._calls.pop((call.conn, call.stream_id), None)
+        if call.done:
+            return  # answered by `answer_now`, or ended
         if call.handler.response_streaming:
             call.finish(grpc.StatusCode.OK)
             return
