@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import collections.abc
 import inspect
 import logging
 import socket
@@ -131,9 +132,6 @@ class _Call:
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self.metadata
 
-    def cancelled(self) -> bool:
-        return self.done and not self.conn.is_open(self.stream_id)
-
     def answer_now(self, response: Any) -> None:
         """Sends a unary call's answer at once, from outside its handler
         (lean_server only): the handler's own return value is then dropped.
@@ -172,29 +170,35 @@ class _Call:
         self.conn.send(self.stream_id, headers, b"", trailers)
 
 
-class _Rest:
+class _Rest(collections.abc.Coroutine):  # type: ignore[type-arg]
     """The rest of a handler coroutine whose first step ran inline and then
-    waited on `first`: awaited by a task, it resumes where the step stopped."""
+    waited on `first`: run by a task, it resumes where the step stopped. A
+    coroutine object of its own, not an `async def` around the handler's: a
+    task cancelled before its first step throws into the handler too, so
+    the handler's `finally` runs (an `async def` would end before its body)."""
 
     def __init__(self, coro: Any, first: Any) -> None:
         self._coro = coro
-        self._first = first
+        self._first: Any = first
+        self._started = False
+
+    def send(self, value: Any) -> Any:
+        if not self._started:
+            self._started = True
+            return self._first
+        return self._coro.send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        self._started = True
+        return (
+            self._coro.throw(typ) if val is None and tb is None else self._coro.throw(typ, val, tb)
+        )
+
+    def close(self) -> None:
+        self._coro.close()
 
     def __await__(self) -> Any:
-        waiting = self._first
-        while True:
-            try:
-                yield waiting
-            except BaseException as e:  # thrown into the task: pass it on
-                try:
-                    waiting = self._coro.throw(e)
-                except StopIteration as stop:
-                    return stop.value
-                continue
-            try:
-                waiting = self._coro.send(None)
-            except StopIteration as stop:
-                return stop.value
+        raise TypeError("a task runs this coroutine; it is not awaited")
 
 
 class LeanServer:
@@ -426,22 +430,22 @@ class LeanServer:
         except BaseException as e:
             self._failed(call, e)
             return
-        call.task = asyncio.get_running_loop().create_task(self._rest(call, _Rest(result, first)))
+        call.task = asyncio.get_running_loop().create_task(_Rest(result, first))
+        call.task.add_done_callback(lambda task: self._settle(call, task))
         if call.deadline is not None:
             call.timer = asyncio.get_running_loop().call_at(
                 asyncio.get_running_loop().time() + (call.time_remaining() or 0.0),
                 self._overdue, call,
             )  # fmt: skip
 
-    async def _rest(self, call: _Call, rest: _Rest) -> None:
-        try:
-            result = await rest
-        except BaseException as e:
-            self._failed(call, e)
-            if isinstance(e, (KeyboardInterrupt, SystemExit)):
-                raise
-            return
-        self._answer(call, result)
+    def _settle(self, call: _Call, task: asyncio.Task[Any]) -> None:
+        """A handler that waited has ended: answers with its result or error."""
+        if task.cancelled():
+            self._failed(call, asyncio.CancelledError())
+        elif task.exception() is not None:
+            self._failed(call, task.exception())  # type: ignore[arg-type]
+        else:
+            self._answer(call, task.result())
 
     def _answer(self, call: _Call, result: Any) -> None:
         self._calls.pop((call.conn, call.stream_id), None)

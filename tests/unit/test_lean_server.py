@@ -190,3 +190,31 @@ def test_a_passed_deadline_cancels_the_waiting_handler(server):
     assert code == grpc.StatusCode.DEADLINE_EXCEEDED
     assert servicer.ended_event.wait(5) and servicer.ended == ["slow"]
     assert time.monotonic() - start < 3
+
+
+def test_a_handler_whose_task_is_cancelled_before_it_runs_still_runs_its_finally():
+    """The caller went away between the handler's inline first step and its
+    task's first turn: the handler must still clean up (a heartbeat stream
+    that never ends in the membership, a writer task left pending)."""
+    from lighthouse.rpc.lean_server import _Rest
+
+    cleaned = []
+
+    async def handler(future):
+        try:
+            await future
+        finally:
+            cleaned.append(True)
+
+    async def main():
+        future = asyncio.get_running_loop().create_future()
+        coro = handler(future)
+        first = coro.send(None)  # the inline step: waits on `future`
+        task = asyncio.get_running_loop().create_task(_Rest(coro, first))
+        task.cancel()  # before the task's first step
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        assert cleaned == [True]  # now, not when `coro` is garbage one day
+        return coro
+
+    asyncio.run(main())
