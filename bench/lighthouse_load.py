@@ -348,7 +348,7 @@ def main() -> None:
         load_main(args.load_process)
         return
     if args.smoke:
-        args.groups, args.seconds, args.procs, args.warmup_steps = [10], 3, 1, 1
+        args.groups, args.seconds, args.procs, args.warmup_steps = [10], 2, 1, 0
     if "ref" in args.servers and not shutil.which("torchft_lighthouse", path=str(VENV_BIN)):
         print("pytorch/torchft is not installed (pip install -e '.[bench]'): no `ref` contender")
         args.servers.remove("ref")
