@@ -170,7 +170,7 @@ class _Call:
         self.conn.send(self.stream_id, headers, b"", trailers)
 
 
-class _Rest(collections.abc.Coroutine):  # type: ignore[type-arg]
+class ResumedHandler(collections.abc.Coroutine):  # type: ignore[type-arg]
     """The rest of a handler coroutine whose first step ran inline and then
     waited on `first`: run by a task, it resumes where the step stopped. A
     coroutine object of its own, not an `async def` around the handler's: a
@@ -430,7 +430,7 @@ class LeanServer:
         except BaseException as e:
             self._failed(call, e)
             return
-        call.task = asyncio.get_running_loop().create_task(_Rest(result, first))
+        call.task = asyncio.get_running_loop().create_task(ResumedHandler(result, first))
         call.task.add_done_callback(lambda task: self._settle(call, task))
         if call.deadline is not None:
             call.timer = asyncio.get_running_loop().call_at(

@@ -196,7 +196,7 @@ def test_a_handler_whose_task_is_cancelled_before_it_runs_still_runs_its_finally
     """The caller went away between the handler's inline first step and its
     task's first turn: the handler must still clean up (a heartbeat stream
     that never ends in the membership, a writer task left pending)."""
-    from lighthouse.rpc.lean_server import _Rest
+    from lighthouse.rpc.lean_server import ResumedHandler
 
     cleaned = []
 
@@ -210,7 +210,7 @@ def test_a_handler_whose_task_is_cancelled_before_it_runs_still_runs_its_finally
         future = asyncio.get_running_loop().create_future()
         coro = handler(future)
         first = coro.send(None)  # the inline step: waits on `future`
-        task = asyncio.get_running_loop().create_task(_Rest(coro, first))
+        task = asyncio.get_running_loop().create_task(ResumedHandler(coro, first))
         task.cancel()  # before the task's first step
         with pytest.raises(asyncio.CancelledError):
             await task
