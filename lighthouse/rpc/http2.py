@@ -115,6 +115,8 @@ class Connection(asyncio.Protocol):
         self._recv_unacked = 0
         """Bytes received on the connection since our last WINDOW_UPDATE for it."""
         self._stream_unacked: dict[int, int] = {}
+        self._blocked: set[int] = set()
+        """Open streams with data waiting on flow control."""
         self._closing = False
         self._handshake_timer: asyncio.TimerHandle | None = None
         self._pending_out: list[bytes] | None = None
@@ -365,6 +367,8 @@ class Connection(asyncio.Protocol):
         elif data:
             sent = self._data_frames(stream_id, out, data, chunks)
             out.pending += data[sent:]
+        if out.pending:
+            self._blocked.add(stream_id)
         if trailers is not None:
             if out.pending:
                 out.end_after = trailers
@@ -388,16 +392,22 @@ class Connection(asyncio.Protocol):
         return allowed
 
     def _flush_pending(self) -> None:
+        """Sends what waited on flow control, as the windows now allow."""
+        if not self._blocked:
+            return  # the usual case, on each of a client's WINDOW_UPDATEs
         chunks: list[bytes] = []
-        for stream_id, out in list(self._streams.items()):
-            if not out.pending:
-                continue
+        for stream_id in list(self._blocked):
+            out = self._streams[stream_id]
             data = bytes(out.pending)
             sent = self._data_frames(stream_id, out, data, chunks)
             del out.pending[:sent]
-            if not out.pending and out.end_after is not None:
-                chunks.append(frame(HEADERS, END_HEADERS | END_STREAM, stream_id, out.end_after))
-                self._forget(stream_id)
+            if not out.pending:
+                self._blocked.discard(stream_id)
+                if out.end_after is not None:
+                    chunks.append(
+                        frame(HEADERS, END_HEADERS | END_STREAM, stream_id, out.end_after)
+                    )
+                    self._forget(stream_id)
         if chunks:
             self._write(b"".join(chunks))
 
@@ -409,6 +419,7 @@ class Connection(asyncio.Protocol):
 
     def _forget(self, stream_id: int) -> None:
         self._streams.pop(stream_id, None)
+        self._blocked.discard(stream_id)
         self._stream_unacked.pop(stream_id, None)
 
     def goaway(self) -> None:

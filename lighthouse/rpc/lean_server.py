@@ -277,19 +277,16 @@ class LeanServer:
             server.close()
         for conn in list(self._conns):
             conn.goaway()
-        if grace:
-            deadline = time.monotonic() + grace
-            while self._calls and time.monotonic() < deadline:
-                await asyncio.sleep(0.01)
         calls, self._calls = list(self._calls.values()), {}
-        tasks = [call.task for call in calls if call.task is not None]
+        tasks = [call.task for call in calls if call.task is not None and not call.task.done()]
+        if grace and tasks:  # handlers that never wait are done already
+            await asyncio.wait(tasks, timeout=grace)
         for call in calls:
             call.finish(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
         for task in tasks:
             task.cancel()
         if tasks:  # their `finally` blocks run before the loop may stop
             await asyncio.wait(tasks, timeout=5)
-            await asyncio.sleep(0)  # and the tasks those cancelled in turn
         for conn in list(self._conns):
             conn.close()
         for server in self._servers:
