@@ -15,6 +15,7 @@ from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 
 def fingerprint(state: Any) -> str:
@@ -65,7 +66,11 @@ def step_fingerprint(
 
 
 def _update(digest: Any, path: str, value: Any) -> None:
-    if isinstance(value, torch.Tensor):
+    if isinstance(value, DTensor):
+        # FSDP/HSDP state: this rank's shard, compared with the same rank of
+        # the other groups (a full tensor would be a collective in a read).
+        _update(digest, f"{path}@{value.placements}", value.to_local())
+    elif isinstance(value, torch.Tensor):
         data = value.detach().reshape(-1).contiguous().cpu().view(torch.uint8).numpy()
         crc = zlib.crc32(data.data)
         digest.update(f"{path}:{value.dtype}:{tuple(value.shape)}:{crc};".encode())

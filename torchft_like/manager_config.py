@@ -34,6 +34,8 @@ TIMEOUT_SEC_ENV = "TORCHFT_TIMEOUT_SEC"
 QUORUM_TIMEOUT_SEC_ENV = "TORCHFT_QUORUM_TIMEOUT_SEC"
 CONNECT_TIMEOUT_SEC_ENV = "TORCHFT_CONNECT_TIMEOUT_SEC"
 QUORUM_RETRIES_ENV = "TORCHFT_QUORUM_RETRIES"
+FINGERPRINT_INTERVAL_ENV = "TORCHFT_LIKE_FINGERPRINT_INTERVAL"
+"""For jobs whose Manager a framework builds (torchtitan, Ray Train)."""
 # torchrun's variables (not ours, so no TORCHFT_ prefix).
 RANK_ENV = "RANK"
 WORLD_SIZE_ENV = "WORLD_SIZE"
@@ -318,11 +320,12 @@ def resolve_config(
     """
     if min_replica_size < 1:
         raise ManagerConfigError(f"min_replica_size ({min_replica_size}) must be at least 1")
-    if fingerprint_interval is not None and fingerprint_interval < 1:
-        raise ManagerConfigError(
-            f"fingerprint_interval ({fingerprint_interval}) must be at least 1, "
-            "or None to turn fingerprints off"
-        )
+    given_interval = _given(
+        fingerprint_interval, "fingerprint_interval", FINGERPRINT_INTERVAL_ENV, environ
+    )
+    if given_interval is not None:
+        what = "a number of committed steps, at least 1 (unset: no fingerprints)"
+        fingerprint_interval = _at_least(given_interval, 1, what)
     if heal_sources is None:
         heal_sources = heal_sources_from_env(environ)
     elif heal_sources < 1:

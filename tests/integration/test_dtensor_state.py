@@ -3,7 +3,8 @@
 Two ranks of one gloo world each shard a tensor over a 1-D mesh. Each rank
 serves its state and fetches it back over HTTP (rank r of a healing group
 takes rank r's shard); the received DTensor has the same spec and shard, and
-a collective on it (full_tensor) works on the rebuilt mesh.
+a collective on it (full_tensor) works on the rebuilt mesh, and its state
+fingerprint is the sender's.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from tools.procs import free_port
 from torchft_like.checkpointing import HTTPTransport, _format
+from torchft_like.fingerprint import fingerprint
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=10)
@@ -52,6 +54,9 @@ def rank_main(rank: int, port: int) -> None:
     assert got["w"].to_local().shape == (3, 4)
     assert torch.equal(got["w"].full_tensor(), full)  # a gloo collective on the rebuilt mesh
     assert torch.equal(got["plain"], state["plain"]) and got["step"] == 7
+    # Divergence checks read FSDP state too: this rank's shard, as received.
+    assert fingerprint(got) == fingerprint(state)
+    assert fingerprint({"w": got["w"]}) != fingerprint({"w": got["b"]})
     dist.destroy_process_group()
     print(f"rank {rank} ok", flush=True)
 

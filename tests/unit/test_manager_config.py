@@ -56,7 +56,8 @@ def resolve(environ: dict[str, Any], **arguments: Any) -> ManagerConfig:
         ({}, {"min_replica_size": 0}, "min_replica_size (0) must be at least 1"),
         ({}, {"heal_sources": 0}, "heal_sources (0) must be at least 1"),
         ({"TORCHFT_HEAL_SOURCES": "none"}, {}, "TORCHFT_HEAL_SOURCES='none'"),
-        ({}, {"fingerprint_interval": 0}, "fingerprint_interval (0) must be at least 1"),
+        ({}, {"fingerprint_interval": 0}, "fingerprint_interval=0 must be at least 1; pass fingerprint_interval as"),
+        ({"TORCHFT_LIKE_FINGERPRINT_INTERVAL": "often"}, {}, "TORCHFT_LIKE_FINGERPRINT_INTERVAL='often' is not an integer; set TORCHFT_LIKE_FINGERPRINT_INTERVAL to"),
     ],
 )
 # fmt: on
@@ -101,6 +102,15 @@ def test_arguments_win_over_the_environment_except_timeouts_and_quorum_retries()
 def test_a_timeout_is_a_timedelta_or_a_number_of_seconds(given, seconds):
     config = resolve({**TORCHRUN, **LIGHTHOUSE}, timeout=given, heartbeat_interval=given)
     assert config.timeout == config.heartbeat_interval == timedelta(seconds=seconds)
+
+
+def test_fingerprints_can_be_turned_on_from_the_environment():
+    # A framework builds the Manager (torchtitan, Ray Train): the variable is
+    # the user's only way in; an argument still wins.
+    environ = {**TORCHRUN, **LIGHTHOUSE, "TORCHFT_LIKE_FINGERPRINT_INTERVAL": "5"}
+    assert resolve(environ).fingerprint_interval == 5
+    assert resolve(environ, fingerprint_interval=2).fingerprint_interval == 2
+    assert resolve({**TORCHRUN, **LIGHTHOUSE}).fingerprint_interval is None
 
 
 def test_only_group_rank_zero_needs_the_lighthouse():
