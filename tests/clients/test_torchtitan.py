@@ -123,10 +123,21 @@ def heal(text: str) -> tuple[int, float, float]:
     return step, float(mb), float(s)
 
 
-def tail_loss(run: Run, n: int = 5) -> float:
-    """Mean loss of both groups' last n steps."""
+def tail_loss(run: Run, n: int = 5, behind: int = 0) -> float:
+    """Mean loss of both groups' n steps ending `behind` steps before the last."""
     last = [run.losses[0], run.losses[2] or run.losses[1]]
-    return statistics.mean(v for group in last for s, v in sorted(group.items())[-n:])
+    end = max(run.losses[0]) - behind
+    return statistics.mean(v for group in last for s, v in group.items() if end - n < s <= end)
+
+
+KILL_COSTS_STEPS = 5
+"""How far (in steps of progress) a killed run may trail the same job run
+without a kill. By design a kill costs the step that was running and the heal
+step, which cannot commit with min_replica_size 2 (the healer does not count),
+while torchtitan's linearly decaying learning rate steps on; the restarted
+group also replays a step or two of its data. Seeded runs measured 2.5-4.5
+steps behind at the end (the same deficit in loss is more steps where the
+curve is flatter); a heal that went wrong stays near the initial loss."""
 
 
 def first_error(text: str) -> str:
@@ -168,4 +179,11 @@ def test_a_killed_group_heals_from_its_peer_and_trains_on(children, tmp_path, na
         f"loss over the last 5 steps: torchft_like {ours_loss:.4f}, {against} {ref_loss:.4f}; "
         f"job wall: torchft_like {ours.wall_s:.0f} s, reference {reference.wall_s:.0f} s"
     )
-    assert abs(ours_loss - ref_loss) <= 0.1 * ref_loss + 0.05
+    if against == "torchft":  # both killed: the same cost
+        assert abs(ours_loss - ref_loss) <= 0.1 * ref_loss + 0.05
+    else:
+        ours_10 = tail_loss(ours, 10)
+        bound = tail_loss(reference, 10, behind=KILL_COSTS_STEPS)
+        print(f"last 10 steps: {ours_10:.4f}; unkilled, {KILL_COSTS_STEPS} earlier: {bound:.4f}")
+        assert ours_10 <= bound + 0.05
+        assert ours_10 >= 0.9 * tail_loss(reference, 10) - 0.05
