@@ -8,9 +8,9 @@ process. Contenders, interleaved (A B A B): ft = torchft_like's Manager and
 lighthouse; torchft = pytorch/torchft's (its Rust lighthouse), only when
 `import torchft` works (the `bench` extra). Per-step time is measured on
 group 0 after 20 warm-up steps; reported as the median over all measured
-steps, min/max of the per-run medians, and the RPCs a step sends (heartbeats
-left out; torchft's lighthouse call from its Rust server is added, not
-counted).
+steps, min/max of the per-run medians, group 0's process CPU per step
+(median of the runs), and the RPCs a step sends (heartbeats left out;
+torchft's lighthouse call from its Rust server is added, not counted).
 """
 
 from __future__ import annotations
@@ -46,17 +46,21 @@ def group_main(mode: str, lighthouse: str, group: int, steps: int, out: mp.Queue
         manager._client = _rpc_count.CountingProxy(manager._client, rpcs)
     times = []
     before = {}
+    cpu = 0.0
     while manager.current_step() < steps:
         if len(times) == WARMUP:
             before = _rpc_count.snapshot()
+            cpu = time.process_time()
         start = time.perf_counter()
         manager.start_quorum()
         manager.wait_quorum()
         manager.should_commit()
         times.append(time.perf_counter() - start)
-    rpcs = _rpc_count.critical_per_step(before, _rpc_count.snapshot(), len(times) - WARMUP)
+    measured = len(times) - WARMUP
+    cpu_per_step = (time.process_time() - cpu) / measured
+    rpcs = _rpc_count.critical_per_step(before, _rpc_count.snapshot(), measured)
     manager.shutdown()
-    out.put((group, times[WARMUP:], rpcs))
+    out.put((group, times[WARMUP:], rpcs, cpu_per_step))
 
 
 def start_lighthouse(mode: str, groups: int):  # type: ignore[no-untyped-def]
@@ -69,8 +73,10 @@ def start_lighthouse(mode: str, groups: int):  # type: ignore[no-untyped-def]
     return TorchftLighthouse(bind="127.0.0.1:0", min_replicas=groups)
 
 
-def run(mode: str, groups: int, steps: int) -> tuple[list[float], float]:
-    """One run; returns group 0's per-step seconds and RPCs per step."""
+def run(mode: str, groups: int, steps: int) -> tuple[list[float], float, float]:
+    """One run; returns group 0's per-step seconds, RPCs per step and CPU
+    seconds per step (its process, all threads: the Manager's own cost;
+    torchft's Rust threads included)."""
     lighthouse = start_lighthouse(mode, groups)
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
@@ -81,7 +87,7 @@ def run(mode: str, groups: int, steps: int) -> tuple[list[float], float]:
     for p in procs:
         p.start()
     try:
-        results = {g: (times, rpcs) for g, times, rpcs in (out.get(timeout=600) for _ in procs)}
+        results = {g: rest for g, *rest in (out.get(timeout=600) for _ in procs)}
     finally:
         for p in procs:
             p.join(30)
@@ -89,8 +95,8 @@ def run(mode: str, groups: int, steps: int) -> tuple[list[float], float]:
                 p.kill()
                 p.join()
         lighthouse.shutdown()
-    times, rpcs = results[0]
-    return times, rpcs + (TORCHFT_LIGHTHOUSE_RPCS if mode == "torchft" else 0)
+    times, rpcs, cpu = results[0]
+    return times, rpcs + (TORCHFT_LIGHTHOUSE_RPCS if mode == "torchft" else 0), cpu
 
 
 def main() -> None:
@@ -112,11 +118,13 @@ def main() -> None:
     for groups in args.groups:
         samples: dict[str, list[list[float]]] = {m: [] for m in contenders}
         rpcs: dict[str, list[float]] = {m: [] for m in contenders}
+        cpus: dict[str, list[float]] = {m: [] for m in contenders}
         for _ in range(args.repeats):
             for mode in contenders:
-                times, per_step = run(mode, groups, args.steps)
+                times, per_step, cpu = run(mode, groups, args.steps)
                 samples[mode].append(times)
                 rpcs[mode].append(per_step)
+                cpus[mode].append(cpu)
         for mode in contenders:
             medians = [statistics.median(s) for s in samples[mode]]
             row = {
@@ -124,6 +132,7 @@ def main() -> None:
                 "groups": groups,
                 "median_ms": round(1000 * statistics.median(sum(samples[mode], [])), 3),
                 "run_medians_min_max_ms": f"{1000 * min(medians):.2f}-{1000 * max(medians):.2f}",
+                "cpu_ms_per_step": round(1000 * statistics.median(cpus[mode]), 3),
                 "steps": sum(len(s) for s in samples[mode]),
                 "rpcs_per_step": round(statistics.median(rpcs[mode]), 2),
             }

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 
 from google.protobuf.timestamp_pb2 import Timestamp
+from google.protobuf.unknown_fields import UnknownFieldSet
 
 from lighthouse.quorum import Quorum, QuorumMember
 from lighthouse.rpc.proto import torchft_pb2 as pb
@@ -38,8 +39,11 @@ def _unknown_fields(msg: pb.QuorumMember) -> bytes:
     """The serialized fields of `msg` that our proto does not declare.
 
     A copy with every declared field cleared serializes to exactly its
-    unknown fields, in the order they arrived.
+    unknown fields, in the order they arrived. Most members have none, and
+    counting them costs a twentieth of the copy.
     """
+    if not len(UnknownFieldSet(msg)):
+        return b""
     rest = pb.QuorumMember()
     rest.CopyFrom(msg)
     for field in rest.DESCRIPTOR.fields:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import os
 import time
 from collections.abc import Callable
@@ -33,7 +34,7 @@ from lighthouse.rpc.errors import (
     QuorumError,
     QuorumTimeoutError,
 )
-from lighthouse.rpc.loop import BackgroundLoop, LoopStalledError, reply_budget_s, wait_within
+from lighthouse.rpc.loop import BackgroundLoop, reply_budget_s, wait_within
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.rpc.tls import TLSConfig, scheme
@@ -45,7 +46,7 @@ from torchft_like.group_quorum import QuorumRequest, merge_requests
 from torchft_like.manager_client import ManagerClient
 from torchft_like.recovery import QuorumResult, compute_quorum_result
 
-__all__ = ["LocalManagerClient", "ManagerClient", "ManagerServer"]
+__all__ = ["ManagerClient", "ManagerServer"]
 
 logger = logging.getLogger(__name__)
 
@@ -114,6 +115,7 @@ class ManagerServer:
         self._store_addr = store_addr
         self._world_size = world_size
         self._heartbeat_interval = heartbeat_interval
+        self._quorum_sent_at = -math.inf  # the last Quorum call's start (monotonic)
         self._connect_timeout = connect_timeout
         self._quorum_retries = quorum_retries
         self._local_collectives = local_collectives
@@ -283,6 +285,7 @@ class ManagerServer:
             # Before the ranks' own deadline, so they get the lighthouse's reason.
             remaining = reply_budget_s(deadline - time.monotonic()) or 0.001
             try:
+                self._quorum_sent_at = time.monotonic()
                 quorum = await self._lighthouse.quorum(member, timedelta(seconds=remaining))
             except LighthouseUnavailableError as e:
                 if outage_start is None:
@@ -437,12 +440,18 @@ class ManagerServer:
     async def _heartbeat_loop(self) -> None:
         """Heartbeats on one stream (its closing tells the lighthouse at once
         that we died), at the longer of our period and the one the lighthouse
-        advises on it; unary calls to a lighthouse without a heartbeat stream."""
+        advises on it; unary calls to a lighthouse without a heartbeat stream.
+        None within a period of a Quorum call, which both lighthouses count as
+        one (a heartbeat costs us about as much CPU as the step's quorum)."""
         failing = False
         use_stream = True
-        interval = self._heartbeat_interval.total_seconds()
+        interval = period = self._heartbeat_interval.total_seconds()
         timeout = timedelta(seconds=max(1.0, 10 * interval))
         while not self._stopped:
+            since_quorum = time.monotonic() - self._quorum_sent_at
+            if since_quorum < period:
+                await asyncio.sleep(period - since_quorum)
+                continue
             try:
                 if use_stream and not await self._lighthouse.stream_heartbeat(
                     self.replica_id, timeout
@@ -469,11 +478,10 @@ class ManagerServer:
                     )
                 failing = True
             advised = self._lighthouse.advised_interval() if use_stream else None
-            if advised is None:
-                await asyncio.sleep(interval)
-            else:
-                advised_s = min(advised.total_seconds(), MAX_ADVISED_HEARTBEAT_S)
-                await asyncio.sleep(max(interval, advised_s))
+            period = interval
+            if advised is not None:
+                period = max(interval, min(advised.total_seconds(), MAX_ADVISED_HEARTBEAT_S))
+            await asyncio.sleep(period)
 
     def shutdown(self, leave: bool = True) -> None:
         """Stops serving; with `leave`, first tells the lighthouse we go on
@@ -551,48 +559,3 @@ class _ManagerServicer:
         except Exception as e:
             await errors.abort(context, e)
         return pb.KillResponse()
-
-
-class LocalManagerClient:
-    """ManagerClientProtocol for group rank 0, calling its ManagerServer in process.
-
-    Running on the server's loop instead of a gRPC round trip over loopback
-    takes two local RPCs off every step; errors are the same as over gRPC.
-    """
-
-    def __init__(self, server: ManagerServer) -> None:
-        self.addr = server.address()
-        self._server = server
-
-    def _run(self, coro: Any, timeout: timedelta) -> Any:
-        # The coroutine bounds itself; this bound only guards against a
-        # stopped or stuck loop, which nothing else would wake us from.
-        try:
-            return self._server._loop.run(coro, timeout=timeout.total_seconds() + 5)
-        except LoopStalledError as e:
-            raise QuorumTimeoutError(f"manager server {self.addr}: {e}") from None
-
-    def quorum(self, request: QuorumRequest, timeout: timedelta) -> QuorumResult:
-        return self._run(self._server.quorum(request, timeout.total_seconds()), timeout)
-
-    def should_commit(
-        self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
-    ) -> bool:
-        if self._server._world_size == 1:
-            # A group of one rank: the vote is the decision. Skipping the hop
-            # onto the loop and back saves two thread wake-ups every step.
-            return self._server.vote_alone(group_rank, step, should_commit)
-        coro = self._server.should_commit(group_rank, step, should_commit, timeout.total_seconds())
-        return self._run(coro, timeout)
-
-    def checkpoint_metadata(self, rank: int, timeout: timedelta) -> str:
-        return self._server.checkpoint_metadata(rank)
-
-    def kill(self, msg: str, timeout: timedelta = timedelta(seconds=5)) -> None:
-        async def kill() -> None:
-            self._server.kill(msg)
-
-        self._run(kill(), timeout)
-
-    def close(self) -> None:
-        pass

@@ -24,9 +24,9 @@ from lighthouse.rpc.address import join_host_port, loopback_advertisement_warnin
 from lighthouse.rpc.metrics_server import MetricsServer
 from lighthouse.rpc.tls import TLSConfig
 from torchft_like.checkpointing import CheckpointTransport, HTTPTransport
-from torchft_like.manager_client import ManagerClientProtocol
+from torchft_like.manager_client import LocalManagerClient, ManagerClientProtocol
 from torchft_like.manager_config import ManagerConfig
-from torchft_like.manager_server import LocalManagerClient, ManagerServer
+from torchft_like.manager_server import ManagerServer
 from torchft_like.metrics import ManagerMetrics
 from torchft_like.process_group import ProcessGroupDummy
 

@@ -21,8 +21,9 @@ from torchft_like._work import FutureWork
 from torchft_like.collectives import InOrderCollectives
 from torchft_like.gone_watch import GoneWatch
 from torchft_like.group_quorum import QuorumRequest
+from torchft_like.manager_client import LocalManagerClient
 from torchft_like.manager_config import resolve_config
-from torchft_like.manager_server import LocalManagerClient, ManagerServer
+from torchft_like.manager_server import ManagerServer
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=20)
