@@ -377,6 +377,11 @@ class AsyncLighthouseClient:
         None before any advice, and on a lighthouse that gives none."""
         return timedelta(milliseconds=self._advice_ms) if self._advice_ms else None
 
+    def heartbeat_stream_open(self) -> bool:
+        """Whether our heartbeat stream is open (then the lighthouse sees our
+        death at once and can push gone notices on it)."""
+        return self._heartbeat_call is not None and not self._heartbeat_call.done()
+
     def close_heartbeat_stream(self) -> None:
         """Ends our heartbeat stream; the lighthouse takes it as us being gone
         unless we said Leave first."""

@@ -442,14 +442,16 @@ class ManagerServer:
         that we died), at the longer of our period and the one the lighthouse
         advises on it; unary calls to a lighthouse without a heartbeat stream.
         None within a period of a Quorum call, which both lighthouses count as
-        one (a heartbeat costs us about as much CPU as the step's quorum)."""
+        one (a heartbeat costs us about as much CPU as the step's quorum),
+        while the stream is open: a closed one is opened again at once."""
         failing = False
         use_stream = True
         interval = period = self._heartbeat_interval.total_seconds()
         timeout = timedelta(seconds=max(1.0, 10 * interval))
         while not self._stopped:
             since_quorum = time.monotonic() - self._quorum_sent_at
-            if since_quorum < period:
+            stream_down = use_stream and not self._lighthouse.heartbeat_stream_open()
+            if since_quorum < period and not stream_down:
                 await asyncio.sleep(period - since_quorum)
                 continue
             try:

@@ -22,6 +22,8 @@ from lighthouse import LighthouseClient, LighthouseServer, QuorumError, QuorumTi
 from lighthouse.client import AsyncLighthouseClient
 from tests.procs import PYTHON, Children, wait_for_line
 from tools.procs import free_port, kill_tree
+from torchft_like.group_quorum import QuorumRequest
+from torchft_like.manager_client import LocalManagerClient
 from torchft_like.manager_server import ManagerServer
 
 pytestmark = pytest.mark.timeout(90)
@@ -252,5 +254,63 @@ def test_manager_server_heartbeats_reach_a_restarted_lighthouse_on_the_same_port
         lighthouse = LighthouseServer(bind=f"127.0.0.1:{port}", min_replicas=1)
         asyncio.run(wait_until(lambda: healthy_on(lighthouse), "a heartbeat after the restart", 20))
     finally:
+        manager.shutdown()
+        lighthouse.shutdown()
+
+
+def test_a_group_stepping_faster_than_its_heartbeats_sends_fewer_but_keeps_its_stream():
+    """Quorum calls count as heartbeats, so a group stepping every ~20 ms
+    sends few; but a stream that ended (here closed from our side, as a
+    lighthouse or proxy may end it) is opened again at once, though every
+    Quorum call still succeeds: death detection and gone notices ride on it."""
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
+    manager = ManagerServer(
+        replica_id="fast",
+        lighthouse_addr=lighthouse.address(),
+        hostname="127.0.0.1",
+        bind="127.0.0.1:0",
+        store_addr="fast-store:1",
+        world_size=1,
+    )
+    sent = []
+    stream_heartbeat = manager._lighthouse.stream_heartbeat
+
+    async def counted(*args):
+        sent.append(time.monotonic())
+        return await stream_heartbeat(*args)
+
+    async def end_stream() -> None:
+        manager._lighthouse.close_heartbeat_stream()
+
+    manager._lighthouse.stream_heartbeat = counted
+    stop = threading.Event()
+
+    def step() -> None:
+        client, step = LocalManagerClient(manager), 0
+        while not stop.is_set():
+            client.quorum(QuorumRequest(group_rank=0, step=step), timedelta(seconds=30))
+            step += 1
+            time.sleep(0.02)
+
+    def streaming() -> bool:
+        return any(rid.startswith("fast") for rid in lighthouse._coord.outboxes)
+
+    stepper = threading.Thread(target=step, daemon=True)
+    try:
+        time.sleep(1.0)
+        idle = len(sent)
+        stepper.start()
+        time.sleep(1.0)
+        begun = len(sent)
+        time.sleep(1.0)
+        assert len(sent) - begun <= idle // 2, (idle, len(sent) - begun)
+        assert streaming() and stepper.is_alive()
+        manager._loop.run(end_stream(), timeout=5)
+        asyncio.run(wait_until(lambda: not streaming(), "the lighthouse to see the stream end"))
+        asyncio.run(wait_until(streaming, "a new stream while stepping", 5))
+        assert stepper.is_alive()
+    finally:
+        stop.set()
+        stepper.join(timeout=30)
         manager.shutdown()
         lighthouse.shutdown()
