@@ -30,6 +30,7 @@ from lighthouse.rpc.tls import TLSConfig
 from torchft_like import healing, parent_watch
 from torchft_like._batch_claims import BatchClaims
 from torchft_like._manager_views import ManagerViews
+from torchft_like._quorum_on_loop import ask_on_loop
 from torchft_like._state_gate import StateReadGate
 from torchft_like._step_state import StepState
 from torchft_like._training_thread import TrainingThreadReads
@@ -41,7 +42,7 @@ from torchft_like.commit import check_retries, rank_vote
 from torchft_like.fingerprint import step_fingerprint
 from torchft_like.gone_watch import GoneWatch
 from torchft_like.group_quorum import QuorumRequest
-from torchft_like.manager_client import ManagerClient, ManagerClientProtocol
+from torchft_like.manager_client import LocalManagerClient, ManagerClient, ManagerClientProtocol
 from torchft_like.manager_config import WorldSizeMode, resolve_config
 from torchft_like.metrics import ManagerMetrics
 from torchft_like.rank_startup import (
@@ -283,14 +284,14 @@ class Manager(ManagerViews):
             self._logger,
         )
         self._collectives_ready.clear()
-        self._quorum_future = self._executor.submit(
-            self._async_quorum,
-            allow_heal,
-            shrink_only,
-            timeout or self.config.quorum_timeout,
-            state_fingerprint,
-            self._claims.take(),
-        )
+        args = (shrink_only, state_fingerprint, self._claims.take())
+        timeout = timeout or self.config.quorum_timeout
+        if isinstance(self._client, LocalManagerClient):
+            self._quorum_future = ask_on_loop(self, self._client, allow_heal, timeout, args)
+        else:
+            self._quorum_future = self._executor.submit(
+                self._async_quorum, allow_heal, timeout, args
+            )
         self._quorum_future.add_done_callback(lambda _: self._training_thread.wake())
         # A replica of a fresh job (every replica at step 0) may receive the
         # initial weights (init_sync): applying them before the forward pass
@@ -323,28 +324,31 @@ class Manager(ManagerViews):
         assert self._quorum_future is not None, "call start_quorum() first"
         self._training_thread.wait(self._collectives_ready.is_set)
 
-    def _async_quorum(
-        self,
-        allow_heal: bool,
-        shrink_only: bool,
-        timeout: timedelta,
-        state_fingerprint: str = "",
-        batch_slot: int | None = None,
+    def _quorum_request(
+        self, shrink_only: bool, state_fingerprint: str, batch_slot: int | None
+    ) -> QuorumRequest:
+        return QuorumRequest(
+            group_rank=self._group_rank,
+            step=self._step,
+            checkpoint_metadata=self._checkpoint_transport.metadata(),
+            shrink_only=shrink_only,
+            init_sync=self._init_sync,
+            commit_failures=self._commit_failures,
+            fingerprint=state_fingerprint,
+            heal_report=self._heal_report,
+            batch_slot=batch_slot,
+        )
+
+    def _async_quorum(self, allow_heal: bool, timeout: timedelta, args: tuple[Any, ...]) -> None:
+        """On the quorum thread: ask our group's server over gRPC, apply."""
+        ask = lambda: self._client.quorum(self._quorum_request(*args), timeout)  # noqa: E731
+        self._settle_quorum(allow_heal, time.monotonic(), ask)
+
+    def _settle_quorum(
+        self, allow_heal: bool, start: float, result_of: Callable[[], QuorumResult]
     ) -> None:
-        start = time.monotonic()
         try:
-            request = QuorumRequest(
-                group_rank=self._group_rank,
-                step=self._step,
-                checkpoint_metadata=self._checkpoint_transport.metadata(),
-                shrink_only=shrink_only,
-                init_sync=self._init_sync,
-                commit_failures=self._commit_failures,
-                fingerprint=state_fingerprint,
-                heal_report=self._heal_report,
-                batch_slot=batch_slot,
-            )
-            result = self._client.quorum(request, timeout)
+            result = result_of()
             self._heal_report = ""
             self._step_state.timings["quorum_s"] = time.monotonic() - start
             self.metrics.quorum_seconds.observe(self._step_state.timings["quorum_s"])

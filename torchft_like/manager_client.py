@@ -8,6 +8,8 @@ asking for checkpoint metadata, go over gRPC (`ManagerClient`). Both honour
 
 from __future__ import annotations
 
+import asyncio
+from concurrent.futures import Future
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -142,6 +144,12 @@ class LocalManagerClient:
             self._server.quorum(request, timeout.total_seconds()), timeout
         )
         return result
+
+    def quorum_future(self, request: QuorumRequest, timeout: timedelta) -> Future[QuorumResult]:
+        """`quorum`, handed to the server's loop without waiting: its future
+        completes on the loop (see torchft_like._quorum_on_loop)."""
+        coro = self._server.quorum(request, timeout.total_seconds())
+        return asyncio.run_coroutine_threadsafe(coro, self._server._loop.loop)
 
     def should_commit(
         self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
