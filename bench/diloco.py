@@ -261,7 +261,7 @@ def main() -> None:
     parser.add_argument("--widths", type=int, nargs="+", default=[256, 512, 1024, 2048])
     add_common_args(parser)
     args = parser.parse_args()
-    inner_steps = 40 if args.smoke else args.inner_steps
+    inner_steps = 20 if args.smoke else args.inner_steps
     if "table" in args.part:
         with tempfile.TemporaryDirectory() as tmp:
             # Smoke: DDP and DiLoCo (LocalSGD has its own tests in tests/integration).

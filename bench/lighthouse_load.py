@@ -349,6 +349,8 @@ def main() -> None:
         return
     if args.smoke:
         args.groups, args.seconds, args.procs, args.warmup_steps = [10], 2, 1, 0
+        # grpcio's server answers as the lean one does (tests/unit/test_lean_server.py).
+        args.servers = [s for s in args.servers if s != "ours_grpcio"]
     if "ref" in args.servers and not shutil.which("torchft_lighthouse", path=str(VENV_BIN)):
         print("pytorch/torchft is not installed (pip install -e '.[bench]'): no `ref` contender")
         args.servers.remove("ref")

@@ -297,12 +297,12 @@ def test_a_group_stepping_faster_than_its_heartbeats_sends_fewer_but_keeps_its_s
 
     stepper = threading.Thread(target=step, daemon=True)
     try:
-        time.sleep(1.0)
+        time.sleep(0.8)
         idle = len(sent)
         stepper.start()
-        time.sleep(1.0)
+        time.sleep(0.4)
         begun = len(sent)
-        time.sleep(1.0)
+        time.sleep(0.8)
         assert len(sent) - begun <= idle // 2, (idle, len(sent) - begun)
         assert streaming() and stepper.is_alive()
         manager._loop.run(end_stream(), timeout=5)
