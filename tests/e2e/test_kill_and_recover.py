@@ -110,8 +110,8 @@ def assert_exactly_once_data(tmp_path: Path, final: int, groups: int = 2) -> Non
 
 
 @pytest.mark.parametrize(
-    "transport, groups", [("http", 2), ("pg", 2), ("http", 3), ("pg", 3), ("pg", 4)]
-)
+    "transport, groups", [("http", 2), ("pg", 2), ("http", 3), ("pg", 3)]
+)  # more groups: the same rule, table-tested (tests/unit/test_recovery.py, test_transfer_plan)
 def test_a_killed_group_restarts_heals_and_ends_bit_identical(
     children, tmp_path, transport, groups
 ):
@@ -238,11 +238,11 @@ def test_a_missing_or_duplicate_replica_group_id_stops_the_script_naming_it(chil
          "examples/train_ddp.py", "--steps", "5"],
         log=tmp_path / "unnamed.log", env=env,
     )  # fmt: skip
+    first = start_group(children, tmp_path, lighthouse, 0)  # meanwhile
     assert unnamed.wait(timeout=60) != 0  # the worker's 2 becomes torchrun's 1
     text = (tmp_path / "unnamed.log").read_text()
     assert "REPLICA_GROUP_ID=None: it must be set" in text and "--standby-file" in text
 
-    first = start_group(children, tmp_path, lighthouse, 0)
     wait_until(lambda: last_step(tmp_path / "group0.jsonl") >= 3, 60, "group 0 to train")
     twin = children.spawn(
         [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
