@@ -152,11 +152,7 @@ def group_data(
 
 
 def _decoded(data: MemberData) -> Any:
-    """`data` as JSON values (raises ValueError for text that is not JSON).
-    Empty text, what most members send, is None without raising (which would
-    cost more than the rest of a quorum's reading)."""
-    if not data:
-        return None
+    """`data` as JSON values (raises ValueError for text that is not JSON)."""
     return json.loads(data) if isinstance(data, str) else data
 
 
@@ -166,6 +162,8 @@ def fingerprint_of(data: MemberData, step: int, group_rank: int) -> str | None:
     None when there is none: data empty, not ours, or taken at another step,
     so a fingerprint is only ever compared with one of the same step.
     """
+    if not data:  # what most members send: no JSON to parse, no error to raise
+        return None
     try:
         entry = _decoded(data)[FINGERPRINT_KEY]
         value = entry["values"][group_rank]
@@ -178,6 +176,8 @@ def fingerprint_of(data: MemberData, step: int, group_rank: int) -> str | None:
 
 def heal_report_of(data: MemberData) -> HealReport | None:
     """The group's heal report in `data`, or None (none, or not ours)."""
+    if not data:
+        return None
     try:
         entry = _decoded(data)[HEAL_KEY]
         return HealReport(
