@@ -32,7 +32,9 @@ blocks' medians; the figure is the geometric mean of those per-round
 ratios, and its 95% interval a percentile bootstrap over rounds (2000
 resamples of the rounds with replacement, random.Random(0)). Wall and CPU
 ratios both. Also the RPCs the step sends on
-its critical path (heartbeats left out).
+its critical path (heartbeats left out), and its CPU per step by thread
+(training, our quorum thread and server loop, grpc's, gloo's: where the
+difference to plain is spent).
 """
 
 from __future__ import annotations
@@ -250,6 +252,15 @@ def summarize(hidden: int, allocator: str, blocks: dict[str, list[dict]]) -> dic
         if phases:
             row[f"{mode}_zero_fwd_bwd_opt_ms"] = "/".join(
                 f"{1000 * statistics.median(s[i] for s in phases):.1f}" for i in range(4)
+            )
+        threads = [b["thread_cpu_ms"] for b in bs if "thread_cpu_ms" in b]
+        if threads:  # CPU per step by thread, median over blocks, the busiest first
+            names = {n for t in threads for n in t}
+            per = {n: statistics.median(t.get(n, 0.0) for t in threads) for n in names}
+            row[f"{mode}_thread_cpu_ms"] = ", ".join(
+                f"{n} {ms:.2f}"
+                for n, ms in sorted(per.items(), key=lambda kv: -kv[1])
+                if ms >= 0.05
             )
         per_round[mode] = {
             "wall": [statistics.median(b["times"]) for b in bs],

@@ -94,7 +94,8 @@ def test_in_place_the_caller_tensor_is_reduced_and_an_abort_counts_it_abandoned(
     t, u = torch.ones(4), torch.ones(2)
     work = colls.allreduce(t, pg, False, 2, errors.append, in_place=True)
     assert pg.issued[0][0] is t, "no private copy"
-    pg.complete(0, 6.0)
+    assert torch.equal(t, torch.full((4,), 0.5)), "divided before the sum, as torch DDP does"
+    pg.complete(0, 3.0)  # the sum of both replicas' halves
     assert work.get_future().wait() is t and torch.equal(t, torch.full((4,), 3.0))
     colls.allreduce(u, pg, False, None, errors.append, in_place=True)
     colls.allreduce(torch.ones(1), pg, False, None, errors.append)  # a private copy
