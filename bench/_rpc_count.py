@@ -1,9 +1,10 @@
 """Counts the gRPC calls a benchmark process makes, by method, from the client side.
 
 `install()` wraps grpc's channel constructors (blocking and asyncio) with a
-counting interceptor before any client is built, so the library itself needs
-no hook. `CountingProxy` counts the calls into a client object we cannot
-intercept (torchft's Rust ManagerClient: each of its methods is one RPC).
+counting interceptor before any client is built, and our lean client's
+calls, so the library itself needs no hook. `CountingProxy` counts the
+calls into a client object we cannot intercept (torchft's Rust
+ManagerClient: each of its methods is one RPC).
 Heartbeats run on a timer beside the step, so `critical_per_step` leaves them
 out.
 """
@@ -57,6 +58,16 @@ def install() -> None:
 
     grpc.insecure_channel = counted_sync
     aio.insecure_channel = counted_aio
+
+    from lighthouse.rpc.lean_client import LeanChannel
+
+    lean_unary = LeanChannel.unary
+
+    async def counted_lean(self: LeanChannel, method: str, *args: Any) -> bytes:
+        _count(method)
+        return await lean_unary(self, method, *args)
+
+    LeanChannel.unary = counted_lean  # type: ignore[method-assign]
 
 
 class CountingProxy:

@@ -166,6 +166,11 @@ def header_value(secret: str) -> str:
     return _SCHEME + secret
 
 
+def metadata(secret: str | None) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata that carries `secret`: none without one."""
+    return () if secret is None else ((METADATA_KEY, header_value(secret)),)
+
+
 def http_headers(secret: str | None) -> dict[str, str]:
     """Headers an HTTP request carries to pass `http_refusal`: empty without a secret."""
     return {} if secret is None else {"Authorization": header_value(secret)}

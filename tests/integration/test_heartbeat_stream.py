@@ -20,6 +20,7 @@ import pytest
 
 from lighthouse import LighthouseClient, LighthouseServer, QuorumError, QuorumTimeoutError
 from lighthouse.client import AsyncLighthouseClient
+from lighthouse.quorum import QuorumMember
 from tests.procs import PYTHON, Children, wait_for_line
 from tools.procs import free_port, kill_tree
 from torchft_like.group_quorum import QuorumRequest
@@ -328,3 +329,24 @@ def test_a_group_stepping_faster_than_its_heartbeats_sends_fewer_but_keeps_its_s
         stepper.join(timeout=30)
         manager.shutdown()
         lighthouse.shutdown()
+
+
+def test_the_quorum_call_goes_lean_to_torchfts_rust_lighthouse(reference_lighthouse):
+    """lighthouse.rpc.lean_client speaks tonic's HTTP/2 (its SETTINGS, HPACK
+    table, trailers) as well as ours."""
+    address, _ = reference_lighthouse
+
+    async def run() -> None:
+        client = AsyncLighthouseClient(address)
+
+        def no_grpcio(*args, **kwargs):
+            raise AssertionError("the Quorum call went through grpcio")
+
+        client._stub.Quorum = no_grpcio
+        member = QuorumMember(replica_id="a", address="a:1", store_address="s:1", step=3)
+        for _ in range(3):
+            quorum = await client.quorum(member, timedelta(seconds=10))
+            assert [m.replica_id for m in quorum.participants] == ["a"]
+        await client.close()
+
+    asyncio.run(run())

@@ -1,0 +1,309 @@
+"""Unary gRPC calls over one HTTP/2 connection of our own, on the caller's loop.
+
+Why not grpc.aio for the Quorum call a group makes every step: one call
+wakes grpc's poller and event-engine threads and hops to the loop, ~1-2 ms
+of CPU a step here, against a fraction of that for one write and one read
+on the loop itself (bench/NOTES.md, "Step overhead, round three"). Only
+what a unary call to a known server needs: the client preface, SETTINGS,
+PING, flow control for what we receive, GOAWAY and RST_STREAM; HPACK
+decoding by the `hpack` library, our headers sent as literals.
+
+Anything this client does not handle (no connection, a request larger
+than the peer's window, a connection lost before the answer) raises
+`Unavailable`, and the caller makes the same call through grpcio instead,
+which owns waiting for a server that is down. A status the server answers
+raises `CallFailed` with its code and text, as grpcio would.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from typing import Any
+from urllib.parse import unquote
+
+import grpc
+import hpack
+
+from lighthouse.rpc.http2 import (
+    ACK,
+    CANCEL,
+    CONTINUATION,
+    DATA,
+    DEFAULT_WINDOW,
+    END_HEADERS,
+    END_STREAM,
+    GOAWAY,
+    HEADERS,
+    PADDED,
+    PING,
+    PREFACE,
+    PRIORITY_FLAG,
+    RECV_WINDOW,
+    RST_STREAM,
+    SETTINGS,
+    WINDOW_UPDATE,
+    frame,
+    literal,
+)
+
+_HEADER = struct.Struct(">BHBBI")
+_SETTING = struct.Struct(">HI")
+_U32 = struct.Struct(">I")
+_MESSAGE = struct.Struct(">BI")
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class Unavailable(Exception):
+    """The call could not be made (or finished) on this connection: make it another way."""
+
+
+class CallFailed(Exception):
+    """The server ended the call with a status other than OK."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class _Call:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.done: asyncio.Future[bytes] = loop.create_future()
+        self.headers: list[tuple[str, str]] = []
+        self.body = bytearray()
+        self.unacked = 0
+
+    def fail(self, error: Exception) -> None:
+        if not self.done.done():
+            self.done.set_exception(error)
+
+    def finish(self, trailers: list[tuple[str, str]]) -> None:
+        fields = dict(self.headers)
+        fields.update(trailers)
+        if fields.get(":status", "200") != "200":
+            self.fail(Unavailable(f"HTTP status {fields[':status']}"))
+            return
+        code = _CODES.get(int(fields.get("grpc-status", "2")), grpc.StatusCode.UNKNOWN)
+        if code != grpc.StatusCode.OK:
+            self.fail(CallFailed(code, unquote(fields.get("grpc-message", ""))))
+            return
+        body = bytes(self.body)
+        if len(body) < 5:
+            self.fail(CallFailed(grpc.StatusCode.INTERNAL, "an answer without a message"))
+            return
+        compressed, size = _MESSAGE.unpack_from(body)
+        if compressed or size != len(body) - 5:  # we accept no encoding: none is sent
+            self.fail(Unavailable("a compressed or malformed answer"))
+            return
+        if not self.done.done():
+            self.done.set_result(body[5:])
+
+
+class _Connection(asyncio.Protocol):
+    """One client connection; streams are our calls in flight."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._decoder = hpack.Decoder()
+        self._block = bytearray()
+        self._block_stream = 0
+        self._block_end = False
+        self.calls: dict[int, _Call] = {}
+        self._next_stream = 1
+        self._send_window = DEFAULT_WINDOW
+        self._peer_initial_window = DEFAULT_WINDOW
+        self._peer_max_frame = 16_384
+        self._recv_unacked = 0
+        self.closing = False
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        settings = _SETTING.pack(0x2, 0) + _SETTING.pack(0x4, RECV_WINDOW)  # no push; our window
+        transport.write(
+            PREFACE
+            + frame(SETTINGS, 0, 0, settings)
+            + frame(WINDOW_UPDATE, 0, 0, _U32.pack(RECV_WINDOW - DEFAULT_WINDOW))
+        )
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport, self.closing = None, True
+        calls, self.calls = self.calls, {}
+        for call in calls.values():
+            call.fail(Unavailable(f"connection lost: {exc or 'closed by the server'}"))
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        pos, size, out = 0, len(buf), list[bytes]()
+        while size - pos >= 9:
+            hi, lo, kind, flags, stream_id = _HEADER.unpack_from(buf, pos)
+            end = pos + 9 + (hi << 16 | lo)
+            if end > size:
+                break
+            try:
+                self._frame(kind, flags, stream_id & 0x7FFFFFFF, bytes(buf[pos + 9 : end]), out)
+            except (hpack.HPACKError, ValueError, struct.error) as e:
+                self.abort(f"a malformed frame from the server: {e}")
+                return
+            pos = end
+        del buf[:pos]
+        if out and self.transport is not None:
+            self.transport.write(b"".join(out))
+
+    def _frame(
+        self, kind: int, flags: int, stream_id: int, payload: bytes, out: list[bytes]
+    ) -> None:
+        if kind == DATA:
+            self._data(flags, stream_id, payload, out)
+        elif kind in (HEADERS, CONTINUATION):
+            if kind == HEADERS:
+                if flags & PADDED:
+                    payload = payload[1 : len(payload) - payload[0]]
+                if flags & PRIORITY_FLAG:
+                    payload = payload[5:]
+                self._block_stream, self._block_end = stream_id, bool(flags & END_STREAM)
+                self._block.clear()
+            self._block += payload
+            if flags & END_HEADERS:
+                self._headers_done()
+        elif kind == SETTINGS and not flags & ACK:
+            for i in range(0, len(payload) - 5, 6):
+                key, value = _SETTING.unpack_from(payload, i)
+                if key == 0x4:
+                    self._send_window += value - self._peer_initial_window
+                    self._peer_initial_window = value
+                elif key == 0x5:
+                    self._peer_max_frame = value
+            out.append(frame(SETTINGS, ACK, 0, b""))
+        elif kind == PING and not flags & ACK:
+            out.append(frame(PING, ACK, 0, payload))
+        elif kind == WINDOW_UPDATE and stream_id == 0:
+            self._send_window += _U32.unpack(payload)[0] & 0x7FFFFFFF
+        elif kind == RST_STREAM:
+            call = self.calls.pop(stream_id, None)
+            if call is not None:
+                (code,) = _U32.unpack(payload)
+                call.fail(Unavailable(f"the server reset the call (HTTP/2 error {code})"))
+        elif kind == GOAWAY:
+            self.closing = True
+            last = _U32.unpack_from(payload)[0] & 0x7FFFFFFF
+            for sid in [s for s in self.calls if s > last]:
+                self.calls.pop(sid).fail(Unavailable("the server is going away"))
+
+    def _headers_done(self) -> None:
+        # Every block, in order: the table is shared state.
+        headers: list[tuple[str, str]] = [
+            (str(k), str(v)) for k, v in self._decoder.decode(bytes(self._block), raw=False)
+        ]
+        call = self.calls.get(self._block_stream)
+        if call is None:
+            return
+        if not self._block_end:
+            call.headers = headers
+            return
+        del self.calls[self._block_stream]
+        call.finish(headers)
+
+    def _data(self, flags: int, stream_id: int, payload: bytes, out: list[bytes]) -> None:
+        self._recv_unacked += len(payload)
+        if self._recv_unacked >= RECV_WINDOW // 2:
+            out.append(frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._recv_unacked)))
+            self._recv_unacked = 0
+        call = self.calls.get(stream_id)
+        if call is None:
+            return
+        call.unacked += len(payload)
+        if flags & PADDED:
+            payload = payload[1 : len(payload) - payload[0]]
+        call.body += payload
+        if call.unacked >= RECV_WINDOW // 2 and not flags & END_STREAM:
+            out.append(frame(WINDOW_UPDATE, 0, stream_id, _U32.pack(call.unacked)))
+            call.unacked = 0
+
+    def start(self, headers: bytes, message: bytes) -> tuple[int, _Call]:
+        """Sends one call's headers and message; raises Unavailable if it cannot."""
+        if self.transport is None or self.closing or self._next_stream > 0x7FFFFFFF:
+            raise Unavailable("no open connection")
+        body = _MESSAGE.pack(0, len(message)) + message
+        if len(body) > min(self._send_window, self._peer_initial_window, self._peer_max_frame):
+            raise Unavailable("a request larger than the server's window or frame size")
+        stream_id, self._next_stream = self._next_stream, self._next_stream + 2
+        call = _Call(asyncio.get_running_loop())
+        self.calls[stream_id] = call
+        self._send_window -= len(body)
+        self.transport.write(
+            frame(HEADERS, END_HEADERS, stream_id, headers)
+            + frame(DATA, END_STREAM, stream_id, body)
+        )
+        return stream_id, call
+
+    def cancel(self, stream_id: int) -> None:
+        if self.calls.pop(stream_id, None) is not None and self.transport is not None:
+            self.transport.write(frame(RST_STREAM, 0, stream_id, _U32.pack(CANCEL)))
+
+    def abort(self, why: str) -> None:
+        self.closing = True
+        if self.transport is not None:
+            self.transport.abort()
+        self.connection_lost(Unavailable(why))
+
+
+class LeanChannel:
+    """Unary calls to the gRPC server at `target` (host:port, plain text),
+    on the running loop; one connection, opened on first use and again
+    after it is lost."""
+
+    def __init__(self, target: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+        host, _, port = target.rpartition(":")
+        self._host, self._port = host.strip("[]"), int(port)
+        self._static = literal(":authority", target) + b"".join(literal(k, v) for k, v in metadata)
+        self._conn: _Connection | None = None
+
+    async def unary(self, method: str, request: bytes, timeout_s: float) -> bytes:
+        """The answer's bytes to `request` of `method` (/package.Service/Method).
+
+        Raises:
+            Unavailable: not made or not finished here; make it another way.
+            CallFailed: the server's status; DEADLINE_EXCEEDED after `timeout_s`.
+        """
+        conn = self._conn
+        if conn is None or conn.transport is None or conn.closing:
+            conn = await self._connect(timeout_s)
+        headers = (
+            b"\x83"  # :method POST (static table)
+            + b"\x86"  # :scheme http
+            + literal(":path", method)
+            + self._static
+            + literal("content-type", "application/grpc")
+            + literal("te", "trailers")
+            + literal("grpc-timeout", f"{max(1, int(timeout_s * 1000))}m")
+        )
+        stream_id, call = conn.start(headers, request)
+        # A timer on the future, not wait_for: the answer wakes the caller in one turn.
+        late = CallFailed(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s:.1f} s")
+        timer = asyncio.get_running_loop().call_later(timeout_s, call.fail, late)
+        try:
+            return await call.done
+        except BaseException:
+            conn.cancel(stream_id)  # late or cancelled: the server may stop too
+            raise
+        finally:
+            timer.cancel()
+
+    async def _connect(self, timeout_s: float) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            _, conn = await asyncio.wait_for(
+                loop.create_connection(_Connection, self._host, self._port), timeout_s
+            )
+        except (OSError, asyncio.TimeoutError) as e:
+            raise Unavailable(f"cannot connect to {self._host}:{self._port}: {e}") from None
+        self._conn = conn
+        return conn
+
+    def close(self) -> None:
+        if self._conn is not None and self._conn.transport is not None:
+            self._conn.transport.close()
+        self._conn = None

@@ -1,0 +1,168 @@
+"""The lean unary client (lighthouse.rpc.lean_client) against both real
+servers, lean and grpcio: the answers, statuses, deadlines and secret
+refusals a grpcio client gets, and `Unavailable` wherever the caller must
+fall back to grpcio."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import time
+from datetime import timedelta
+
+import grpc
+import pytest
+
+from lighthouse import LighthouseServer
+from lighthouse.client import AsyncLighthouseClient
+from lighthouse.quorum import QuorumMember
+from lighthouse.rpc import auth, serve
+from lighthouse.rpc.lean_client import CallFailed, LeanChannel, Unavailable
+from lighthouse.rpc.loop import BackgroundLoop
+from lighthouse.rpc.proto import torchft_pb2 as pb
+from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
+from tests.unit.test_lean_server import SECRET, _Servicer
+
+HEARTBEAT = "/torchft.LighthouseService/Heartbeat"
+QUORUM = "/torchft.LighthouseService/Quorum"
+
+
+@pytest.fixture(params=["lean", "grpcio"])
+def server(request):
+    """(servicer, target) of a server of each runtime, with a secret."""
+    loop = BackgroundLoop("test-server")
+    servicer = _Servicer()
+
+    async def start():
+        srv = serve.new_server(
+            pb_grpc.add_LighthouseServiceServicer_to_server, servicer, SECRET, "test", request.param
+        )
+        port = serve.bind(srv, "127.0.0.1", 0, "pick another port")
+        await srv.start()
+        return srv, port
+
+    srv, port = loop.run(start())
+    yield servicer, f"127.0.0.1:{port}"
+    loop.run(srv.stop(None), timeout=10)
+    loop.stop()
+
+
+def call(target: str, method: str, request: bytes, timeout_s: float = 5, secret=SECRET) -> bytes:
+    async def once() -> bytes:
+        channel = LeanChannel(target, auth.metadata(secret))
+        try:
+            return await channel.unary(method, request, timeout_s)
+        finally:
+            channel.close()
+
+    return asyncio.run(once())
+
+
+def heartbeat(rid: str) -> bytes:
+    return pb.LighthouseHeartbeatRequest(replica_id=rid).SerializeToString()
+
+
+def failed(*args, **kwargs) -> CallFailed:
+    with pytest.raises(CallFailed) as e:
+        call(*args, **kwargs)
+    return e.value
+
+
+def test_answers_and_statuses_are_those_a_grpcio_client_gets(server):
+    _, target = server
+    assert call(target, HEARTBEAT, heartbeat("ok")) == b""
+    assert call(target, HEARTBEAT, heartbeat("wait")) == b""
+    e = failed(target, HEARTBEAT, heartbeat("abort"))
+    assert (e.code, e.details) == (grpc.StatusCode.INVALID_ARGUMENT, "bad: 100% wrong\nsecond line")
+    e = failed(target, HEARTBEAT, heartbeat("boom"))
+    assert e.code == grpc.StatusCode.UNKNOWN and "boom" in e.details
+    assert failed(target, "/torchft.LighthouseService/Nope", b"").code == (
+        grpc.StatusCode.UNIMPLEMENTED
+    )
+
+
+def test_without_the_secret_the_refusal_says_what_to_set(server):
+    _, target = server
+    for secret in (None, "wrong"):
+        e = failed(target, HEARTBEAT, heartbeat("ok"), secret=secret)
+        assert e.code == grpc.StatusCode.UNAUTHENTICATED and auth.SECRET_FILE_ENV in e.details
+
+
+def test_an_answer_larger_than_the_window_arrives_whole(server):
+    """3 MB: past half of our 4 MB windows, so WINDOW_UPDATEs must go out."""
+    _, target = server
+    request = pb.LighthouseQuorumRequest(requester=pb.QuorumMember(step=30_000))
+    answer = pb.LighthouseQuorumResponse.FromString(
+        call(target, QUORUM, request.SerializeToString(), timeout_s=30)
+    )
+    assert len(answer.quorum.participants) == 30_001
+    assert answer.quorum.participants[-1].data == "30", "the deadline reached the server"
+
+
+def test_a_passed_deadline_fails_the_call_and_cancels_the_handler(server):
+    servicer, target = server
+    start = time.monotonic()
+    assert failed(target, HEARTBEAT, heartbeat("slow"), timeout_s=0.3).code == (
+        grpc.StatusCode.DEADLINE_EXCEEDED
+    )
+    assert time.monotonic() - start < 3
+    assert servicer.ended_event.wait(5) and servicer.ended == ["slow"]
+
+
+def test_no_server_and_a_lost_connection_are_unavailable_and_a_new_server_is_reached():
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    target = f"127.0.0.1:{port}"
+    with pytest.raises(Unavailable):
+        call(target, QUORUM, b"", timeout_s=2)
+
+    async def across_a_restart() -> None:
+        channel = LeanChannel(target)
+        member = pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id="a", step=1))
+        for _ in range(2):
+            lighthouse = LighthouseServer(bind=target, min_replicas=1)
+            try:
+                answer = await channel.unary(QUORUM, member.SerializeToString(), 10)
+                assert pb.LighthouseQuorumResponse.FromString(answer).quorum.participants
+            finally:
+                lighthouse.shutdown()
+            await asyncio.sleep(0.1)  # the connection's end reaches our loop
+            with pytest.raises(Unavailable):
+                await channel.unary(QUORUM, member.SerializeToString(), 2)
+        channel.close()
+
+    asyncio.run(across_a_restart())
+
+
+def test_the_lighthouse_clients_quorum_goes_lean_and_keeps_grpcios_errors():
+    """Every step's Quorum call takes the lean path (grpcio's stub is never
+    called); a refusal raises what grpcio's path raises."""
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, secret=SECRET)
+
+    async def run() -> None:
+        member = QuorumMember(replica_id="a", address="a:1", store_address="s:1", step=3)
+        ours = AsyncLighthouseClient(lighthouse.address(), secret=SECRET)
+
+        def no_grpcio(*args, **kwargs):
+            raise AssertionError("the Quorum call went through grpcio")
+
+        ours._stub.Quorum = no_grpcio
+        for _ in range(3):
+            assert (await ours.quorum(member, timedelta(seconds=10))).participants[0].step == 3
+        errors = []
+        for lean in (True, False):
+            wrong = AsyncLighthouseClient(lighthouse.address(), secret="wrong")
+            if not lean:
+                wrong._lean = None
+            with pytest.raises(Exception) as e:
+                await wrong.quorum(member, timedelta(seconds=5))
+            errors.append((type(e.value), str(e.value)))
+            await wrong.close()
+        assert errors[0] == errors[1] and "UNAUTHENTICATED" in errors[0][1], errors
+        await ours.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        lighthouse.shutdown()
