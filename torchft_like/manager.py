@@ -454,9 +454,10 @@ class Manager(ManagerViews):
                 torchft quantizes to fp8 only on CUDA; we do it on any device.
             reduce_op: SUM or AVG (SUM, then divide by num_participants()).
             in_place: gloo reduces `tensor` itself instead of a private copy
-                (one pass less), divided first as torch DDP does; an allreduce abandoned when a member is gone
-                may then write into it later, so the caller must never use
-                its memory again once `abandoned()` has grown (DDP's buckets).
+                (one pass less), divided first as torch DDP does; an
+                allreduce abandoned when a member is gone may then write
+                into it later, so the caller must never use its memory
+                again once `abandoned()` has grown (DDP's buckets).
 
         Raises:
             ValueError: AVG of a tensor that is not floating point (the

@@ -116,6 +116,8 @@ class ManagerServer:
         self._world_size = world_size
         self._heartbeat_interval = heartbeat_interval
         self._quorum_sent_at = -math.inf  # the last Quorum call's start (monotonic)
+        self._heartbeat_due: tuple[asyncio.Future[None], float, asyncio.TimerHandle] | None = None
+        """While the heartbeat loop waits out a Quorum call: its wake-up, period and timer."""
         self._connect_timeout = connect_timeout
         self._quorum_retries = quorum_retries
         self._local_collectives = local_collectives
@@ -286,6 +288,7 @@ class ManagerServer:
             remaining = reply_budget_s(deadline - time.monotonic()) or 0.001
             try:
                 self._quorum_sent_at = time.monotonic()
+                self._postpone_heartbeat()
                 quorum = await self._lighthouse.quorum(member, timedelta(seconds=remaining))
             except LighthouseUnavailableError as e:
                 if outage_start is None:
@@ -452,7 +455,7 @@ class ManagerServer:
             since_quorum = time.monotonic() - self._quorum_sent_at
             stream_down = use_stream and not self._lighthouse.heartbeat_stream_open()
             if since_quorum < period and not stream_down:
-                await asyncio.sleep(period - since_quorum)
+                await self._quiet_for(period - since_quorum, period)
                 continue
             try:
                 if use_stream and not await self._lighthouse.stream_heartbeat(
@@ -484,6 +487,32 @@ class ManagerServer:
             if advised is not None:
                 period = max(interval, min(advised.total_seconds(), MAX_ADVISED_HEARTBEAT_S))
             await asyncio.sleep(period)
+
+    async def _quiet_for(self, delay_s: float, period_s: float) -> None:
+        """Sleeps `delay_s`, or longer while Quorum calls keep postponing the
+        wake-up (`_postpone_heartbeat`): a group stepping faster than its
+        period does not wake for nothing each step (~0.3 ms of CPU here)."""
+        loop = asyncio.get_running_loop()
+        due: asyncio.Future[None] = loop.create_future()
+        self._heartbeat_due = (due, period_s, loop.call_later(delay_s, _settle, due))
+        try:
+            await due
+        finally:
+            self._heartbeat_due[2].cancel()
+            self._heartbeat_due = None
+
+    def _postpone_heartbeat(self) -> None:
+        """A Quorum call counts as a heartbeat: the next one is a period away.
+        Not while the stream is down, whose reopening is due at once."""
+        if self._heartbeat_due is None or not self._lighthouse.heartbeat_stream_open():
+            return
+        due, period_s, timer = self._heartbeat_due
+        timer.cancel()
+        self._heartbeat_due = (
+            due,
+            period_s,
+            asyncio.get_running_loop().call_later(period_s, _settle, due),
+        )
 
     def shutdown(self, leave: bool = True) -> None:
         """Stops serving; with `leave`, first tells the lighthouse we go on
@@ -561,3 +590,8 @@ class _ManagerServicer:
         except Exception as e:
             await errors.abort(context, e)
         return pb.KillResponse()
+
+
+def _settle(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
