@@ -58,7 +58,7 @@ class MetricsServer:
         self._server.service = what
         self._host = advertised_host(host)
         self._thread = threading.Thread(
-            target=self._server.serve_forever, args=(0.05,), name="metrics-http", daemon=True
+            target=self._server.serve_forever, name="metrics-http", daemon=True
         )
         self._thread.start()
 

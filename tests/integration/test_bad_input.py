@@ -681,3 +681,22 @@ def test_the_http_servers_bound_their_backlog_and_idle_connections():
     assert issubclass(_http_serve.Server, QuietHTTPServer)
     assert 0 < status.HANDLER_TIMEOUT_S <= 30
     assert 0 < _http_serve.Handler.timeout <= 300
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "::1"])
+def test_the_http_servers_sleep_without_polling_and_stop_at_once(host):
+    """serve_forever waits 5 s between polls (each a thread wake-up beside
+    training); shutdown must not wait for one."""
+    from http.server import BaseHTTPRequestHandler
+
+    from lighthouse.rpc.http_server import server_class
+
+    server = server_class(host)((host, 0), BaseHTTPRequestHandler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    time.sleep(0.2)  # into its select
+    start = time.monotonic()
+    server.shutdown()
+    thread.join(5)
+    server.server_close()
+    assert not thread.is_alive() and time.monotonic() - start < 1.0

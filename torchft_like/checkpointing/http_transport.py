@@ -253,7 +253,7 @@ class HTTPTransport(CheckpointTransport[Any]):
 
     def _serve(self) -> None:
         try:
-            self._server.serve_forever(poll_interval=0.05)
+            self._server.serve_forever()
         except Exception:
             logger.exception("checkpoint server stopped")
 
