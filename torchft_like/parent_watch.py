@@ -7,18 +7,21 @@ shard. A worker that exits as soon as its parent is gone turns killing
 torchrun into an ordinary group death: its heartbeat stream closes and the
 lighthouse drops the group at once.
 
-Why a polling thread and not prctl(PR_SET_PDEATHSIG): the death signal fires
-when the *thread* that forked the child exits, not the parent process, so a
+Why a thread and not prctl(PR_SET_PDEATHSIG): the death signal fires when
+the *thread* that forked the child exits, not the parent process, so a
 launcher that starts workers from a short-lived thread kills them spuriously;
-it is also Linux-only and lost across an exec of a set-uid binary. Comparing
-os.getppid() with the pid seen at start works on every POSIX system and
-catches every re-parenting, whoever the new parent is.
+it is also Linux-only and lost across an exec of a set-uid binary. The
+thread waits on a pidfd of the parent (Linux 5.3+), readable once it has
+exited, so it never wakes while the parent lives (a wake-up costs CPU beside
+training); elsewhere it compares os.getppid() with the pid seen at start,
+every `poll_interval_s`, which works on every POSIX system.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -26,7 +29,8 @@ from collections.abc import Callable
 logger = logging.getLogger(__name__)
 
 POLL_INTERVAL_S = 0.1
-"""How often the parent pid is checked: an orphan exits within about this long."""
+"""How often the parent pid is checked without a pidfd: an orphan exits
+within about this long."""
 
 _started: tuple[int, threading.Thread] | None = None
 _lock = threading.Lock()
@@ -67,12 +71,22 @@ def exit_with_parent(
 
 
 def _watch(parent: int, poll_interval_s: float, on_orphaned: Callable[[int, int], None]) -> None:
+    try:
+        pidfd = os.pidfd_open(parent)
+    except (AttributeError, OSError):  # not Linux 5.3+, or the parent is gone already
+        pidfd = None
+    if pidfd is not None:
+        try:
+            if os.getppid() == parent:  # the pidfd is of our parent, not a reused pid
+                select.select([pidfd], [], [])
+        finally:
+            os.close(pidfd)
     while True:
-        time.sleep(poll_interval_s)
         now = os.getppid()
         if now != parent:
             on_orphaned(parent, now)
             return
+        time.sleep(poll_interval_s)
 
 
 def _exit_orphaned(parent: int, new_parent: int) -> None:

@@ -53,3 +53,24 @@ def test_a_child_exits_within_a_second_of_its_parents_sigkill(children, tmp_path
     took_s = time.monotonic() - killed_at
     assert took_s < 1.0, f"the orphan took {took_s:.2f} s to exit"
     assert "parent process" in log.read_text() and "is gone" in log.read_text()
+
+
+def test_the_watch_does_not_wake_while_the_parent_lives():
+    """It waits on a pidfd of the parent, not on a timer: no context switch at all."""
+    import threading
+
+    from torchft_like.parent_watch import exit_with_parent
+
+    orphaned = []
+    exit_with_parent(on_orphaned=lambda old, new: orphaned.append((old, new)))
+    watch = [t for t in threading.enumerate() if t.name == "torchft_parent_watch"][-1]
+
+    def switches() -> int:
+        with open(f"/proc/self/task/{watch.native_id}/status") as f:
+            line = next(x for x in f if x.startswith("voluntary_ctxt_switches"))
+        return int(line.split()[1])
+
+    time.sleep(0.2)  # into its wait
+    before = switches()
+    time.sleep(1.0)  # ten polls' worth
+    assert switches() == before and watch.is_alive() and not orphaned
