@@ -18,7 +18,9 @@ raises `CallFailed` with its code and text, as grpcio would.
 from __future__ import annotations
 
 import asyncio
+import os
 import struct
+import time
 from typing import Any
 from urllib.parse import unquote
 
@@ -52,6 +54,19 @@ _SETTING = struct.Struct(">HI")
 _U32 = struct.Struct(">I")
 _MESSAGE = struct.Struct(">BI")
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+CONNECT_S = 1.0
+"""Longest a connection attempt may take (a loopback or LAN connect takes
+milliseconds): past it the call goes through grpcio with the time left."""
+RETRY_AFTER_S = 10.0
+"""After a failed connection attempt, calls go through grpcio this long."""
+PROXY_ENV = ("grpc_proxy", "https_proxy", "http_proxy", "GRPC_PROXY", "HTTPS_PROXY", "HTTP_PROXY")
+"""grpcio connects through a proxy named in these; this client does not, so
+with one set it stands aside (`usable`)."""
+
+
+def usable() -> bool:
+    """Whether calls may take this path: not when grpcio would use a proxy."""
+    return not any(os.environ.get(name) for name in PROXY_ENV)
 
 
 class Unavailable(Exception):
@@ -260,6 +275,7 @@ class LeanChannel:
         self._host, self._port = host.strip("[]"), int(port)
         self._static = literal(":authority", target) + b"".join(literal(k, v) for k, v in metadata)
         self._conn: _Connection | None = None
+        self._retry_at = 0.0
 
     async def unary(self, method: str, request: bytes, timeout_s: float) -> bytes:
         """The answer's bytes to `request` of `method` (/package.Service/Method).
@@ -270,7 +286,9 @@ class LeanChannel:
         """
         conn = self._conn
         if conn is None or conn.transport is None or conn.closing:
-            conn = await self._connect(timeout_s)
+            if time.monotonic() < self._retry_at:
+                raise Unavailable("the last connection attempt failed moments ago")
+            conn = await self._connect(min(timeout_s, CONNECT_S))
         headers = (
             b"\x83"  # :method POST (static table)
             + b"\x86"  # :scheme http
@@ -299,7 +317,8 @@ class LeanChannel:
                 loop.create_connection(_Connection, self._host, self._port), timeout_s
             )
         except (OSError, asyncio.TimeoutError) as e:
-            raise Unavailable(f"cannot connect to {self._host}:{self._port}: {e}") from None
+            self._retry_at = time.monotonic() + RETRY_AFTER_S
+            raise Unavailable(f"cannot connect to {self._host}:{self._port}: {e!r}") from None
         self._conn = conn
         return conn
 
