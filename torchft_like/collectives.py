@@ -223,7 +223,7 @@ class InOrderCollectives:
             try:
                 fut.value()
                 if in_place:
-                    pass  # divided before
+                    pass  # reduced in `tensor` itself, divided before
                 elif divide_by is None:
                     tensor.copy_(private)
                 else:
