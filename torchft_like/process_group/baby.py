@@ -62,6 +62,7 @@ class _Child:
         theirs.close()
         self.conn = Connection(ours.detach())
         self.send_lock = threading.Lock()
+        self._close_lock = threading.Lock()
 
     def is_alive(self) -> bool:
         return self.proc.poll() is None
@@ -80,7 +81,15 @@ class _Child:
 
     def close(self) -> None:
         self.kill()
-        self.conn.close()
+        self.close_conn()
+
+    def close_conn(self) -> None:
+        """Once, whoever asks: an abort's reaper and a configure may both
+        reap this child, and a second close() of the fd number would close
+        whatever socket reused it (another child's: its configure hung)."""
+        with self._close_lock:
+            if not self.conn.closed:
+                self.conn.close()
 
 
 class _Buffers:
@@ -427,7 +436,7 @@ def _reap(child: _Child, reader: threading.Thread | None) -> None:
     child.kill()
     if reader is not None and reader is not threading.current_thread():
         reader.join(5.0)
-    child.conn.close()
+    child.close_conn()
 
 
 def _kill_all(children: list[_Child | None]) -> None:
