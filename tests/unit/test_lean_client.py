@@ -16,12 +16,10 @@ import pytest
 from lighthouse import LighthouseServer
 from lighthouse.client import AsyncLighthouseClient
 from lighthouse.quorum import QuorumMember
-from lighthouse.rpc import auth, serve
+from lighthouse.rpc import auth
 from lighthouse.rpc.lean_client import CallFailed, LeanChannel, Unavailable
-from lighthouse.rpc.loop import BackgroundLoop
 from lighthouse.rpc.proto import torchft_pb2 as pb
-from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
-from tests.unit.test_lean_server import SECRET, _Servicer
+from tests.unit.test_lean_server import SECRET, serving
 
 HEARTBEAT = "/torchft.LighthouseService/Heartbeat"
 QUORUM = "/torchft.LighthouseService/Quorum"
@@ -30,21 +28,8 @@ QUORUM = "/torchft.LighthouseService/Quorum"
 @pytest.fixture(params=["lean", "grpcio"])
 def server(request):
     """(servicer, target) of a server of each runtime, with a secret."""
-    loop = BackgroundLoop("test-server")
-    servicer = _Servicer()
-
-    async def start():
-        srv = serve.new_server(
-            pb_grpc.add_LighthouseServiceServicer_to_server, servicer, SECRET, "test", request.param
-        )
-        port = serve.bind(srv, "127.0.0.1", 0, "pick another port")
-        await srv.start()
-        return srv, port
-
-    srv, port = loop.run(start())
-    yield servicer, f"127.0.0.1:{port}"
-    loop.run(srv.stop(None), timeout=10)
-    loop.stop()
+    with serving(request.param) as (servicer, port):
+        yield servicer, f"127.0.0.1:{port}"
 
 
 def call(target: str, method: str, request: bytes, timeout_s: float = 5, secret=SECRET) -> bytes:

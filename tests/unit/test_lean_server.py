@@ -4,6 +4,7 @@ answers, statuses, deadlines and cancellations from both (lighthouse.rpc.serve).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -69,36 +70,45 @@ class _Servicer(pb_grpc.LighthouseServiceServicer):
             self._end("paced")
 
 
-@pytest.fixture(params=["lean", "grpcio"])
-def server(request):
-    """(servicer, channel factory) of a server of each runtime, with a secret."""
+@contextlib.contextmanager
+def serving(runtime: str):
+    """(servicer, port) of a `runtime` server ("lean" or "grpcio") with a secret."""
     loop = BackgroundLoop("test-server")
     servicer = _Servicer()
 
     async def start():
         srv = serve.new_server(
-            pb_grpc.add_LighthouseServiceServicer_to_server, servicer, SECRET, "test", request.param
+            pb_grpc.add_LighthouseServiceServicer_to_server, servicer, SECRET, "test", runtime
         )
         port = serve.bind(srv, "127.0.0.1", 0, "pick another port")
         await srv.start()
         return srv, port
 
     srv, port = loop.run(start())
+    try:
+        yield servicer, port
+    finally:
+        loop.run(srv.stop(None), timeout=10)
+        loop.stop()
+
+
+@pytest.fixture(params=["lean", "grpcio"])
+def server(request):
+    """(servicer, channel factory) of a server of each runtime, with a secret."""
     channels = []
+    with serving(request.param) as (servicer, port):
 
-    def channel(secret=SECRET, **kwargs):
-        plain = grpc.insecure_channel(f"127.0.0.1:{port}", **kwargs)
-        channels.append(plain)
-        ch = auth.intercept_channel(plain, secret)
-        stub = pb_grpc.LighthouseServiceStub(ch)
-        stub.raw = ch.unary_unary  # type: ignore[attr-defined]
-        return stub
+        def channel(secret=SECRET, **kwargs):
+            plain = grpc.insecure_channel(f"127.0.0.1:{port}", **kwargs)
+            channels.append(plain)
+            ch = auth.intercept_channel(plain, secret)
+            stub = pb_grpc.LighthouseServiceStub(ch)
+            stub.raw = ch.unary_unary  # type: ignore[attr-defined]
+            return stub
 
-    yield servicer, channel
-    for ch in channels:
-        ch.close()
-    loop.run(srv.stop(None), timeout=10)
-    loop.stop()
+        yield servicer, channel
+        for ch in channels:
+            ch.close()
 
 
 def _status(call):
