@@ -94,6 +94,9 @@ def main(argv: list[str] | None = None) -> int:
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupted)
+    # Explicitly: a shell script that starts us in the background leaves
+    # SIGINT ignored, and `kill -INT` must still stop every child.
+    signal.signal(signal.SIGINT, interrupted)
     try:
         runner.run()
     except KeyboardInterrupt:
