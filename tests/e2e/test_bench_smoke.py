@@ -35,9 +35,8 @@ def test_every_private_bench_module_is_used_by_an_entry_point():
 
 CONCURRENT = 2
 """Smoke runs at a time: their processes mostly start up (imports) and wait
-(kills detected, steps paced), so two share the two cores at about the
-cost of little more than one (148 s against ~186 s one after another);
-figures are not what they check."""
+(kills detected, steps paced), so two at once take 148 s for the lot
+against ~186 s one after another; figures are not what they check."""
 
 
 @pytest.fixture(scope="module")
