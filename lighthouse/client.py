@@ -236,11 +236,11 @@ class AsyncLighthouseClient:
         self._stub = pb_grpc.LighthouseServiceStub(self._channel)
         self._lean = (
             None
-            if tls is not None or not lean_client.usable()
+            if tls is not None or not lean_client.usable(self._target)
             else lean_client.LeanChannel(self._target, auth.metadata(secret))
         )
         """The Quorum call, a group's one call a step, goes here first (plain
-        text, no proxy: lean_client.usable)."""
+        text, no proxy for this host: lean_client.usable)."""
         self._heartbeat_call: Any = None
         self._paced = True
         """Whether to heartbeat on HeartbeatPaced (False: on HeartbeatStream,

@@ -18,9 +18,11 @@ raises `CallFailed` with its code and text, as grpcio would.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import struct
 import time
+from collections.abc import Mapping
 from typing import Any
 from urllib.parse import unquote
 
@@ -59,14 +61,43 @@ CONNECT_S = 1.0
 milliseconds): past it the call goes through grpcio with the time left."""
 RETRY_AFTER_S = 10.0
 """After a failed connection attempt, calls go through grpcio this long."""
-PROXY_ENV = ("grpc_proxy", "https_proxy", "http_proxy", "GRPC_PROXY", "HTTPS_PROXY", "HTTP_PROXY")
-"""grpcio connects through a proxy named in these; this client does not, so
-with one set it stands aside (`usable`)."""
+PROXY_ENV = ("grpc_proxy", "https_proxy", "http_proxy")
+"""Where grpcio (gRPC core) finds an HTTP CONNECT proxy, the first one set."""
+NO_PROXY_ENV = ("no_grpc_proxy", "no_proxy")
+"""Where it finds the hosts it reaches directly, the first one set."""
+OTHER_PROXY_ENV = ("GRPC_PROXY", "HTTPS_PROXY", "HTTP_PROXY", "GRPC_ADDRESS_HTTP_PROXY")
+"""Names gRPC core does not read as above (upper case) or reads with rules of
+their own (a proxy by address): set, they make this client stand aside."""
 
 
-def usable() -> bool:
-    """Whether calls may take this path: not when grpcio would use a proxy."""
-    return not any(os.environ.get(name) for name in PROXY_ENV)
+def usable(target: str, env: Mapping[str, str] = os.environ) -> bool:
+    """Whether calls to `target` (host:port) may take this path: only where
+    grpcio would connect directly, since this client knows no proxy.
+
+    grpcio's rule (gRPC core's http_proxy_mapper): with a proxy set, a host
+    is reached directly if its name ends with an entry of no_grpc_proxy (or
+    no_proxy), case aside, or its address lies in an entry's CIDR block.
+    Where the two might differ (an unset or empty proxy before a set one, an
+    upper-case name) we stand aside: grpcio then makes the call its own way.
+    """
+    if any(env.get(name) for name in OTHER_PROXY_ENV):
+        return False
+    if not any(env.get(name) for name in PROXY_ENV):
+        return True
+    bypass = next((env[name] for name in NO_PROXY_ENV if name in env), "")
+    host = target.rpartition(":")[0].strip("[]").lower()
+    return any(_bypassed(host, entry.strip().lower()) for entry in bypass.split(","))
+
+
+def _bypassed(host: str, entry: str) -> bool:
+    if not entry:
+        return False
+    if host.endswith(entry):
+        return True
+    try:
+        return ipaddress.ip_address(host) in ipaddress.ip_network(entry, strict=False)
+    except ValueError:  # a name, or an entry that is not a CIDR block
+        return False
 
 
 class Unavailable(Exception):

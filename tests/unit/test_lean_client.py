@@ -16,7 +16,7 @@ import pytest
 from lighthouse import LighthouseServer
 from lighthouse.client import AsyncLighthouseClient
 from lighthouse.quorum import QuorumMember
-from lighthouse.rpc import auth
+from lighthouse.rpc import auth, lean_client
 from lighthouse.rpc.lean_client import CallFailed, LeanChannel, Unavailable
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from tests.unit.test_lean_server import SECRET, serving
@@ -121,17 +121,52 @@ def test_a_lost_connection_is_made_again_and_no_server_is_unavailable_for_a_whil
     asyncio.run(run())
 
 
-def test_with_a_proxy_set_the_quorum_goes_through_grpcio(monkeypatch):
-    """grpcio honours grpc_proxy, https_proxy and http_proxy; we do not."""
+PROXY = "http://proxy:3128"
 
+
+@pytest.mark.parametrize(
+    "target, env, lean",
+    [
+        ("10.0.0.5:29510", {}, True),
+        ("10.0.0.5:29510", {"https_proxy": PROXY}, False),
+        ("10.0.0.5:29510", {"grpc_proxy": PROXY}, False),
+        ("10.0.0.5:29510", {"http_proxy": PROXY, "no_proxy": "10.0.0.5"}, True),
+        # CIDR blocks, for IPv4 and IPv6 targets; a name is not an address.
+        ("10.0.0.5:29510", {"http_proxy": PROXY, "no_proxy": "localhost, 10.0.0.0/8"}, True),
+        ("10.1.0.5:29510", {"http_proxy": PROXY, "no_proxy": "10.0.0.0/16"}, False),
+        ("[fd00::7]:29510", {"http_proxy": PROXY, "no_proxy": "fd00::/64"}, True),
+        ("lh.example:29510", {"http_proxy": PROXY, "no_proxy": "10.0.0.0/8"}, False),
+        # Names end with an entry, case aside, as gRPC core matches them.
+        ("LH.Cluster.Local:29510", {"http_proxy": PROXY, "no_proxy": ".cluster.local"}, True),
+        ("lh.cluster.local:29510", {"http_proxy": PROXY, "no_proxy": "other.local,,"}, False),
+        # no_grpc_proxy, when set, is read instead of no_proxy.
+        ("lh:1", {"http_proxy": PROXY, "no_grpc_proxy": "x", "no_proxy": "lh"}, False),
+        ("lh:1", {"http_proxy": PROXY, "no_grpc_proxy": "lh", "no_proxy": "x"}, True),
+        # Upper-case names (which gRPC core does not read) and a proxy by
+        # address: we stand aside rather than guess.
+        ("lh:1", {"HTTPS_PROXY": PROXY, "no_proxy": "lh"}, False),
+        ("lh:1", {"GRPC_ADDRESS_HTTP_PROXY": "10.0.0.1:3128"}, False),
+        ("lh:1", {"http_proxy": PROXY, "NO_PROXY": "lh"}, False),
+        ("lh:1", {"http_proxy": ""}, True),
+    ],
+)
+def test_the_quorum_goes_lean_only_where_grpcio_would_connect_directly(target, env, lean):
+    assert lean_client.usable(target, env) is lean
+
+
+def test_with_a_proxy_set_the_quorum_goes_through_grpcio_unless_the_host_is_exempt(monkeypatch):
     async def lean() -> bool:
         client = AsyncLighthouseClient("http://127.0.0.1:1")
         await client.close()
         return client._lean is not None
 
+    for name in lean_client.PROXY_ENV + lean_client.NO_PROXY_ENV + lean_client.OTHER_PROXY_ENV:
+        monkeypatch.delenv(name, raising=False)
     assert asyncio.run(lean())
-    monkeypatch.setenv("https_proxy", "http://proxy:3128")
+    monkeypatch.setenv("https_proxy", PROXY)
     assert not asyncio.run(lean())
+    monkeypatch.setenv("no_proxy", "localhost,127.0.0.1")
+    assert asyncio.run(lean())
 
 
 def test_the_lighthouse_clients_quorum_goes_lean_and_keeps_grpcios_errors():
