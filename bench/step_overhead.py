@@ -26,7 +26,9 @@ a gap is).
 
 Statistics. Per contender: the median over all counted steps (wall, CPU),
 mean minor faults per step, and CPU drift: the median CPU per step of the
-last fifth of its counted steps over that of the first fifth, minus 1.
+last fifth of its counted steps over that of the first fifth, minus 1; and
+the same of its per-round CPU ratios to plain (`_drift_cpu_vs_plain`), its
+own drift without the machine's.
 Ratio to plain under the same allocator: per round, the ratio of the two
 blocks' medians; the figure is the geometric mean of those per-round
 ratios, and its 95% interval a percentile bootstrap over rounds (2000
@@ -235,6 +237,13 @@ def cpu_drift(cpu: list[float]) -> float:
     return statistics.median(cpu[-fifth:]) / statistics.median(cpu[:fifth]) - 1
 
 
+def drift_vs_plain(ours: list[float], plain: list[float]) -> float:
+    """cpu_drift of the per-round ratios to plain (block medians, in run
+    order): a contender's own drift. The machine's drift moves plain's
+    interleaved blocks alike and cancels here, not in cpu_drift."""
+    return cpu_drift([o / p for o, p in zip(ours, plain)])
+
+
 def summarize(hidden: int, allocator: str, blocks: dict[str, list[dict]]) -> dict:
     """One row per (size, allocator): per contender the median step in ms
     (wall, CPU) over all counted steps, faults per step, and the ratios to
@@ -275,6 +284,9 @@ def summarize(hidden: int, allocator: str, blocks: dict[str, list[dict]]) -> dic
             suffix = "" if kind == "wall" else "_cpu"
             row[f"{mode}_ratio{suffix}"] = round(geo_mean(ratios), 3)
             row[f"{mode}_ci95{suffix}"] = f"{low:.3f}-{high:.3f}"
+        row[f"{mode}_drift_cpu_vs_plain"] = round(
+            drift_vs_plain(per_round[mode]["cpu"], per_round["plain"]["cpu"]), 3
+        )
         rpcs = statistics.median(b["rpcs_per_step"] for b in blocks[mode])
         row[f"{mode}_rpcs"] = round(rpcs + (TORCHFT_LIGHTHOUSE_RPCS if mode == "torchft" else 0), 2)
     return row

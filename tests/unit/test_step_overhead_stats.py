@@ -1,0 +1,31 @@
+"""bench.step_overhead's statistics, on made-up series: no processes."""
+
+import pytest
+
+from bench.step_overhead import cpu_drift, drift_vs_plain, geo_mean, ratio_interval
+
+
+@pytest.mark.parametrize(
+    "ours, plain, own, machine",
+    [
+        # The machine slows by 20% through the run: both drift, ours alone does not.
+        ([50, 50, 55, 60, 60], [40, 40, 44, 48, 48], 0.0, 0.2),
+        # Ours grows 10% on a steady machine.
+        ([50, 50, 52, 55, 55], [40, 40, 40, 40, 40], 0.1, 0.1),
+        # The machine speeds up 10% (plain's CPU falls) and ours does not: a
+        # drift of its own that cpu_drift hides.
+        ([50, 50, 50, 50, 50.0], [40, 40, 38, 36.36, 36.36], 0.1, 0.0),
+    ],
+)
+def test_drift_against_plain_is_the_contenders_own(ours, plain, own, machine):
+    assert drift_vs_plain(ours, plain) == pytest.approx(own, abs=0.001)
+    assert cpu_drift(ours) == pytest.approx(machine, abs=0.001)
+
+
+def test_the_ratio_interval_holds_the_geometric_mean_and_narrows_with_rounds():
+    few = [1.0, 1.04, 0.98, 1.02]
+    many = few * 10
+    low_few, high_few = ratio_interval(few)
+    low_many, high_many = ratio_interval(many)
+    assert low_few <= geo_mean(few) <= high_few
+    assert high_many - low_many < high_few - low_few
