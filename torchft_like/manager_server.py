@@ -34,7 +34,7 @@ from lighthouse.rpc.errors import (
     QuorumError,
     QuorumTimeoutError,
 )
-from lighthouse.rpc.loop import BackgroundLoop, reply_budget_s, wait_within
+from lighthouse.rpc.loop import BackgroundLoop, reply_budget_s, wait_for_future
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.rpc.tls import TLSConfig, scheme
@@ -205,7 +205,7 @@ class ManagerServer:
             )
 
         try:
-            result: QuorumResult = await wait_within(asyncio.shield(future), wait_s, stalled)
+            result: QuorumResult = await wait_for_future(future, wait_s, stalled)
             return result
         finally:
             rnd.leave(request.group_rank, future)
@@ -380,7 +380,7 @@ class ManagerServer:
             return QuorumTimeoutError(f"replica group {self.replica_id}: {reason}")
 
         try:
-            decided: bool = await wait_within(asyncio.shield(future), wait_s, stalled)
+            decided: bool = await wait_for_future(future, wait_s, stalled)
             return decided
         finally:
             rnd.leave(group_rank, future)

@@ -61,6 +61,8 @@ CONNECT_S = 1.0
 milliseconds): past it the call goes through grpcio with the time left."""
 RETRY_AFTER_S = 10.0
 """After a failed connection attempt, calls go through grpcio this long."""
+CACHED_BLOCKS = 16
+"""Decoded header blocks a connection keeps (_Connection._decode)."""
 PROXY_ENV = ("grpc_proxy", "https_proxy", "http_proxy")
 """Where grpcio (gRPC core) finds an HTTP CONNECT proxy, the first one set."""
 NO_PROXY_ENV = ("no_grpc_proxy", "no_proxy")
@@ -156,6 +158,7 @@ class _Connection(asyncio.Protocol):
         self._block = bytearray()
         self._block_stream = 0
         self._block_end = False
+        self._decoded: dict[bytes, list[tuple[str, str]]] = {}
         self.calls: dict[int, _Call] = {}
         self._next_stream = 1
         self._send_window = DEFAULT_WINDOW
@@ -239,10 +242,7 @@ class _Connection(asyncio.Protocol):
                 self.calls.pop(sid).fail(Unavailable("the server is going away"))
 
     def _headers_done(self) -> None:
-        # Every block, in order: the table is shared state.
-        headers: list[tuple[str, str]] = [
-            (str(k), str(v)) for k, v in self._decoder.decode(bytes(self._block), raw=False)
-        ]
+        headers = self._decode(bytes(self._block))
         call = self.calls.get(self._block_stream)
         if call is None:
             return
@@ -251,6 +251,20 @@ class _Connection(asyncio.Protocol):
             return
         del self.calls[self._block_stream]
         call.finish(headers)
+
+    def _decode(self, block: bytes) -> list[tuple[str, str]]:
+        """Every block is decoded in order (the table is shared state), but
+        for one seen before while the table was and stayed empty, and not
+        resizing it: its fields then depend on nothing else (our server's
+        answers, all literals, every step)."""
+        table = self._decoder.header_table.dynamic_entries
+        cacheable = not table and block[:1] and block[0] & 0xE0 != 0x20  # 001xxxxx: resizes
+        if cacheable and block in self._decoded:
+            return self._decoded[block]
+        headers = [(str(k), str(v)) for k, v in self._decoder.decode(block, raw=False)]
+        if cacheable and not table and len(self._decoded) < CACHED_BLOCKS:
+            self._decoded[block] = headers
+        return headers
 
     def _data(self, flags: int, stream_id: int, payload: bytes, out: list[bytes]) -> None:
         self._recv_unacked += len(payload)
@@ -307,6 +321,8 @@ class LeanChannel:
         self._static = literal(":authority", target) + b"".join(literal(k, v) for k, v in metadata)
         self._conn: _Connection | None = None
         self._retry_at = 0.0
+        self._prefixes: dict[str, bytes] = {}
+        """Each method's header fields but the deadline, encoded once."""
 
     async def unary(self, method: str, request: bytes, timeout_s: float) -> bytes:
         """The answer's bytes to `request` of `method` (/package.Service/Method).
@@ -320,15 +336,17 @@ class LeanChannel:
             if time.monotonic() < self._retry_at:
                 raise Unavailable("the last connection attempt failed moments ago")
             conn = await self._connect(min(timeout_s, CONNECT_S))
-        headers = (
-            b"\x83"  # :method POST (static table)
-            + b"\x86"  # :scheme http
-            + literal(":path", method)
-            + self._static
-            + literal("content-type", "application/grpc")
-            + literal("te", "trailers")
-            + literal("grpc-timeout", f"{max(1, int(timeout_s * 1000))}m")
-        )
+        prefix = self._prefixes.get(method)
+        if prefix is None:
+            prefix = self._prefixes[method] = (
+                b"\x83"  # :method POST (static table)
+                + b"\x86"  # :scheme http
+                + literal(":path", method)
+                + self._static
+                + literal("content-type", "application/grpc")
+                + literal("te", "trailers")
+            )
+        headers = prefix + literal("grpc-timeout", f"{max(1, int(timeout_s * 1000))}m")
         stream_id, call = conn.start(headers, request)
         # A timer on the future, not wait_for: the answer wakes the caller in one turn.
         late = CallFailed(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s:.1f} s")

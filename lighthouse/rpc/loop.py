@@ -109,6 +109,36 @@ def reply_budget_s(time_remaining_s: float | None) -> float | None:
     return max(time_remaining_s - min(REPLY_MARGIN_S, 0.1 * time_remaining_s), 0.0)
 
 
+async def wait_for_future(
+    future: asyncio.Future[T], timeout_s: float | None, on_timeout: Callable[[], Exception]
+) -> T:
+    """wait_within(asyncio.shield(future), ...) in fewer turns of the loop:
+    `future`'s outcome, or `on_timeout()` after `timeout_s`; neither that nor
+    cancelling the caller touches `future`, which someone else owns."""
+    loop = asyncio.get_running_loop()
+    waiter: asyncio.Future[bool] = loop.create_future()
+
+    def arrived(_: object) -> None:
+        if not waiter.done():
+            waiter.set_result(True)
+
+    future.add_done_callback(arrived)
+    timer = None if timeout_s is None else loop.call_later(timeout_s, _expire, waiter)
+    try:
+        if not await waiter:
+            raise on_timeout()
+    finally:
+        future.remove_done_callback(arrived)
+        if timer is not None:
+            timer.cancel()
+    return future.result()
+
+
+def _expire(waiter: asyncio.Future[bool]) -> None:
+    if not waiter.done():
+        waiter.set_result(False)
+
+
 async def wait_within(
     awaitable: Awaitable[T], timeout_s: float | None, on_timeout: Callable[[], Exception]
 ) -> T:

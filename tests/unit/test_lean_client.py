@@ -201,3 +201,25 @@ def test_the_lighthouse_clients_quorum_goes_lean_and_keeps_grpcios_errors():
         asyncio.run(run())
     finally:
         lighthouse.shutdown()
+
+
+def test_header_blocks_decode_as_a_fresh_decoder_would_and_only_literal_ones_are_reused():
+    """Our server's answers (literals, the table empty) are decoded once;
+    blocks that use or change the table (a tonic server's) every time."""
+    from hpack import Decoder, Encoder
+
+    from lighthouse.rpc.http2 import literal
+    from lighthouse.rpc.lean_client import _Connection
+
+    conn, reference = _Connection(), Decoder()
+    ours = literal(":status", "200") + literal("content-type", "application/grpc")
+    first = conn._decode(ours)
+    assert first == [(":status", "200"), ("content-type", "application/grpc")]
+    assert conn._decode(ours) is first  # reused
+    resize = b"\x3f\xe1\x1f" + ours  # a table size update (4096) first: never reused
+    assert conn._decode(resize) == first and conn._decode(resize) is not first
+    encoder = Encoder()  # indexes what it sends: the table fills and is then referenced
+    trailers = [("grpc-status", "0"), ("grpc-message", "")]
+    for block in [ours, resize] + [encoder.encode(trailers) for _ in range(3)] + [ours]:
+        assert conn._decode(block) == [(str(k), str(v)) for k, v in reference.decode(block)]
+    assert conn._decoded == {ours: first}
