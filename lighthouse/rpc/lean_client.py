@@ -62,7 +62,7 @@ milliseconds): past it the call goes through grpcio with the time left."""
 RETRY_AFTER_S = 10.0
 """After a failed connection attempt, calls go through grpcio this long."""
 CACHED_BLOCKS = 16
-"""Decoded header blocks a connection keeps (_Connection._decode)."""
+"""Decoded header blocks a connection keeps (ClientConnection._decode)."""
 PROXY_ENV = ("grpc_proxy", "https_proxy", "http_proxy")
 """Where grpcio (gRPC core) finds an HTTP CONNECT proxy, the first one set."""
 NO_PROXY_ENV = ("no_grpc_proxy", "no_proxy")
@@ -148,7 +148,7 @@ class _Call:
             self.done.set_result(body[5:])
 
 
-class _Connection(asyncio.Protocol):
+class ClientConnection(asyncio.Protocol):
     """One client connection; streams are our calls in flight."""
 
     def __init__(self) -> None:
@@ -319,7 +319,7 @@ class LeanChannel:
         host, _, port = target.rpartition(":")
         self._host, self._port = host.strip("[]"), int(port)
         self._static = literal(":authority", target) + b"".join(literal(k, v) for k, v in metadata)
-        self._conn: _Connection | None = None
+        self._conn: ClientConnection | None = None
         self._retry_at = 0.0
         self._prefixes: dict[str, bytes] = {}
         """Each method's header fields but the deadline, encoded once."""
@@ -359,11 +359,11 @@ class LeanChannel:
         finally:
             timer.cancel()
 
-    async def _connect(self, timeout_s: float) -> _Connection:
+    async def _connect(self, timeout_s: float) -> ClientConnection:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(_Connection, self._host, self._port), timeout_s
+                loop.create_connection(ClientConnection, self._host, self._port), timeout_s
             )
         except (OSError, asyncio.TimeoutError) as e:
             self._retry_at = time.monotonic() + RETRY_AFTER_S

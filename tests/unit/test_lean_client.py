@@ -12,12 +12,14 @@ from datetime import timedelta
 
 import grpc
 import pytest
+from hpack import Decoder, Encoder
 
 from lighthouse import LighthouseServer
 from lighthouse.client import AsyncLighthouseClient
 from lighthouse.quorum import QuorumMember
 from lighthouse.rpc import auth, lean_client
-from lighthouse.rpc.lean_client import CallFailed, LeanChannel, Unavailable
+from lighthouse.rpc.http2 import literal
+from lighthouse.rpc.lean_client import CallFailed, ClientConnection, LeanChannel, Unavailable
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from tests.unit.test_lean_server import SECRET, serving
 
@@ -206,12 +208,7 @@ def test_the_lighthouse_clients_quorum_goes_lean_and_keeps_grpcios_errors():
 def test_header_blocks_decode_as_a_fresh_decoder_would_and_only_literal_ones_are_reused():
     """Our server's answers (literals, the table empty) are decoded once;
     blocks that use or change the table (a tonic server's) every time."""
-    from hpack import Decoder, Encoder
-
-    from lighthouse.rpc.http2 import literal
-    from lighthouse.rpc.lean_client import _Connection
-
-    conn, reference = _Connection(), Decoder()
+    conn, reference = ClientConnection(), Decoder()
     ours = literal(":status", "200") + literal("content-type", "application/grpc")
     first = conn._decode(ours)
     assert first == [(":status", "200"), ("content-type", "application/grpc")]
