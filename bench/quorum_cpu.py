@@ -20,7 +20,9 @@ Contenders, in blocks of --steps, the order alternating per repeat:
   write, one read; with the same pause.
 
 Figures: per contender, the median over repeats of the loop's and the
-training thread's CPU per step (schedstat, microseconds), min and max.
+training thread's CPU per step (schedstat, microseconds), min and max; and
+its loop's CPU per second over --idle-s seconds without steps (the
+manager's: its heartbeats, every 100 ms by default).
 """
 
 from __future__ import annotations
@@ -151,10 +153,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400, help="steps per block")
     parser.add_argument("--repeats", type=int, default=5, help="blocks per contender")
     parser.add_argument("--pace-ms", type=float, default=5.0, help="the pause in each step")
+    parser.add_argument("--idle-s", type=float, default=5.0, help="the window without steps")
     add_common_args(parser)
     args = parser.parse_args()
     if args.smoke:
-        args.steps, args.repeats = 20, 2
+        args.steps, args.repeats, args.idle_s = 20, 2, 1.0
     if args.steps < 1 or args.repeats < 1:
         raise ValueError(f"need --steps and --repeats >= 1, got {args.steps}, {args.repeats}")
     torch.set_num_threads(1)
@@ -175,6 +178,12 @@ def main() -> None:
             for name in list(contenders)[:: 1 if r % 2 == 0 else -1]:
                 step, loop_id = contenders[name]
                 results[name].append(block(step, loop_id, args.steps))
+        loops = {name: loop_id for name, (_, loop_id) in contenders.items()}
+        before = {name: thread_cpu_ns(i) for name, i in loops.items()}
+        time.sleep(args.idle_s)
+        idle = {
+            name: (thread_cpu_ns(i) - before[name]) / args.idle_s / 1e3 for name, i in loops.items()
+        }
     finally:
         if group is not None:
             group.close()
@@ -190,6 +199,7 @@ def main() -> None:
             "loop_range": f"{min(loop_us):.0f}-{max(loop_us):.0f}",
             "training_us": round(statistics.median(training_us)),
             "training_range": f"{min(training_us):.0f}-{max(training_us):.0f}",
+            "idle_loop_us_per_s": round(idle[name]),
             "steps": args.steps,
             "repeats": args.repeats,
         })  # fmt: skip
