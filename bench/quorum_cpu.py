@@ -36,12 +36,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from datetime import timedelta
 
 import torch
 from torch.distributed import TCPStore
 
 from bench._report import add_common_args, report, results_file
+from bench.step_overhead import wait_port
 from tools.procs import free_port, kill_tree
 
 
@@ -57,16 +59,12 @@ def start_lighthouse() -> tuple[subprocess.Popen, str]:
          "--min-replicas", "1", "--join-timeout-ms", "0"],
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            socket.create_connection(("127.0.0.1", port), 0.2).close()
-            return proc, f"http://127.0.0.1:{port}"
-        except OSError:
-            if proc.poll() is not None or time.monotonic() > deadline:
-                kill_tree(proc.pid)
-                raise RuntimeError(f"the lighthouse did not listen on port {port}") from None
-            time.sleep(0.05)
+    try:
+        wait_port(port, proc)
+    except BaseException:
+        kill_tree(proc.pid)
+        raise
+    return proc, f"http://127.0.0.1:{port}"
 
 
 class Floor:
@@ -138,12 +136,12 @@ def loop_thread_id(name_prefix: str) -> int:
     raise RuntimeError(f"no thread named {name_prefix}*")
 
 
-def block(step: object, loop_id: int, steps: int) -> tuple[float, float]:
+def block(step: Callable[[], None], loop_id: int, steps: int) -> tuple[float, float]:
     """Loop and training thread CPU per step, in microseconds, over `steps`."""
     me = threading.get_native_id()
     loop0, me0 = thread_cpu_ns(loop_id), thread_cpu_ns(me)
     for _ in range(steps):
-        step()  # type: ignore[operator]
+        step()
     n = steps * 1e3
     return (thread_cpu_ns(loop_id) - loop0) / n, (thread_cpu_ns(me) - me0) / n
 
