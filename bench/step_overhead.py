@@ -33,7 +33,8 @@ Ratio to plain under the same allocator: per round, the ratio of the two
 blocks' medians; the figure is the geometric mean of those per-round
 ratios, and its 95% interval a percentile bootstrap over rounds (2000
 resamples of the rounds with replacement, random.Random(0)). Wall and CPU
-ratios both. Also the RPCs the step sends on
+ratios both; with --ft-baseline, ft's to ftbase's the same way
+(`ft_vs_ftbase`: a change's effect, paired round by round). Also the RPCs the step sends on
 its critical path (heartbeats left out), and its CPU per step by thread
 (training, our quorum thread and server loop, grpc's, gloo's: where the
 difference to plain is spent).
@@ -289,6 +290,13 @@ def summarize(hidden: int, allocator: str, blocks: dict[str, list[dict]]) -> dic
         )
         rpcs = statistics.median(b["rpcs_per_step"] for b in blocks[mode])
         row[f"{mode}_rpcs"] = round(rpcs + (TORCHFT_LIGHTHOUSE_RPCS if mode == "torchft" else 0), 2)
+    if "ft" in per_round and "ftbase" in per_round:  # a change's before/after, round by round
+        for kind in ("wall", "cpu"):
+            ratios = [n / o for o, n in zip(per_round["ftbase"][kind], per_round["ft"][kind])]
+            low, high = ratio_interval(ratios)
+            suffix = "" if kind == "wall" else "_cpu"
+            row[f"ft_vs_ftbase{suffix}"] = round(geo_mean(ratios), 3)
+            row[f"ft_vs_ftbase_ci95{suffix}"] = f"{low:.3f}-{high:.3f}"
     return row
 
 

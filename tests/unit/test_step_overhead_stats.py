@@ -2,7 +2,7 @@
 
 import pytest
 
-from bench.step_overhead import cpu_drift, drift_vs_plain, geo_mean, ratio_interval
+from bench.step_overhead import cpu_drift, drift_vs_plain, geo_mean, ratio_interval, summarize
 
 
 @pytest.mark.parametrize(
@@ -29,3 +29,21 @@ def test_the_ratio_interval_holds_the_geometric_mean_and_narrows_with_rounds():
     low_many, high_many = ratio_interval(many)
     assert low_few <= geo_mean(few) <= high_few
     assert high_many - low_many < high_few - low_few
+
+
+def test_a_baseline_of_ours_is_compared_with_ours_round_by_round():
+    def blocks(step_s: list[float]) -> list[dict]:
+        return [
+            {"times": [s, s], "cpu": [s / 2, s / 2], "minflt": [0], "rpcs_per_step": 1.0}
+            for s in step_s
+        ]
+
+    # The machine slows down over the rounds; ft stays 2% faster than ftbase.
+    row = summarize(1000, "default", {
+        "plain": blocks([0.050, 0.060, 0.070]),
+        "ft": blocks([0.049, 0.0588, 0.0686]),
+        "ftbase": blocks([0.050, 0.060, 0.070]),
+    })  # fmt: skip
+    assert row["ft_vs_ftbase"] == row["ft_vs_ftbase_cpu"] == 0.98
+    assert row["ft_vs_ftbase_ci95"] == "0.980-0.980"
+    assert row["ftbase_ratio"] == 1.0
