@@ -1,14 +1,16 @@
-"""Unary gRPC calls over one HTTP/2 connection of our own, on the caller's loop.
+"""gRPC calls over one HTTP/2 connection of our own, on the caller's loop.
 
 Why not grpc.aio for the Quorum call a group makes every step: one call
 wakes grpc's poller and event-engine threads and hops to the loop, ~1-2 ms
 of CPU a step here, against a fraction of that for one write and one read
-on the loop itself (bench/NOTES.md, "Step overhead, round three"). Only
-what a unary call to a known server needs: the client preface, SETTINGS,
-PING, flow control for what we receive, GOAWAY and RST_STREAM; HPACK
-decoding by the `hpack` library, our headers sent as literals.
+on the loop itself (bench/NOTES.md, "Step overhead, round three"). The same
+holds for each heartbeat on a stream (~0.7 ms through grpc.aio), so
+streaming calls go here too: one DATA frame per message each way. Only
+what calls to a known server need: the client preface, SETTINGS, PING,
+flow control both ways, GOAWAY and RST_STREAM; HPACK decoding by the
+`hpack` library, our headers sent as literals.
 
-Anything this client does not handle (no connection, a request larger
+Anything this client does not handle (no connection, a message larger
 than the peer's window, a connection lost before the answer) raises
 `Unavailable`, and the caller makes the same call through grpcio instead,
 which owns waiting for a server that is down. A status the server answers
@@ -22,7 +24,7 @@ import ipaddress
 import os
 import struct
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 from urllib.parse import unquote
 
@@ -61,6 +63,9 @@ CONNECT_S = 1.0
 milliseconds): past it the call goes through grpcio with the time left."""
 RETRY_AFTER_S = 10.0
 """After a failed connection attempt, calls go through grpcio this long."""
+MAX_UNSENT = 65_536
+"""Bytes of a stream's messages the socket may hold back before a send
+fails: a server that takes none of them is as good as gone."""
 CACHED_BLOCKS = 16
 """Decoded header blocks a connection keeps (ClientConnection._decode)."""
 PROXY_ENV = ("grpc_proxy", "https_proxy", "http_proxy")
@@ -126,15 +131,25 @@ class _Call:
         if not self.done.done():
             self.done.set_exception(error)
 
-    def finish(self, trailers: list[tuple[str, str]]) -> None:
+    def take(self, payload: bytes) -> None:
+        """Bytes of the answer."""
+        self.body += payload
+
+    def ending(self, trailers: list[tuple[str, str]]) -> Exception | None:
+        """What the end of the call says went wrong, if anything."""
         fields = dict(self.headers)
         fields.update(trailers)
         if fields.get(":status", "200") != "200":
-            self.fail(Unavailable(f"HTTP status {fields[':status']}"))
-            return
+            return Unavailable(f"HTTP status {fields[':status']}")
         code = _CODES.get(int(fields.get("grpc-status", "2")), grpc.StatusCode.UNKNOWN)
         if code != grpc.StatusCode.OK:
-            self.fail(CallFailed(code, unquote(fields.get("grpc-message", ""))))
+            return CallFailed(code, unquote(fields.get("grpc-message", "")))
+        return None
+
+    def finish(self, trailers: list[tuple[str, str]]) -> None:
+        error = self.ending(trailers)
+        if error is not None:
+            self.fail(error)
             return
         body = bytes(self.body)
         if len(body) < 5:
@@ -146,6 +161,40 @@ class _Call:
             return
         if not self.done.done():
             self.done.set_result(body[5:])
+
+
+class _Stream(_Call):
+    """A streaming call: each message that arrives goes to `on_message`
+    (which must not raise); `done` is b"" once the server ends it with OK."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, on_message: Callable[[bytes], None], window: int
+    ) -> None:
+        super().__init__(loop)
+        self.on_message = on_message
+        self.window = window
+        """What we may still send on it (the server's window for the stream)."""
+
+    def take(self, payload: bytes) -> None:
+        body = self.body
+        body += payload
+        while len(body) >= 5:
+            compressed, size = _MESSAGE.unpack_from(body)
+            if len(body) < 5 + size:
+                return
+            message = bytes(body[5 : 5 + size])
+            del body[: 5 + size]
+            if compressed:  # we accept no encoding: none is sent
+                self.fail(Unavailable("a compressed message"))
+                return
+            self.on_message(message)
+
+    def finish(self, trailers: list[tuple[str, str]]) -> None:
+        error = self.ending(trailers)
+        if error is not None:
+            self.fail(error)
+        elif not self.done.done():
+            self.done.set_result(b"")
 
 
 class ClientConnection(asyncio.Protocol):
@@ -222,14 +271,21 @@ class ClientConnection(asyncio.Protocol):
                 key, value = _SETTING.unpack_from(payload, i)
                 if key == 0x4:
                     self._send_window += value - self._peer_initial_window
+                    for open_call in self.calls.values():
+                        if isinstance(open_call, _Stream):
+                            open_call.window += value - self._peer_initial_window
                     self._peer_initial_window = value
                 elif key == 0x5:
                     self._peer_max_frame = value
             out.append(frame(SETTINGS, ACK, 0, b""))
         elif kind == PING and not flags & ACK:
             out.append(frame(PING, ACK, 0, payload))
-        elif kind == WINDOW_UPDATE and stream_id == 0:
-            self._send_window += _U32.unpack(payload)[0] & 0x7FFFFFFF
+        elif kind == WINDOW_UPDATE:
+            increment = _U32.unpack(payload)[0] & 0x7FFFFFFF
+            if stream_id == 0:
+                self._send_window += increment
+            elif isinstance(stream := self.calls.get(stream_id), _Stream):
+                stream.window += increment
         elif kind == RST_STREAM:
             call = self.calls.pop(stream_id, None)
             if call is not None:
@@ -277,7 +333,7 @@ class ClientConnection(asyncio.Protocol):
         call.unacked += len(payload)
         if flags & PADDED:
             payload = payload[1 : len(payload) - payload[0]]
-        call.body += payload
+        call.take(payload)
         if call.unacked >= RECV_WINDOW // 2 and not flags & END_STREAM:
             out.append(frame(WINDOW_UPDATE, 0, stream_id, _U32.pack(call.unacked)))
             call.unacked = 0
@@ -298,6 +354,32 @@ class ClientConnection(asyncio.Protocol):
             + frame(DATA, END_STREAM, stream_id, body)
         )
         return stream_id, call
+
+    def open_stream(
+        self, headers: bytes, on_message: Callable[[bytes], None]
+    ) -> tuple[int, _Stream]:
+        """Opens a streaming call (its headers only); raises Unavailable if it cannot."""
+        if self.transport is None or self.closing or self._next_stream > 0x7FFFFFFF:
+            raise Unavailable("no open connection")
+        stream_id, self._next_stream = self._next_stream, self._next_stream + 2
+        stream = _Stream(asyncio.get_running_loop(), on_message, self._peer_initial_window)
+        self.calls[stream_id] = stream
+        self.transport.write(frame(HEADERS, END_HEADERS, stream_id, headers))
+        return stream_id, stream
+
+    def send(self, stream_id: int, stream: _Stream, message: bytes) -> None:
+        """One message on an open stream; raises Unavailable if it cannot go
+        now (no window, or a server that has not read what we sent)."""
+        if self.transport is None or self.calls.get(stream_id) is not stream:
+            raise Unavailable("the stream is closed")
+        if self.transport.get_write_buffer_size() > MAX_UNSENT:
+            raise Unavailable(f"over {MAX_UNSENT} bytes not taken by the server")
+        body = _MESSAGE.pack(0, len(message)) + message
+        if len(body) > min(self._send_window, stream.window, self._peer_max_frame):
+            raise Unavailable("a message larger than the server's window or frame size")
+        self._send_window -= len(body)
+        stream.window -= len(body)
+        self.transport.write(frame(DATA, 0, stream_id, body))
 
     def cancel(self, stream_id: int) -> None:
         if self.calls.pop(stream_id, None) is not None and self.transport is not None:
@@ -336,18 +418,8 @@ class LeanChannel:
             if time.monotonic() < self._retry_at:
                 raise Unavailable("the last connection attempt failed moments ago")
             conn = await self._connect(min(timeout_s, CONNECT_S))
-        prefix = self._prefixes.get(method)
-        if prefix is None:
-            prefix = self._prefixes[method] = (
-                b"\x83"  # :method POST (static table)
-                + b"\x86"  # :scheme http
-                + literal(":path", method)
-                + self._static
-                + literal("content-type", "application/grpc")
-                + literal("te", "trailers")
-            )
-        headers = prefix + literal("grpc-timeout", f"{max(1, int(timeout_s * 1000))}m")
-        stream_id, call = conn.start(headers, request)
+        deadline = literal("grpc-timeout", f"{max(1, int(timeout_s * 1000))}m")
+        stream_id, call = conn.start(self._prefix(method) + deadline, request)
         # A timer on the future, not wait_for: the answer wakes the caller in one turn.
         late = CallFailed(grpc.StatusCode.DEADLINE_EXCEEDED, f"no answer within {timeout_s:.1f} s")
         timer = asyncio.get_running_loop().call_later(timeout_s, call.fail, late)
@@ -358,6 +430,37 @@ class LeanChannel:
             raise
         finally:
             timer.cancel()
+
+    async def stream(
+        self, method: str, on_message: Callable[[bytes], None], connect_s: float = CONNECT_S
+    ) -> LeanStream:
+        """Opens a streaming call of `method`, without a deadline; each
+        message of the server's goes to `on_message`, which must not raise.
+
+        Raises:
+            Unavailable: not opened here; open it another way.
+        """
+        conn = self._conn
+        if conn is None or conn.transport is None or conn.closing:
+            if time.monotonic() < self._retry_at:
+                raise Unavailable("the last connection attempt failed moments ago")
+            conn = await self._connect(min(connect_s, CONNECT_S))
+        stream_id, stream = conn.open_stream(self._prefix(method), on_message)
+        return LeanStream(conn, stream_id, stream)
+
+    def _prefix(self, method: str) -> bytes:
+        """`method`'s header fields but a deadline, encoded once."""
+        prefix = self._prefixes.get(method)
+        if prefix is None:
+            prefix = self._prefixes[method] = (
+                b"\x83"  # :method POST (static table)
+                + b"\x86"  # :scheme http
+                + literal(":path", method)
+                + self._static
+                + literal("content-type", "application/grpc")
+                + literal("te", "trailers")
+            )
+        return prefix
 
     async def _connect(self, timeout_s: float) -> ClientConnection:
         loop = asyncio.get_running_loop()
@@ -375,3 +478,31 @@ class LeanChannel:
         if self._conn is not None and self._conn.transport is not None:
             self._conn.transport.close()
         self._conn = None
+
+
+class LeanStream:
+    """A streaming call of ours: `write` sends a message; `ended` completes
+    when the call ends (b"" on OK; CallFailed, or Unavailable when it was
+    lost or cancelled)."""
+
+    def __init__(self, conn: ClientConnection, stream_id: int, stream: _Stream) -> None:
+        self._conn, self._id, self._stream = conn, stream_id, stream
+        self.ended = stream.done
+        self.ended.add_done_callback(_retrieved)  # read or not, no "never retrieved" log
+
+    def write(self, message: bytes) -> None:
+        """Raises Unavailable if the message cannot go now; the stream is then done for."""
+        if self.ended.done():
+            raise Unavailable("the stream has ended")
+        self._conn.send(self._id, self._stream, message)
+
+    def cancel(self) -> None:
+        """Ends the call (RST_STREAM): the server sees it cancelled."""
+        if not self.ended.done():
+            self._stream.fail(Unavailable("cancelled"))
+            self._conn.cancel(self._id)
+
+
+def _retrieved(future: asyncio.Future[bytes]) -> None:
+    if not future.cancelled():
+        future.exception()

@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import threading
 import time
+from typing import Any
 
 import grpc
 import pytest
@@ -63,6 +64,8 @@ class _Servicer(pb_grpc.LighthouseServiceServicer):
     async def HeartbeatPaced(self, request_iterator, context):
         try:
             async for request in request_iterator:
+                if request.replica_id == "abort":
+                    await context.abort(grpc.StatusCode.ALREADY_EXISTS, "taken: 100%")
                 await context.write(
                     pb.LighthouseHeartbeatAdvice(interval_ms=len(request.replica_id))
                 )
@@ -71,10 +74,11 @@ class _Servicer(pb_grpc.LighthouseServiceServicer):
 
 
 @contextlib.contextmanager
-def serving(runtime: str):
-    """(servicer, port) of a `runtime` server ("lean" or "grpcio") with a secret."""
+def serving(runtime: str, servicer: Any = None):
+    """(servicer, port) of a `runtime` server ("lean" or "grpcio") with a
+    secret, serving `servicer` (by default the one above)."""
     loop = BackgroundLoop("test-server")
-    servicer = _Servicer()
+    servicer = servicer or _Servicer()
 
     async def start():
         srv = serve.new_server(

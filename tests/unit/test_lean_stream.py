@@ -1,0 +1,172 @@
+"""Streaming calls on the lean client (lighthouse.rpc.lean_client.LeanStream)
+against both real servers, lean and grpcio, and the lighthouse client's
+heartbeat stream on it: messages both ways past the first window, statuses
+as grpcio reports them, cancellation, and grpcio's stream wherever the
+lean one cannot go."""
+
+from __future__ import annotations
+
+import asyncio
+from datetime import timedelta
+
+import grpc
+import pytest
+
+from lighthouse import LighthouseServer
+from lighthouse.client import HEARTBEAT_PACED_METHOD, AsyncLighthouseClient
+from lighthouse.rpc import auth
+from lighthouse.rpc.errors import QuorumError
+from lighthouse.rpc.lean_client import CallFailed, LeanChannel, Unavailable
+from lighthouse.rpc.proto import torchft_pb2 as pb
+from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
+from tests.unit.test_lean_server import SECRET, serving
+
+
+@pytest.fixture(params=["lean", "grpcio"])
+def server(request):
+    with serving(request.param) as (servicer, port):
+        yield servicer, f"127.0.0.1:{port}"
+
+
+def heartbeat(rid: str) -> bytes:
+    return pb.LighthouseHeartbeatRequest(replica_id=rid).SerializeToString()
+
+
+async def advices_for(target: str, ids: list[str], pause_every: int = 0):
+    """(advised intervals, the stream, its channel) for one heartbeat per id;
+    with `pause_every`, a wait for the answers so far after that many."""
+    channel = LeanChannel(target, auth.metadata(SECRET))
+    got: list[int] = []
+
+    def on_message(message: bytes) -> None:
+        got.append(pb.LighthouseHeartbeatAdvice.FromString(message).interval_ms)
+
+    async def answered(n: int) -> None:
+        for _ in range(1000):
+            if len(got) >= n or stream.ended.done():
+                return
+            await asyncio.sleep(0.01)
+
+    stream = await channel.stream(HEARTBEAT_PACED_METHOD, on_message)
+    for i, rid in enumerate(ids, 1):
+        stream.write(heartbeat(rid))
+        if pause_every and i % pause_every == 0:
+            await answered(i)
+    await answered(len(ids))
+    return got, stream, channel
+
+
+def test_messages_go_both_ways_and_a_cancel_ends_the_handler(server):
+    servicer, target = server
+
+    async def run():
+        got, stream, channel = await advices_for(target, ["a", "bb", "ccc"])
+        assert got == [1, 2, 3] and not stream.ended.done()
+        stream.cancel()
+        assert "cancelled" in str(stream.ended.exception())
+        with pytest.raises(Unavailable, match="ended"):
+            stream.write(heartbeat("a"))
+        channel.close()
+
+    asyncio.run(run())
+    assert servicer.ended_event.wait(5) and servicer.ended == ["paced"]
+
+
+def test_messages_past_the_servers_first_window_flow_on_its_updates(server):
+    """2,500 heartbeats of ~60 bytes: over 64 KB, the smallest first window."""
+    _, target = server
+    ids = ["x" * 55] * 2500
+
+    async def run():
+        got, stream, channel = await advices_for(target, ids, pause_every=250)
+        assert got == [55] * 2500
+        stream.cancel()
+        channel.close()
+
+    asyncio.run(run())
+
+
+def test_a_status_ends_the_stream_as_grpcio_reports_it(server):
+    _, target = server
+
+    async def run():
+        _, stream, channel = await advices_for(target, ["a", "abort"])
+        with pytest.raises(CallFailed) as e:
+            await asyncio.wait_for(stream.ended, 5)
+        assert (e.value.code, e.value.details) == (grpc.StatusCode.ALREADY_EXISTS, "taken: 100%")
+        with pytest.raises(Unavailable, match="ended"):
+            stream.write(heartbeat("a"))
+        channel.close()
+
+    asyncio.run(run())
+
+
+def test_the_lighthouse_clients_heartbeats_go_lean_and_its_end_is_a_death():
+    lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, heartbeat_timeout_ms=60_000)
+
+    def healthy() -> bool:
+        (replica,) = lighthouse.status()["replicas"]
+        return bool(replica["healthy"])
+
+    async def run():
+        client = AsyncLighthouseClient(lighthouse.address())
+        try:
+            for _ in range(3):
+                assert await client.stream_heartbeat("g:1", timedelta(seconds=5))
+            assert client._lean_stream is not None and client._heartbeat_call is None
+            assert client.heartbeat_stream_open()
+            for _ in range(50):
+                if lighthouse.status()["replicas"] and healthy():
+                    break
+                await asyncio.sleep(0.1)
+            client.close_heartbeat_stream()
+            assert not client.heartbeat_stream_open()
+            for _ in range(50):  # the lighthouse takes the stream's end as a death
+                await asyncio.sleep(0.1)
+                if not healthy():
+                    break
+            assert not healthy()
+        finally:
+            await client.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        lighthouse.shutdown()
+
+
+class _Unpaced(pb_grpc.LighthouseServiceServicer):
+    """A lighthouse with unary heartbeats only, as pytorch/torchft's: its
+    streams answer what a server without them does."""
+
+    async def Heartbeat(self, request, context):
+        return pb.LighthouseHeartbeatResponse()
+
+    async def HeartbeatStream(self, request_iterator, context):
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "Method not found!")
+
+    HeartbeatPaced = HeartbeatStream
+
+
+@pytest.mark.parametrize("runtime", ["lean", "grpcio"])
+def test_a_lighthouse_without_the_stream_gets_unary_heartbeats(runtime):
+    with serving(runtime, _Unpaced()) as (_, port):
+
+        async def run():
+            client = AsyncLighthouseClient(f"http://127.0.0.1:{port}", secret=SECRET)
+            try:
+                answers: list[bool | str] = []
+                for _ in range(8):
+                    try:
+                        answers.append(await client.stream_heartbeat("g:1", timedelta(seconds=5)))
+                    except QuorumError:  # grpcio may see the refusal as INTERNAL: tried again
+                        answers.append("error")
+                    await asyncio.sleep(0.05)
+                    # Writes may be taken before the refusal arrives: then a False,
+                # after which the heartbeat loop sends unary heartbeats only.
+                assert False in answers and not client._lean_paced
+                await client.heartbeat("g:1", timedelta(seconds=5))
+            finally:
+                await client.close()
+
+        asyncio.run(run())
