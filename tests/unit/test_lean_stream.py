@@ -7,6 +7,7 @@ lean one cannot go."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from datetime import timedelta
 
 import grpc
@@ -170,3 +171,25 @@ def test_a_lighthouse_without_the_stream_gets_unary_heartbeats(runtime):
                 await client.close()
 
         asyncio.run(run())
+
+
+def test_a_server_that_reads_nothing_stops_the_stream_within_its_window():
+    """No SETTINGS, no WINDOW_UPDATE: 65,535 bytes, then `Unavailable` (the
+    heartbeats move to grpcio) rather than a buffer that grows for ever."""
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    async def run():
+        port = listener.getsockname()[1]
+        channel = LeanChannel(f"127.0.0.1:{port}")
+        stream = await channel.stream(HEARTBEAT_PACED_METHOD, lambda _: None)
+        sent = 0
+        with pytest.raises(Unavailable, match="window"):
+            for sent in range(10_000):  # noqa: B007
+                stream.write(heartbeat("x" * 55))
+        assert 60 * sent <= 65_535 < 65 * (sent + 1)
+        channel.close()
+
+    try:
+        asyncio.run(run())
+    finally:
+        listener.close()
