@@ -20,7 +20,9 @@ Contenders, in blocks of --steps, the order alternating per repeat:
   write, one read; with the same pause.
 
 Figures: per contender, the median over repeats of the loop's and the
-training thread's CPU per step (schedstat, microseconds), min and max; and
+training thread's CPU per step (schedstat, microseconds), min and max; that
+of the process the loop talks to (`peer_us`: the lighthouse, the echo
+child), all its threads; and
 its loop's CPU per second over --idle-s seconds without steps (the
 manager's: its heartbeats, every 100 ms by default).
 """
@@ -136,14 +138,33 @@ def loop_thread_id(name_prefix: str) -> int:
     raise RuntimeError(f"no thread named {name_prefix}*")
 
 
-def block(step: Callable[[], None], loop_id: int, steps: int) -> tuple[float, float]:
-    """Loop and training thread CPU per step, in microseconds, over `steps`."""
+def process_cpu_ns(pid: int) -> int:
+    """CPU nanoseconds so far of every thread of process `pid` (those that ended not counted)."""
+    total = 0
+    for task in os.listdir(f"/proc/{pid}/task"):
+        try:
+            with open(f"/proc/{pid}/task/{task}/schedstat") as f:
+                total += int(f.read().split()[0])
+        except OSError:  # the thread ended meanwhile
+            pass
+    return total
+
+
+def block(
+    step: Callable[[], None], loop_id: int, peer_pid: int, steps: int
+) -> tuple[float, float, float]:
+    """CPU per step, in microseconds, over `steps`: the loop thread, the
+    training thread, and the process the loop talks to."""
     me = threading.get_native_id()
-    loop0, me0 = thread_cpu_ns(loop_id), thread_cpu_ns(me)
+    loop0, me0, peer0 = thread_cpu_ns(loop_id), thread_cpu_ns(me), process_cpu_ns(peer_pid)
     for _ in range(steps):
         step()
     n = steps * 1e3
-    return (thread_cpu_ns(loop_id) - loop0) / n, (thread_cpu_ns(me) - me0) / n
+    return (
+        (thread_cpu_ns(loop_id) - loop0) / n,
+        (thread_cpu_ns(me) - me0) / n,
+        (process_cpu_ns(peer_pid) - peer0) / n,
+    )
 
 
 def main() -> None:
@@ -165,18 +186,18 @@ def main() -> None:
     try:
         floor, group = Floor(args.pace_ms / 1000), OneRankGroup(addr, args.pace_ms / 1000)
         contenders = {
-            "manager": (group.step, loop_thread_id("manager-server-")),
-            "floor": (floor.step, floor.thread.native_id or 0),
+            "manager": (group.step, loop_thread_id("manager-server-"), lighthouse.pid),
+            "floor": (floor.step, floor.thread.native_id or 0, floor.child.pid),
         }
-        for step, _ in contenders.values():  # warm-up: connections, first quorum
+        for step, _, _ in contenders.values():  # warm-up: connections, first quorum
             for _ in range(20):
                 step()
-        results: dict[str, list[tuple[float, float]]] = {name: [] for name in contenders}
+        results: dict[str, list[tuple[float, float, float]]] = {name: [] for name in contenders}
         for r in range(args.repeats):
             for name in list(contenders)[:: 1 if r % 2 == 0 else -1]:
-                step, loop_id = contenders[name]
-                results[name].append(block(step, loop_id, args.steps))
-        loops = {name: loop_id for name, (_, loop_id) in contenders.items()}
+                step, loop_id, peer = contenders[name]
+                results[name].append(block(step, loop_id, peer, args.steps))
+        loops = {name: loop_id for name, (_, loop_id, _) in contenders.items()}
         before = {name: thread_cpu_ns(i) for name, i in loops.items()}
         time.sleep(args.idle_s)
         idle = {
@@ -190,13 +211,14 @@ def main() -> None:
         kill_tree(lighthouse.pid)
     rows = []
     for name, blocks in results.items():
-        loop_us, training_us = [b[0] for b in blocks], [b[1] for b in blocks]
+        loop_us, training_us, peer_us = ([b[i] for b in blocks] for i in range(3))
         rows.append({
             "contender": name,
             "loop_us": round(statistics.median(loop_us)),
             "loop_range": f"{min(loop_us):.0f}-{max(loop_us):.0f}",
             "training_us": round(statistics.median(training_us)),
             "training_range": f"{min(training_us):.0f}-{max(training_us):.0f}",
+            "peer_us": round(statistics.median(peer_us)),
             "idle_loop_us_per_s": round(idle[name]),
             "steps": args.steps,
             "repeats": args.repeats,
