@@ -269,8 +269,7 @@ class ClientConnection(asyncio.Protocol):
         elif kind == SETTINGS and not flags & ACK:
             for i in range(0, len(payload) - 5, 6):
                 key, value = _SETTING.unpack_from(payload, i)
-                if key == 0x4:
-                    self._send_window += value - self._peer_initial_window
+                if key == 0x4:  # every stream's window moves; the connection's does not
                     for open_call in self.calls.values():
                         if isinstance(open_call, _Stream):
                             open_call.window += value - self._peer_initial_window
@@ -497,10 +496,10 @@ class LeanStream:
         self._conn.send(self._id, self._stream, message)
 
     def cancel(self) -> None:
-        """Ends the call (RST_STREAM): the server sees it cancelled."""
-        if not self.ended.done():
-            self._stream.fail(Unavailable("cancelled"))
-            self._conn.cancel(self._id)
+        """Ends the call (RST_STREAM, unless the server ended it): the server
+        sees it cancelled."""
+        self._stream.fail(Unavailable("cancelled"))
+        self._conn.cancel(self._id)
 
 
 def _retrieved(future: asyncio.Future[bytes]) -> None:
