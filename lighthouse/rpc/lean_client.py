@@ -176,6 +176,8 @@ class _Stream(_Call):
         """What we may still send on it (the server's window for the stream)."""
 
     def take(self, payload: bytes) -> None:
+        if self.done.done():  # failed on our side: nobody reads on
+            return
         body = self.body
         body += payload
         while len(body) >= 5:
