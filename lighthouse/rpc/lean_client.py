@@ -394,15 +394,20 @@ class ClientConnection(asyncio.Protocol):
 
 
 class LeanChannel:
-    """Unary calls to the gRPC server at `target` (host:port, plain text),
-    on the running loop; one connection, opened on first use and again
-    after it is lost."""
+    """Calls to the gRPC server at `target` (host:port, plain text), on the
+    running loop; one connection, opened on first use and again after it is
+    lost, by one attempt at a time (a heartbeat and a Quorum call may both
+    find none)."""
 
     def __init__(self, target: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
         host, _, port = target.rpartition(":")
         self._host, self._port = host.strip("[]"), int(port)
         self._static = literal(":authority", target) + b"".join(literal(k, v) for k, v in metadata)
         self._conn: ClientConnection | None = None
+        self._old: list[ClientConnection] = []
+        """Connections replaced while open (a GOAWAY): closed with the channel."""
+        self._connecting: asyncio.Task[ClientConnection] | None = None
+        self._closed = False
         self._retry_at = 0.0
         self._prefixes: dict[str, bytes] = {}
         """Each method's header fields but the deadline, encoded once."""
@@ -414,11 +419,7 @@ class LeanChannel:
             Unavailable: not made or not finished here; make it another way.
             CallFailed: the server's status; DEADLINE_EXCEEDED after `timeout_s`.
         """
-        conn = self._conn
-        if conn is None or conn.transport is None or conn.closing:
-            if time.monotonic() < self._retry_at:
-                raise Unavailable("the last connection attempt failed moments ago")
-            conn = await self._connect(min(timeout_s, CONNECT_S))
+        conn = await self._connection(timeout_s)
         deadline = literal("grpc-timeout", f"{max(1, int(timeout_s * 1000))}m")
         stream_id, call = conn.start(self._prefix(method) + deadline, request)
         # A timer on the future, not wait_for: the answer wakes the caller in one turn.
@@ -441,11 +442,7 @@ class LeanChannel:
         Raises:
             Unavailable: not opened here; open it another way.
         """
-        conn = self._conn
-        if conn is None or conn.transport is None or conn.closing:
-            if time.monotonic() < self._retry_at:
-                raise Unavailable("the last connection attempt failed moments ago")
-            conn = await self._connect(min(connect_s, CONNECT_S))
+        conn = await self._connection(connect_s)
         stream_id, stream = conn.open_stream(self._prefix(method), on_message)
         return LeanStream(conn, stream_id, stream)
 
@@ -463,6 +460,22 @@ class LeanChannel:
             )
         return prefix
 
+    async def _connection(self, timeout_s: float) -> ClientConnection:
+        """The open connection, or a new one (waiting at most `timeout_s`,
+        and CONNECT_S); callers that find none meanwhile share its attempt."""
+        conn = self._conn
+        if conn is not None and conn.transport is not None and not conn.closing:
+            return conn
+        if self._closed:
+            raise Unavailable("the channel is closed")
+        if self._connecting is None or self._connecting.done():
+            if time.monotonic() < self._retry_at:
+                raise Unavailable("the last connection attempt failed moments ago")
+            self._connecting = asyncio.ensure_future(self._connect(min(timeout_s, CONNECT_S)))
+            self._connecting.add_done_callback(_retrieved)
+        # Shielded: one caller's cancellation must not end the others' attempt.
+        return await asyncio.shield(self._connecting)
+
     async def _connect(self, timeout_s: float) -> ClientConnection:
         loop = asyncio.get_running_loop()
         try:
@@ -472,13 +485,22 @@ class LeanChannel:
         except (OSError, asyncio.TimeoutError) as e:
             self._retry_at = time.monotonic() + RETRY_AFTER_S
             raise Unavailable(f"cannot connect to {self._host}:{self._port}: {e!r}") from None
+        if self._closed:  # closed while connecting: nobody would close this one
+            conn.abort("the channel was closed")
+            raise Unavailable("the channel is closed")
+        old = self._conn
+        if old is not None and old.transport is not None:
+            self._old.append(old)
+        self._old = [c for c in self._old if c.transport is not None]
         self._conn = conn
         return conn
 
     def close(self) -> None:
-        if self._conn is not None and self._conn.transport is not None:
-            self._conn.transport.close()
-        self._conn = None
+        self._closed = True  # an attempt under way closes what it opens (_connect)
+        for conn in (self._conn, *self._old):
+            if conn is not None and conn.transport is not None:
+                conn.transport.close()
+        self._conn, self._old = None, []
 
 
 class LeanStream:
@@ -504,6 +526,6 @@ class LeanStream:
         self._conn.cancel(self._id)
 
 
-def _retrieved(future: asyncio.Future[bytes]) -> None:
+def _retrieved(future: asyncio.Future[Any]) -> None:
     if not future.cancelled():
         future.exception()

@@ -193,3 +193,24 @@ def test_a_server_that_reads_nothing_stops_the_stream_within_its_window():
         asyncio.run(run())
     finally:
         listener.close()
+
+
+def test_callers_that_find_no_connection_share_one_attempt(server):
+    """A heartbeat and a Quorum call may both find none: two connections
+    would leave one that closing the channel does not close."""
+    _, target = server
+
+    async def run():
+        channel = LeanChannel(target, auth.metadata(SECRET))
+        a, b = await asyncio.gather(
+            channel.stream(HEARTBEAT_PACED_METHOD, lambda _: None),
+            channel.stream(HEARTBEAT_PACED_METHOD, lambda _: None),
+        )
+        assert a._conn is b._conn
+        a.cancel()
+        b.cancel()
+        channel.close()
+        with pytest.raises(Unavailable, match="closed"):
+            await channel.stream(HEARTBEAT_PACED_METHOD, lambda _: None)
+
+    asyncio.run(run())
