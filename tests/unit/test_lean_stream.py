@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import time
 from datetime import timedelta
 
 import grpc
@@ -156,16 +157,17 @@ def test_a_lighthouse_without_the_stream_gets_unary_heartbeats(runtime):
         async def run():
             client = AsyncLighthouseClient(f"http://127.0.0.1:{port}", secret=SECRET)
             try:
-                answers: list[bool | str] = []
-                for _ in range(8):
-                    try:
-                        answers.append(await client.stream_heartbeat("g:1", timedelta(seconds=5)))
-                    except QuorumError:  # grpcio may see the refusal as INTERNAL: tried again
-                        answers.append("error")
-                    await asyncio.sleep(0.05)
-                    # Writes may be taken before the refusal arrives: then a False,
+                # Writes may be taken before the refusal arrives; then a False,
                 # after which the heartbeat loop sends unary heartbeats only.
-                assert False in answers and not client._lean_paced
+                deadline = time.monotonic() + 10
+                answer: bool | None = True
+                while answer is not False and time.monotonic() < deadline:
+                    try:
+                        answer = await client.stream_heartbeat("g:1", timedelta(seconds=5))
+                    except QuorumError:  # grpcio may see the refusal as INTERNAL: again
+                        answer = None
+                    await asyncio.sleep(0.05)  # the heartbeat loop's pace
+                assert answer is False and not client._lean_paced
                 await client.heartbeat("g:1", timedelta(seconds=5))
             finally:
                 await client.close()
