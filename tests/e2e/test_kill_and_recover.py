@@ -124,7 +124,17 @@ def test_a_killed_group_restarts_heals_and_ends_bit_identical(
              for g in range(groups)]  # fmt: skip
     log0, log1 = tmp_path / "group0.jsonl", tmp_path / f"group{victim_id}.jsonl"
 
-    wait_until(lambda: last_step(log1) >= 15, 60 + 15 * groups, "the victim to reach step 15")
+    # Together, not just far: a victim that trained alone while a slow peer
+    # started would take the job's only state with it, and the lighthouse
+    # then rightly refuses a fresh start (as a CI run under load once did).
+    wait_until(
+        lambda: (
+            last_step(log1) >= 15
+            and sum(r["participants"] == groups and r["committed"] for r in steps(log1)) >= 5
+        ),
+        60 + 15 * groups,
+        "the victim to reach step 15, 5 steps of them with every group",
+    )
     assert not kill_tree(procs[victim_id].pid), "the victim's processes survived SIGKILL"
     killed_at = time.time()
     time.sleep(1.0)
