@@ -26,6 +26,7 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from lighthouse.rpc.errors import DuplicateGroupError, IncompatibleGroupError, QuorumError
+from lighthouse.rpc.loop import set_batch_policy
 from lighthouse.rpc.tls import TLSConfig
 from torchft_like import healing, parent_watch
 from torchft_like._batch_claims import BatchClaims
@@ -180,7 +181,12 @@ class Manager(ManagerViews):
         self._heal_report = ""
         """JSON of the last heal, sent with the next quorum request (lighthouse.heals)."""
         self._commit_hooks: list[Callable[[], None]] = []
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torchft_quorum")
+        self._executor = ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix="torchft_quorum",
+            initializer=set_batch_policy,
+            initargs=(config.control_sched == "batch",),
+        )
         self._lock = threading.Lock()
         self._state_read_gate = StateReadGate(self._timeout.total_seconds())
         self.replica_id = config.replica_id

@@ -36,6 +36,8 @@ CONNECT_TIMEOUT_SEC_ENV = "TORCHFT_CONNECT_TIMEOUT_SEC"
 QUORUM_RETRIES_ENV = "TORCHFT_QUORUM_RETRIES"
 FINGERPRINT_INTERVAL_ENV = "TORCHFT_LIKE_FINGERPRINT_INTERVAL"
 """For jobs whose Manager a framework builds (torchtitan, Ray Train)."""
+CONTROL_SCHED_ENV = "TORCHFT_LIKE_CONTROL_SCHED"
+CONTROL_SCHEDS = ("batch", "normal")
 # torchrun's variables (not ours, so no TORCHFT_ prefix).
 RANK_ENV = "RANK"
 WORLD_SIZE_ENV = "WORLD_SIZE"
@@ -147,6 +149,12 @@ class ManagerConfig:
     peer); 1: one peer, as torchft. A transport that cannot stripe (e.g.
     PGTransport) always uses one. A striped heal's collectives wait for the
     whole transfer (a one-peer heal's only for its start)."""
+    control_sched: str = "batch"
+    """Linux scheduling policy of the threads that wake each step (the
+    ManagerServer's loop, the quorum thread), TORCHFT_LIKE_CONTROL_SCHED.
+    batch: SCHED_BATCH, woken they wait for a free core instead of preempting
+    the training threads (lighthouse.rpc.loop.set_batch_policy); normal:
+    SCHED_OTHER, as every thread starts."""
 
     def __post_init__(self) -> None:
         # resolve_config has checked all this, naming the argument or variable;
@@ -168,6 +176,10 @@ class ManagerConfig:
         for name in ("fingerprint_interval", "heal_sources"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ManagerConfigError(f"{name} ({getattr(self, name)}) must be at least 1")
+        if self.control_sched not in CONTROL_SCHEDS:
+            raise ManagerConfigError(
+                f"control_sched ({self.control_sched!r}) must be one of {CONTROL_SCHEDS}"
+            )
 
 
 @dataclass(frozen=True)
@@ -378,6 +390,12 @@ def resolve_config(
     tls = tls if tls is not None else tls_from_env(environ)
     given_port = _given(port, "port", MANAGER_PORT_ENV, environ)
     server_port = 0 if given_port is None else _port(given_port, "a free port, or 0 for any")
+    control_sched = environ.get(CONTROL_SCHED_ENV, "").strip().lower() or "batch"
+    if control_sched not in CONTROL_SCHEDS:
+        raise ManagerConfigError(
+            f"{CONTROL_SCHED_ENV}={environ[CONTROL_SCHED_ENV]!r} is not a policy; set it to "
+            "batch (the default: the Manager's threads never preempt training) or normal"
+        )
     url = None  # only group rank 0 talks to the lighthouse
     if group_rank == 0:
         url = _lighthouse(_given(lighthouse_addr, "lighthouse_addr", LIGHTHOUSE_ENV, environ), tls)
@@ -409,4 +427,5 @@ def resolve_config(
         exit_with_parent=exit_with_parent,
         metrics_port=metrics_port,
         heal_sources=heal_sources,
+        control_sched=control_sched,
     )

@@ -86,6 +86,8 @@ class ManagerServer:
         local_collectives: the group's process group never talks to other
             groups (ProcessGroupDummy): it tells the lighthouse so, and
             lighthouse.compat lets it share a job with any torchft release.
+        sched_batch: run the server's loop under SCHED_BATCH, so that its
+            wake-ups never preempt training (lighthouse.rpc.loop.set_batch_policy).
 
     Raises:
         ValueError: a bad option or bind address.
@@ -107,6 +109,7 @@ class ManagerServer:
         secret: str | None = None,
         tls: TLSConfig | None = None,
         local_collectives: bool = False,
+        sched_batch: bool = True,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size ({world_size}) must be at least 1")
@@ -138,7 +141,7 @@ class ManagerServer:
         self._votes: dict[int, Round[bool]] = {}
         self._stopped = False
         host, port = parse_bind(bind)
-        self._loop = BackgroundLoop(f"manager-server-{replica_id}")
+        self._loop = BackgroundLoop(f"manager-server-{replica_id}", batch=sched_batch)
         try:
             self._port = self._loop.run(self._start(host, port))
         except BaseException:

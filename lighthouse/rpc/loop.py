@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import os
 import threading
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any, TypeVar
@@ -30,7 +31,8 @@ class BackgroundLoop:
     next instance (see _MAX_PARKED) once its leftover tasks are cancelled.
     """
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, batch: bool = False) -> None:
+        """`batch`: run the loop's thread under SCHED_BATCH (set_batch_policy)."""
         with _parked_lock:
             reused = _parked.pop() if _parked else None
         if reused is not None:
@@ -40,6 +42,8 @@ class BackgroundLoop:
             self.loop = asyncio.new_event_loop()
             self._thread = threading.Thread(target=self.loop.run_forever, name=name, daemon=True)
             self._thread.start()
+        # Before anything this owner runs there; a reused thread keeps its last owner's policy.
+        self.loop.call_soon_threadsafe(set_batch_policy, batch)
         self._stopped = False
 
     def run(self, coro: Coroutine[Any, Any, T], timeout: float | None = None) -> T:
@@ -90,6 +94,32 @@ async def _cancel_leftovers() -> None:
     for task in leftovers:
         task.cancel()
     await asyncio.gather(*leftovers, return_exceptions=True)
+
+
+def set_batch_policy(batch: bool) -> bool:
+    """Puts the calling thread under Linux's SCHED_BATCH (`batch`) or back
+    under SCHED_OTHER; returns whether the policy is now as asked.
+
+    Why: a SCHED_OTHER thread woken on a host whose cores are all busy
+    preempts a running thread at once. A training process's control loop
+    wakes a few times a step (the quorum's answer, a vote), and each wake-up
+    cut into the training threads: 4-6% of a 4M-parameter step on 2 busy
+    cores (bench/NOTES.md, "Sixth pass"). A SCHED_BATCH thread gets the same
+    share of CPU but does not preempt: it runs on a free core, or when the
+    running thread blocks (an allreduce waiting on peers) or ends its slice
+    (a few ms). With a core to spare (a GPU host) nothing changes. Elsewhere
+    (not Linux, a sandbox that forbids the call) the thread stays as it is.
+    """
+    if not hasattr(os, "sched_setscheduler"):
+        return False
+    policy = os.SCHED_BATCH if batch else os.SCHED_OTHER
+    try:
+        if os.sched_getscheduler(0) != policy:
+            os.sched_setscheduler(0, policy, os.sched_param(0))
+    except OSError as e:
+        logger.debug("scheduling policy %s not set: %s", policy, e)
+        return False
+    return True
 
 
 class LoopStalledError(RuntimeError):

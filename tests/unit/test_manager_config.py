@@ -58,6 +58,7 @@ def resolve(environ: dict[str, Any], **arguments: Any) -> ManagerConfig:
         ({"TORCHFT_HEAL_SOURCES": "none"}, {}, "TORCHFT_HEAL_SOURCES='none'"),
         ({}, {"fingerprint_interval": 0}, "fingerprint_interval=0 must be at least 1; pass fingerprint_interval as"),
         ({"TORCHFT_LIKE_FINGERPRINT_INTERVAL": "often"}, {}, "TORCHFT_LIKE_FINGERPRINT_INTERVAL='often' is not an integer; set TORCHFT_LIKE_FINGERPRINT_INTERVAL to"),
+        ({"TORCHFT_LIKE_CONTROL_SCHED": "idle"}, {}, "TORCHFT_LIKE_CONTROL_SCHED='idle' is not a policy; set it to batch (the default: the Manager's threads never preempt training) or normal"),
     ],
 )
 # fmt: on
@@ -113,6 +114,16 @@ def test_fingerprints_can_be_turned_on_from_the_environment():
     assert resolve({**TORCHRUN, **LIGHTHOUSE}).fingerprint_interval is None
 
 
+@pytest.mark.parametrize(
+    "value, policy", [(None, "batch"), ("", "batch"), ("normal", "normal"), (" Batch ", "batch")]
+)
+def test_the_control_threads_policy_comes_from_the_environment(value, policy):
+    environ = {**TORCHRUN, **LIGHTHOUSE}
+    if value is not None:
+        environ["TORCHFT_LIKE_CONTROL_SCHED"] = value
+    assert resolve(environ).control_sched == policy
+
+
 def test_only_group_rank_zero_needs_the_lighthouse():
     config = resolve({**TORCHRUN, "RANK": "1"})
     assert config.lighthouse_addr is None
@@ -132,3 +143,5 @@ def test_torchfts_tests_may_give_master_port_as_an_int():
 def test_a_config_built_by_hand_is_checked_too():
     with pytest.raises(ManagerConfigError, match=r"rank \(2\) must be in \[0, world_size\)"):
         ManagerConfig(store_port=1, hostname="h", rank=2, world_size=2)
+    with pytest.raises(ManagerConfigError, match=r"control_sched \('fifo'\) must be one of"):
+        ManagerConfig(store_port=1, hostname="h", control_sched="fifo")
