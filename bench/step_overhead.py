@@ -37,7 +37,8 @@ ratios both; with --ft-baseline, ft's to ftbase's the same way
 (`ft_vs_ftbase`: a change's effect, paired round by round). Also the RPCs the step sends on
 its critical path (heartbeats left out), and its CPU per step by thread
 (training, our quorum thread and server loop, grpc's, gloo's: where the
-difference to plain is spent).
+difference to plain is spent). Each round's block medians, in run order,
+go to step_overhead_rounds.jsonl beside the summary (the shape of a drift).
 """
 
 from __future__ import annotations
@@ -245,6 +246,20 @@ def drift_vs_plain(ours: list[float], plain: list[float]) -> float:
     return cpu_drift([o / p for o, p in zip(ours, plain)])
 
 
+def round_rows(hidden: int, allocator: str, blocks: dict[str, list[dict]]) -> list[dict]:
+    """Per round, in run order, each contender's block medians (ms): where a
+    drift begins and whether it is steady or a jump (the summary's cpu_drift
+    compares only the first and last fifths)."""
+    rows = []
+    for r in range(min(len(bs) for bs in blocks.values())):
+        row: dict = {"hidden": hidden, "allocator": allocator, "round": r}
+        for mode, bs in blocks.items():
+            row[f"{mode}_ms"] = round(1000 * statistics.median(bs[r]["times"]), 2)
+            row[f"{mode}_cpu_ms"] = round(1000 * statistics.median(bs[r]["cpu"]), 2)
+        rows.append(row)
+    return rows
+
+
 def summarize(hidden: int, allocator: str, blocks: dict[str, list[dict]]) -> dict:
     """One row per (size, allocator): per contender the median step in ms
     (wall, CPU) over all counted steps, faults per step, and the ratios to
@@ -301,9 +316,10 @@ def summarize(hidden: int, allocator: str, blocks: dict[str, list[dict]]) -> dic
 
 
 def measure(hidden: int, modes: list[str], allocators: list[str], args: argparse.Namespace,
-            tmp: Path) -> list[dict]:  # fmt: skip
+            tmp: Path) -> tuple[list[dict], list[dict]]:  # fmt: skip
     """Starts every contender of one size, warms each up, runs the
-    interleaved rounds, returns one row per allocator."""
+    interleaved rounds; returns one summary row per allocator, and the
+    per-round rows (round_rows)."""
     step_s = 0.05 + 4 * hidden * hidden / 1e6 * 0.02  # generous: a loaded 2-core machine
     block_timeout = 60 + 4 * args.steps * step_s
     server = socket.create_server(("127.0.0.1", 0))
@@ -332,7 +348,9 @@ def measure(hidden: int, modes: list[str], allocators: list[str], args: argparse
         for c in contenders:
             c.stop()
         server.close()
-    return [summarize(hidden, a, {m: blocks[f"{m}/{a}"] for m in modes}) for a in allocators]
+    by_allocator = {a: {m: blocks[f"{m}/{a}"] for m in modes} for a in allocators}
+    rounds = [row for a, bs in by_allocator.items() for row in round_rows(hidden, a, bs)]
+    return [summarize(hidden, a, bs) for a, bs in by_allocator.items()], rounds
 
 
 def main() -> None:
@@ -380,11 +398,17 @@ def main() -> None:
         raise ValueError(f"--contenders {args.contenders} must include plain: ratios are to it")
     if args.rounds < 2 or args.steps < 1:
         raise ValueError(f"need --rounds >= 2 and --steps >= 1, got {args.rounds}, {args.steps}")
-    rows = []
+    rows, rounds = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for hidden in args.hidden:
-            rows += measure(hidden, modes, args.allocator, args, Path(tmp))
+            summary, per_round = measure(hidden, modes, args.allocator, args, Path(tmp))
+            rows += summary
+            rounds += per_round
     report(rows, results_file(args.out, "step_overhead"))
+    path = REPO / results_file(args.out, "step_overhead_rounds")
+    with open(path, "a") as f:
+        f.writelines(json.dumps(row) + "\n" for row in rounds)
+    print(f"per-round medians appended to {path}")
 
 
 if __name__ == "__main__":

@@ -62,6 +62,7 @@ from typing import Any
 
 from torch.distributed import TCPStore
 
+from lighthouse.rpc.loop import set_batch_policy
 from torchft_like.collectives import InOrderCollectives
 from torchft_like.manager_config import ManagerConfig
 
@@ -160,7 +161,12 @@ class GoneWatch:
         self._ticked = time.monotonic()
         self._longest_gap = 0.0
         """The longest gap between ticks of `_tick` this step: was the process frozen?"""
-        self._ticker = threading.Thread(target=self._tick, name="torchft_freeze_watch", daemon=True)
+        self._ticker = threading.Thread(
+            target=self._tick,
+            args=(config.control_sched == "batch",),
+            name="torchft_freeze_watch",
+            daemon=True,
+        )
         self._ticker.start()
         if manager_server is not None:
             manager_server.add_gone_listener(self._heard_in_server)
@@ -194,7 +200,8 @@ class GoneWatch:
                 )
             )
 
-    def _tick(self) -> None:
+    def _tick(self, batch: bool) -> None:
+        set_batch_policy(batch)  # its 10 wake-ups a second need not preempt training
         while not self._stopped:
             time.sleep(TICK_S)
             now = time.monotonic()

@@ -150,8 +150,9 @@ class ManagerConfig:
     PGTransport) always uses one. A striped heal's collectives wait for the
     whole transfer (a one-peer heal's only for its start)."""
     control_sched: str = "batch"
-    """Linux scheduling policy of the threads that wake each step (the
-    ManagerServer's loop, the quorum thread), TORCHFT_LIKE_CONTROL_SCHED.
+    """Linux scheduling policy of the threads that wake each step or on a
+    timer (the ManagerServer's loop, the quorum thread, the freeze watch),
+    TORCHFT_LIKE_CONTROL_SCHED.
     batch: SCHED_BATCH, woken they wait for a free core instead of preempting
     the training threads (lighthouse.rpc.loop.set_batch_policy); normal:
     SCHED_OTHER, as every thread starts."""

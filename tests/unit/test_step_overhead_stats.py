@@ -2,7 +2,14 @@
 
 import pytest
 
-from bench.step_overhead import cpu_drift, drift_vs_plain, geo_mean, ratio_interval, summarize
+from bench.step_overhead import (
+    cpu_drift,
+    drift_vs_plain,
+    geo_mean,
+    ratio_interval,
+    round_rows,
+    summarize,
+)
 
 
 @pytest.mark.parametrize(
@@ -47,3 +54,16 @@ def test_a_baseline_of_ours_is_compared_with_ours_round_by_round():
     assert row["ft_vs_ftbase"] == row["ft_vs_ftbase_cpu"] == 0.98
     assert row["ft_vs_ftbase_ci95"] == "0.980-0.980"
     assert row["ftbase_ratio"] == 1.0
+
+
+def test_each_rounds_block_medians_are_kept_in_run_order():
+    def blocks(step_s: list[float]) -> list[dict]:
+        return [{"times": [s, 2 * s, s], "cpu": [s / 2] * 3} for s in step_s]
+
+    rows = round_rows(1000, "keep", {"plain": blocks([0.05, 0.06]), "ft": blocks([0.04, 0.07])})
+    assert rows == [
+        {"hidden": 1000, "allocator": "keep", "round": 0,
+         "plain_ms": 50.0, "plain_cpu_ms": 25.0, "ft_ms": 40.0, "ft_cpu_ms": 20.0},
+        {"hidden": 1000, "allocator": "keep", "round": 1,
+         "plain_ms": 60.0, "plain_cpu_ms": 30.0, "ft_ms": 70.0, "ft_cpu_ms": 35.0},
+    ]  # fmt: skip
