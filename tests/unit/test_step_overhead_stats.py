@@ -1,9 +1,12 @@
 """bench.step_overhead's statistics, on made-up series: no processes."""
 
+import random
+
 import pytest
 
 from bench.step_overhead import (
     cpu_drift,
+    drift_interval,
     drift_vs_plain,
     geo_mean,
     ratio_interval,
@@ -67,3 +70,15 @@ def test_each_rounds_block_medians_are_kept_in_run_order():
         {"hidden": 1000, "allocator": "keep", "round": 1,
          "plain_ms": 60.0, "plain_cpu_ms": 30.0, "ft_ms": 70.0, "ft_cpu_ms": 35.0},
     ]  # fmt: skip
+
+
+def test_a_drift_is_given_with_the_noise_around_it():
+    rng = random.Random(1)
+    noise = [1.0 + rng.uniform(-0.1, 0.1) for _ in range(200)]  # +-10%, no trend
+    low, high = drift_interval(noise)
+    assert low < cpu_drift(noise) < high and low < 0 < high
+    grows = [n * (1 + 0.2 * i / 199) for i, n in enumerate(noise)]  # +20% over the run
+    low, high = drift_interval(grows)
+    assert 0.1 < low < cpu_drift(grows) < high < 0.25
+    few_low, few_high = drift_interval(grows[::10])
+    assert few_high - few_low > high - low
