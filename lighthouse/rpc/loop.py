@@ -96,9 +96,9 @@ async def _cancel_leftovers() -> None:
     await asyncio.gather(*leftovers, return_exceptions=True)
 
 
-def set_batch_policy(batch: bool) -> bool:
+def set_batch_policy(batch: bool) -> None:
     """Puts the calling thread under Linux's SCHED_BATCH (`batch`) or back
-    under SCHED_OTHER; returns whether the policy is now as asked.
+    under SCHED_OTHER.
 
     Why: a SCHED_OTHER thread woken on a host whose cores are all busy
     preempts a running thread at once. A training process's control loop
@@ -111,15 +111,13 @@ def set_batch_policy(batch: bool) -> bool:
     (not Linux, a sandbox that forbids the call) the thread stays as it is.
     """
     if not hasattr(os, "sched_setscheduler"):
-        return False
+        return
     policy = os.SCHED_BATCH if batch else os.SCHED_OTHER
     try:
         if os.sched_getscheduler(0) != policy:
             os.sched_setscheduler(0, policy, os.sched_param(0))
     except OSError as e:
         logger.debug("scheduling policy %s not set: %s", policy, e)
-        return False
-    return True
 
 
 class LoopStalledError(RuntimeError):

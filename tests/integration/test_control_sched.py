@@ -13,6 +13,7 @@ import torch
 from torch.distributed import TCPStore
 
 from lighthouse import LighthouseServer
+from lighthouse.rpc import loop as loop_module
 from lighthouse.rpc.loop import BackgroundLoop
 from torchft_like import Manager, ProcessGroupGloo
 
@@ -63,12 +64,19 @@ def test_a_managers_per_step_threads_yield_to_training(monkeypatch, setting, exp
         lighthouse.shutdown()
 
 
-def test_a_reused_loop_takes_its_new_owners_policy():
+def test_a_reused_loop_takes_its_new_owners_policy(monkeypatch):
+    parked: list = []
+    monkeypatch.setattr(loop_module, "_parked", parked)  # room to park, whatever ran before
     loop = BackgroundLoop("first", batch=True)
     assert loop.run(own_policy()) == os.SCHED_BATCH
     loop.stop()  # parked for the next owner
     again = BackgroundLoop("second")
     try:
+        assert again.loop is loop.loop
         assert again.run(own_policy()) == os.SCHED_OTHER
     finally:
         again.stop()
+        for event_loop, thread in parked:  # ends what this test's list kept
+            event_loop.call_soon_threadsafe(event_loop.stop)
+            thread.join(5)
+            event_loop.close()
