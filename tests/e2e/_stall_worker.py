@@ -93,7 +93,9 @@ if args.hold_after is not None:
         global held
         if together >= args.hold_after and not held:
             held = True
-            Path(args.hold_file).write_text(str(time.time()))
+            # Whole or absent: the test reads it as soon as it exists, then stops us.
+            Path(args.hold_file + ".tmp").write_text(str(time.time()))
+            os.replace(args.hold_file + ".tmp", args.hold_file)
             while args.go_file is None or not Path(args.go_file).exists():
                 time.sleep(0.05)  # until SIGSTOP or SIGKILL, or told to go on
         return allreduce(tensor, *rest, **kwargs)
