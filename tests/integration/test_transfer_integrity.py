@@ -25,14 +25,18 @@ FAULT_AT = 600_000
 
 
 class FaultyProxy:
-    """Relays TCP to `target`; the first `faulty` connections get `fault`.
+    """Relays TCP to `target`; the first `faulty` connections get `fault`,
+    the others `then`.
 
     fault "flip" inverts the response byte at FAULT_AT; "cut" closes both
-    sides once FAULT_AT response bytes have passed.
+    sides once FAULT_AT response bytes have passed; "stall" relays no more
+    from there until the proxy closes.
     """
 
-    def __init__(self, target: tuple[str, int], fault: str, faulty: int) -> None:
-        self.target, self.fault, self.faulty = target, fault, faulty
+    def __init__(
+        self, target: tuple[str, int], fault: str, faulty: int, then: str | None = None
+    ) -> None:
+        self.target, self.fault, self.faulty, self.then = target, fault, faulty, then
         self.connections = 0
         self._listener = socket.create_server(("127.0.0.1", 0))
         self._listener.settimeout(0.1)
@@ -48,7 +52,7 @@ class FaultyProxy:
             except TimeoutError:
                 continue
             self.connections += 1
-            fault = self.fault if self.connections <= self.faulty else None
+            fault = self.fault if self.connections <= self.faulty else self.then
             upstream = socket.create_connection(self.target)
             for args in ((client, upstream, None), (upstream, client, fault)):
                 thread = threading.Thread(target=self._pipe, args=args, daemon=True)
@@ -60,8 +64,10 @@ class FaultyProxy:
         try:
             while data := src.recv(1 << 16):
                 if fault and passed <= FAULT_AT < passed + len(data):
-                    if fault == "cut":
+                    if fault in ("cut", "stall"):
                         dst.sendall(data[: FAULT_AT - passed])
+                        if fault == "stall":
+                            self._stopped.wait()
                         break
                     data = bytearray(data)
                     data[FAULT_AT - passed] ^= 0xFF
@@ -117,6 +123,23 @@ def test_a_corrupted_or_truncated_transfer_is_refused_then_retried_intact(
     if fault == "flip" and num_chunks == 1:
         assert "refused step 3" in caplog.text
         assert "tensor state['model']['w'] bytes [0, 4194304)" in caplog.text
+
+
+def test_an_attempt_the_deadline_cuts_short_keeps_the_reason_the_others_failed(source):
+    # The deadline lands mid-transfer (a loaded machine, a slow link): the
+    # error still says why the attempts before it failed, not "timed out".
+    transport, _ = source
+    port = urlsplit(transport.metadata()).port
+    proxy = FaultyProxy(("127.0.0.1", port), "flip", faulty=1, then="stall")
+    receiver = HTTPTransport(timeout=T, hostname="127.0.0.1")
+    try:
+        with pytest.raises(RuntimeError) as e:
+            receiver.recv_checkpoint(7, proxy.url, 3, timedelta(seconds=2))
+    finally:
+        receiver.shutdown()
+        proxy.close()
+
+    assert "(2 attempts); last answer: ChecksumMismatch: tensor state['model']['w']" in str(e.value)
 
 
 def test_a_transfer_corrupted_on_every_attempt_is_never_applied_and_named(source):

@@ -455,7 +455,12 @@ class HTTPTransport(CheckpointTransport[Any]):
                 last = f"{type(e).__name__}: {e}"
                 logger.warning("refused step %d from %s, will retry: %s", step, metadata, e)
             except (OSError, http.client.HTTPException) as e:
-                if not (isinstance(e, DeadlinePassed) and attempts > 1):  # keep the reason
+                # An attempt the deadline cut short (ours, or a socket timeout
+                # set to it) keeps the reason the earlier attempts failed for.
+                cut_off = isinstance(e, DeadlinePassed) or (
+                    isinstance(e, TimeoutError) and time.monotonic() >= deadline - _RETRY_S
+                )
+                if not (cut_off and attempts > 1):
                     last = f"{type(e).__name__}: {e}"
                 if refused(e):
                     refused_since = refused_since or time.monotonic()
