@@ -53,23 +53,20 @@ class Group(threading.Thread):
         self.kind, self.lighthouse, self.steps = kind, lighthouse, steps
         self.torchft_quorum_timeout = torchft_quorum_timeout
         self.stop = threading.Event()
+        self.ready = threading.Event()
+        """Set once the Manager exists (it has heartbeated), or could not be built."""
         self.committed: list[float] = []
         self.error: BaseException | None = None
         self.error_after_s: float | None = None
         self.start()
 
     def run(self) -> None:
-        store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        kwargs = manager_kwargs(f"{self.kind}_group", self.lighthouse, store, 1, T)
-        if self.kind == "torchft":
-            if not hasattr(torchft_pg.ProcessGroup, "get_reconfigure_handle"):
-                self.error = RuntimeError("skip: this torchft has no reconfigure handles")
-                return
-            pg = torchft_pg.ProcessGroupGloo(timeout=T)
-            kwargs["quorum_timeout"] = self.torchft_quorum_timeout
-            manager: Any = torchft_manager.Manager(pg=pg, **kwargs)
-        else:
-            manager = Manager(pg=ProcessGroupGloo(timeout=T), exit_with_parent=False, **kwargs)
+        try:
+            manager = self._manager()
+        finally:
+            self.ready.set()
+        if manager is None:
+            return
         start = time.monotonic()
         try:
             for _ in range(2 * self.steps):  # bounded: a step that cannot commit ends the test
@@ -86,6 +83,18 @@ class Group(threading.Thread):
         finally:
             manager.shutdown()
 
+    def _manager(self) -> Any:
+        # Kept as long as the group: the process group's store lives in it.
+        self.store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+        kwargs = manager_kwargs(f"{self.kind}_group", self.lighthouse, self.store, 1, T)
+        if self.kind != "torchft":
+            return Manager(pg=ProcessGroupGloo(timeout=T), exit_with_parent=False, **kwargs)
+        if not hasattr(torchft_pg.ProcessGroup, "get_reconfigure_handle"):
+            self.error = RuntimeError("skip: this torchft has no reconfigure handles")
+            return None
+        kwargs["quorum_timeout"] = self.torchft_quorum_timeout
+        return torchft_manager.Manager(pg=torchft_pg.ProcessGroupGloo(timeout=T), **kwargs)
+
 
 def our_lighthouse() -> LighthouseServer:
     return LighthouseServer(
@@ -97,9 +106,12 @@ def our_lighthouse() -> LighthouseServer:
 
 
 def started_together(lighthouse: Any) -> tuple[Group, Group]:
-    """A torchft_like group and a torchft group started at once; both ended."""
+    """A torchft_like group and a torchft group started at once; both ended.
+    Ours heartbeats before theirs starts: a lighthouse that heard only of
+    theirs would issue it a quorum of one at once (torchft's does)."""
     try:
         ours = Group("torchft_like", lighthouse.address())
+        assert ours.ready.wait(30), "the torchft_like group's Manager did not start"
         theirs = Group("torchft", lighthouse.address())
         ours.join(timeout=40)
         theirs.join(timeout=40)
