@@ -109,7 +109,7 @@ class ManagerServer:
         secret: str | None = None,
         tls: TLSConfig | None = None,
         local_collectives: bool = False,
-        sched_batch: bool = True,
+        sched_batch: bool = False,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size ({world_size}) must be at least 1")
