@@ -97,9 +97,23 @@ def source() -> Iterator[tuple[HTTPTransport, dict]]:
     transport.shutdown()
 
 
-def proxy_to(transport: HTTPTransport, fault: str, faulty: int) -> FaultyProxy:
+def proxy_to(
+    transport: HTTPTransport, fault: str, faulty: int, then: str | None = None
+) -> FaultyProxy:
     port = urlsplit(transport.metadata()).port
-    return FaultyProxy(("127.0.0.1", port), fault, faulty)
+    return FaultyProxy(("127.0.0.1", port), fault, faulty, then)
+
+
+def fetch_error(proxy: FaultyProxy, timeout_s: float) -> str:
+    """The error of fetching step 3 as replica rank 7 through `proxy`; closes it."""
+    receiver = HTTPTransport(timeout=T, hostname="127.0.0.1")
+    try:
+        with pytest.raises(RuntimeError) as e:
+            receiver.recv_checkpoint(7, proxy.url, 3, timedelta(seconds=timeout_s))
+    finally:
+        receiver.shutdown()
+        proxy.close()
+    return str(e.value)
 
 
 @pytest.mark.parametrize("fault", ["flip", "cut"])
@@ -128,32 +142,13 @@ def test_a_corrupted_or_truncated_transfer_is_refused_then_retried_intact(
 def test_an_attempt_the_deadline_cuts_short_keeps_the_reason_the_others_failed(source):
     # The deadline lands mid-transfer (a loaded machine, a slow link): the
     # error still says why the attempts before it failed, not "timed out".
-    transport, _ = source
-    port = urlsplit(transport.metadata()).port
-    proxy = FaultyProxy(("127.0.0.1", port), "flip", faulty=1, then="stall")
-    receiver = HTTPTransport(timeout=T, hostname="127.0.0.1")
-    try:
-        with pytest.raises(RuntimeError) as e:
-            receiver.recv_checkpoint(7, proxy.url, 3, timedelta(seconds=2))
-    finally:
-        receiver.shutdown()
-        proxy.close()
-
-    assert "(2 attempts); last answer: ChecksumMismatch: tensor state['model']['w']" in str(e.value)
+    message = fetch_error(proxy_to(source[0], "flip", faulty=1, then="stall"), 2)
+    assert "(2 attempts); last answer: ChecksumMismatch: tensor state['model']['w']" in message
 
 
 def test_a_transfer_corrupted_on_every_attempt_is_never_applied_and_named(source):
-    transport, _ = source
-    proxy = proxy_to(transport, "flip", faulty=1_000)
-    receiver = HTTPTransport(timeout=T, hostname="127.0.0.1")
-    try:
-        with pytest.raises(RuntimeError) as e:
-            receiver.recv_checkpoint(7, proxy.url, 3, timedelta(seconds=3))
-    finally:
-        receiver.shutdown()
-        proxy.close()
-
-    message = str(e.value)
+    proxy = proxy_to(source[0], "flip", faulty=1_000)
+    message = fetch_error(proxy, 3)
     assert f"replica rank 7 at {proxy.url} within 3 s" in message
     assert "ChecksumMismatch: tensor state['model']['w'] bytes [0, 4194304) of 4194304" in message
     assert f"from {proxy.url} has crc32c" in message
