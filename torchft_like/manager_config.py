@@ -149,12 +149,14 @@ class ManagerConfig:
     peer); 1: one peer, as torchft. A transport that cannot stripe (e.g.
     PGTransport) always uses one. A striped heal's collectives wait for the
     whole transfer (a one-peer heal's only for its start)."""
-    control_sched: str = "normal"
+    control_sched: str = "batch"
     """Linux scheduling policy of the threads that wake each step or on a
     timer (the ManagerServer's loop, the quorum thread, the freeze watch),
-    TORCHFT_LIKE_CONTROL_SCHED. normal: SCHED_OTHER, as every thread starts;
-    batch (opt-in): SCHED_BATCH, woken they wait for a free core instead of
-    preempting the training threads (lighthouse.rpc.loop.set_batch_policy)."""
+    TORCHFT_LIKE_CONTROL_SCHED. batch (the default): SCHED_BATCH, woken they
+    wait for a free core or the next tick (at most ~4 ms, bench.wake_latency)
+    instead of preempting the training threads
+    (lighthouse.rpc.loop.set_batch_policy); normal: SCHED_OTHER, as every
+    thread starts."""
 
     def __post_init__(self) -> None:
         # resolve_config has checked all this, naming the argument or variable;
@@ -390,11 +392,11 @@ def resolve_config(
     tls = tls if tls is not None else tls_from_env(environ)
     given_port = _given(port, "port", MANAGER_PORT_ENV, environ)
     server_port = 0 if given_port is None else _port(given_port, "a free port, or 0 for any")
-    control_sched = environ.get(CONTROL_SCHED_ENV, "").strip().lower() or "normal"
+    control_sched = environ.get(CONTROL_SCHED_ENV, "").strip().lower() or "batch"
     if control_sched not in CONTROL_SCHEDS:
         raise ManagerConfigError(
             f"{CONTROL_SCHED_ENV}={environ[CONTROL_SCHED_ENV]!r} is not a policy; set it to "
-            "normal (the default) or batch (the Manager's threads never preempt training)"
+            "batch (the default: the Manager's threads never preempt training) or normal"
         )
     url = None  # only group rank 0 talks to the lighthouse
     if group_rank == 0:

@@ -58,7 +58,7 @@ def resolve(environ: dict[str, Any], **arguments: Any) -> ManagerConfig:
         ({"TORCHFT_HEAL_SOURCES": "none"}, {}, "TORCHFT_HEAL_SOURCES='none'"),
         ({}, {"fingerprint_interval": 0}, "fingerprint_interval=0 must be at least 1; pass fingerprint_interval as"),
         ({"TORCHFT_LIKE_FINGERPRINT_INTERVAL": "often"}, {}, "TORCHFT_LIKE_FINGERPRINT_INTERVAL='often' is not an integer; set TORCHFT_LIKE_FINGERPRINT_INTERVAL to"),
-        ({"TORCHFT_LIKE_CONTROL_SCHED": "idle"}, {}, "TORCHFT_LIKE_CONTROL_SCHED='idle' is not a policy; set it to normal (the default) or batch (the Manager's threads never preempt training)"),
+        ({"TORCHFT_LIKE_CONTROL_SCHED": "idle"}, {}, "TORCHFT_LIKE_CONTROL_SCHED='idle' is not a policy; set it to batch (the default: the Manager's threads never preempt training) or normal"),
     ],
 )
 # fmt: on
@@ -115,7 +115,7 @@ def test_fingerprints_can_be_turned_on_from_the_environment():
 
 
 @pytest.mark.parametrize(
-    "value, policy", [(None, "normal"), ("", "normal"), ("batch", "batch"), (" Batch ", "batch")]
+    "value, policy", [(None, "batch"), ("", "batch"), ("normal", "normal"), (" Normal ", "normal")]
 )
 def test_the_control_threads_policy_comes_from_the_environment(value, policy):
     environ = {**TORCHRUN, **LIGHTHOUSE}
