@@ -57,7 +57,7 @@ def percentile(values: list[float], q: float) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     parser.add_argument("--wakes", type=int, default=2000)
     parser.add_argument("--repeats", type=int, default=4)
     parser.add_argument("--period-ms", type=float, default=10.0)
