@@ -1,7 +1,7 @@
 """Step time of torchft_like DDP versus plain torch DDP (and pytorch/torchft), interleaved.
 
     python -m bench.step_overhead [--hidden 1000 2500] [--allocator default keep]
-        [--rounds 12] [--steps 20] [--pin] [--out DIR] [--smoke]
+        [--rounds 12] [--steps 20] [--launches 1] [--pin] [--out DIR] [--smoke]
 
 Contenders: plain = torch DDP over 2 gloo ranks (one torchrun with 2
 processes); ft = torchft_like, 2 replica groups of one rank each (our
@@ -32,7 +32,12 @@ own drift without the machine's, with a 95% bootstrap interval.
 Ratio to plain under the same allocator: per round, the ratio of the two
 blocks' medians; the figure is the geometric mean of those per-round
 ratios, and its 95% interval a percentile bootstrap over rounds (2000
-resamples of the rounds with replacement, random.Random(0)). Wall and CPU
+resamples of the rounds with replacement, random.Random(0)). With
+--launches N every contender is started afresh N times, the rounds split
+among the launches: under glibc's default allocator a process's page
+faults, and so its CPU, depend on its allocation history, which one launch
+draws once. The interval then resamples launches, then rounds within them,
+and each launch's own ratio and faults per step are listed (`_by_launch`). Wall and CPU
 ratios both; with --ft-baseline, ft's to ftbase's the same way
 (`ft_vs_ftbase`: a change's effect, paired round by round). Also the RPCs the step sends on
 its critical path (heartbeats left out), and its CPU per step by thread
@@ -224,10 +229,28 @@ def geo_mean(xs: list[float]) -> float:
     return math.exp(statistics.fmean(math.log(x) for x in xs))
 
 
-def ratio_interval(ratios: list[float]) -> tuple[float, float]:
-    """95% percentile bootstrap over rounds of the geometric mean ratio."""
+def ratio_interval(ratios: list[float], launches: list[int] | None = None) -> tuple[float, float]:
+    """95% percentile bootstrap over rounds of the geometric mean ratio.
+
+    With `launches` (each round's launch), two stages: launches resampled,
+    then rounds within each. Rounds of one launch share its processes'
+    allocator history, which moves the ratio more than rounds scatter
+    (bench/NOTES.md, "Seventh pass"): resampling rounds alone would give a
+    narrower interval than the next launch bears out."""
     rng = random.Random(0)
-    means = sorted(geo_mean(rng.choices(ratios, k=len(ratios))) for _ in range(BOOTSTRAP_RESAMPLES))
+    if launches is None:
+        clusters = [ratios]
+    else:
+        by_launch: dict[int, list[float]] = {}
+        for launch, ratio in zip(launches, ratios):
+            by_launch.setdefault(launch, []).append(ratio)
+        clusters = list(by_launch.values())
+
+    def resample() -> list[float]:
+        picked = clusters if launches is None else rng.choices(clusters, k=len(clusters))
+        return [r for c in picked for r in rng.choices(c, k=len(c))]
+
+    means = sorted(geo_mean(resample()) for _ in range(BOOTSTRAP_RESAMPLES))
     return means[int(0.025 * len(means))], means[int(0.975 * len(means)) - 1]
 
 
@@ -283,12 +306,19 @@ def summarize(hidden: int, allocator: str, blocks: dict[str, list[dict]]) -> dic
     plain (geometric mean of per-round ratios, bootstrap interval)."""
     row: dict = {"params_m": round(4 * (hidden * hidden + hidden) / 1e6, 1), "allocator": allocator}
     per_round: dict[str, dict[str, list[float]]] = {}
+    launches = [b.get("launch", 0) for b in blocks["plain"]]
+    several = len(set(launches)) > 1
     for mode, bs in blocks.items():
         wall = [t for b in bs for t in b["times"]]
         cpu = [t for b in bs for t in b["cpu"]]
         row[f"{mode}_ms"] = round(1000 * statistics.median(wall), 1)
         row[f"{mode}_cpu_ms"] = round(1000 * statistics.median(cpu), 1)
         row[f"{mode}_minflt"] = round(statistics.fmean(f for b in bs for f in b["minflt"]), 1)
+        if several:
+            row[f"{mode}_minflt_by_launch"] = " ".join(
+                f"{statistics.fmean(f for b in bs if b['launch'] == n for f in b['minflt']):.0f}"
+                for n in sorted(set(launches))
+            )
         row[f"{mode}_drift_cpu"] = round(cpu_drift(cpu), 3)
         phases = [s for b in bs for s in b.get("phases", [])]  # an older ftbase has none
         if phases:
@@ -313,10 +343,15 @@ def summarize(hidden: int, allocator: str, blocks: dict[str, list[dict]]) -> dic
             continue
         for kind in ("wall", "cpu"):
             ratios = [o / p for p, o in zip(per_round["plain"][kind], per_round[mode][kind])]
-            low, high = ratio_interval(ratios)
+            low, high = ratio_interval(ratios, launches if several else None)
             suffix = "" if kind == "wall" else "_cpu"
             row[f"{mode}_ratio{suffix}"] = round(geo_mean(ratios), 3)
             row[f"{mode}_ci95{suffix}"] = f"{low:.3f}-{high:.3f}"
+            if several:  # each launch's own ratio: how much its allocator history moved it
+                row[f"{mode}_ratio{suffix}_by_launch"] = " ".join(
+                    f"{geo_mean([r for r, n in zip(ratios, launches) if n == launch]):.3f}"
+                    for launch in sorted(set(launches))
+                )
         ours, plain = per_round[mode]["cpu"], per_round["plain"]["cpu"]
         row[f"{mode}_drift_cpu_vs_plain"] = round(drift_vs_plain(ours, plain), 3)
         low, high = drift_interval([o / p for o, p in zip(ours, plain)])
@@ -333,42 +368,55 @@ def summarize(hidden: int, allocator: str, blocks: dict[str, list[dict]]) -> dic
     return row
 
 
-def measure(hidden: int, modes: list[str], allocators: list[str], args: argparse.Namespace,
-            tmp: Path) -> tuple[list[dict], list[dict]]:  # fmt: skip
-    """Starts every contender of one size, warms each up, runs the
-    interleaved rounds; returns one summary row per allocator, and the
-    per-round rows (round_rows)."""
-    step_s = 0.05 + 4 * hidden * hidden / 1e6 * 0.02  # generous: a loaded 2-core machine
+def run_launch(launch: int, rounds: range, names: list[tuple[str, str]], args: argparse.Namespace,
+               worker_args: list[str], tmp: Path, server: socket.socket, step_s: float,
+               blocks: dict[str, list[dict]]) -> None:  # fmt: skip
+    """Starts every contender (mode, allocator) afresh, warms each up, runs
+    `rounds` of the interleaving and adds each block, tagged with `launch`,
+    to `blocks`; stops them all on the way out."""
     block_timeout = 60 + 4 * args.steps * step_s
-    server = socket.create_server(("127.0.0.1", 0))
-    control = f"127.0.0.1:{server.getsockname()[1]}"
-    worker_args = ["--control", control, "--hidden", str(hidden)] + (["--pin"] if args.pin else [])
     contenders: list[Contender] = []
     try:
-        for allocator in allocators:
-            for mode in modes:
-                code = args.ft_baseline if mode == "ftbase" else ""
-                contenders.append(Contender(mode, allocator, worker_args, tmp, code))
+        for mode, allocator in names:
+            code = args.ft_baseline if mode == "ftbase" else ""
+            contenders.append(Contender(mode, allocator, worker_args, tmp, code))
         connect_all(server, contenders, timeout_s=240)
         for c in contenders:
             c.command({"cmd": "run", "steps": args.warmup}, 60 + 4 * args.warmup * step_s + 60)
-        blocks: dict[str, list[dict]] = {c.name: [] for c in contenders}
-        for r in range(args.rounds):
+        for r in rounds:
             for c in contenders if r % 2 == 0 else contenders[::-1]:
                 b = c.command({"cmd": "run", "steps": args.steps + 1}, block_timeout)
-                blocks[c.name].append(
-                    {k: v[1:] if isinstance(v, list) else v for k, v in b.items()}
-                )
-        if args.profile:
+                counted = {k: v[1:] if isinstance(v, list) else v for k, v in b.items()}
+                blocks[c.name].append({"launch": launch, **counted})
+        if args.profile and launch == args.launches - 1:
             for c in contenders:
                 c.command({"cmd": "profile", "dir": args.profile}, block_timeout)
     finally:
         for c in contenders:
             c.stop()
+
+
+def measure(hidden: int, modes: list[str], allocators: list[str], args: argparse.Namespace,
+            tmp: Path) -> tuple[list[dict], list[dict]]:  # fmt: skip
+    """Runs the interleaved rounds of one size over --launches launches of
+    every contender; returns one summary row per allocator, and the
+    per-round rows (round_rows)."""
+    step_s = 0.05 + 4 * hidden * hidden / 1e6 * 0.02  # generous: a loaded 2-core machine
+    server = socket.create_server(("127.0.0.1", 0))
+    control = f"127.0.0.1:{server.getsockname()[1]}"
+    worker_args = ["--control", control, "--hidden", str(hidden)] + (["--pin"] if args.pin else [])
+    names = [(m, a) for a in allocators for m in modes]
+    blocks: dict[str, list[dict]] = {f"{m}/{a}": [] for m, a in names}
+    try:
+        for launch in range(args.launches):
+            first, last = (n * args.rounds // args.launches for n in (launch, launch + 1))
+            run_launch(launch, range(first, last), names, args, worker_args, tmp, server,
+                       step_s, blocks)  # fmt: skip
+    finally:
         server.close()
     by_allocator = {a: {m: blocks[f"{m}/{a}"] for m in modes} for a in allocators}
-    rounds = [row for a, bs in by_allocator.items() for row in round_rows(hidden, a, bs)]
-    return [summarize(hidden, a, bs) for a, bs in by_allocator.items()], rounds
+    per_round = [row for a, bs in by_allocator.items() for row in round_rows(hidden, a, bs)]
+    return [summarize(hidden, a, bs) for a, bs in by_allocator.items()], per_round
 
 
 def main() -> None:
@@ -379,6 +427,13 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=12, help="interleaved rounds")
     parser.add_argument("--steps", type=int, default=20, help="counted steps per block")
     parser.add_argument("--warmup", type=int, default=10)
+    parser.add_argument(
+        "--launches", type=int, default=1,
+        help="start every contender afresh this many times, the rounds split among them: "
+        "glibc's default allocator moves with each process's history, so one launch's ratio "
+        "is one draw (bench/NOTES.md, 'Seventh pass'); drift spans launches, so measure "
+        "it with 1",
+    )  # fmt: skip
     parser.add_argument(
         "--contenders", nargs="+", default=["plain", "ft", "torchft"],
         help="plain, ft and torchft (skipped when torchft is not installed)",
@@ -404,7 +459,7 @@ def main() -> None:
             raise ValueError(f"--lighthouse-code {args.lighthouse_code} has no lighthouse/")
         LIGHTHOUSE_CODE[0] = str(Path(args.lighthouse_code).resolve())
     if args.smoke:
-        args.hidden, args.steps, args.warmup, args.rounds = [64], 3, 2, 2
+        args.hidden, args.steps, args.warmup, args.rounds, args.launches = [64], 3, 2, 2, 2
         args.contenders, args.allocator = ["plain", "ft"], ["default"]
     have_torchft = importlib.util.find_spec("torchft") is not None
     modes = [m for m in args.contenders if m != "torchft" or have_torchft]
@@ -416,6 +471,11 @@ def main() -> None:
         raise ValueError(f"--contenders {args.contenders} must include plain: ratios are to it")
     if args.rounds < 2 or args.steps < 1:
         raise ValueError(f"need --rounds >= 2 and --steps >= 1, got {args.rounds}, {args.steps}")
+    if not 1 <= args.launches <= args.rounds:
+        raise ValueError(
+            f"--launches {args.launches} must be 1 to --rounds ({args.rounds}): "
+            "each launch needs a round of its own"
+        )
     rows, rounds = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for hidden in args.hidden:

@@ -41,6 +41,37 @@ def test_the_ratio_interval_holds_the_geometric_mean_and_narrows_with_rounds():
     assert high_many - low_many < high_few - low_few
 
 
+def test_rounds_of_one_launch_count_as_one_draw_in_the_interval():
+    # Two launches, each steady within itself, 10% apart: resampling rounds
+    # alone would claim a tight interval; launches resampled show the spread.
+    ratios = [0.95 + 0.001 * (i % 3) for i in range(30)] + [
+        1.05 + 0.001 * (i % 3) for i in range(30)
+    ]
+    launches = [0] * 30 + [1] * 30
+    low, high = ratio_interval(ratios)
+    low_l, high_l = ratio_interval(ratios, launches)
+    assert high - low < 0.03
+    assert low_l < 0.96 and high_l > 1.04
+    assert low_l <= geo_mean(ratios) <= high_l
+
+
+def test_each_launch_has_its_own_ratio_and_faults():
+    def blocks(step_s: list[float], faults: int) -> list[dict]:
+        return [
+            {"launch": i // 2, "times": [s], "cpu": [s], "minflt": [faults * (1 + i // 2)],
+             "rpcs_per_step": 1.0}
+            for i, s in enumerate(step_s)
+        ]  # fmt: skip
+
+    row = summarize(1000, "default", {
+        "plain": blocks([0.050, 0.050, 0.050, 0.050], 10),
+        "ft": blocks([0.045, 0.045, 0.055, 0.055], 20),
+    })  # fmt: skip
+    assert row["ft_ratio_by_launch"] == row["ft_ratio_cpu_by_launch"] == "0.900 1.100"
+    assert row["ft_minflt_by_launch"] == "20 40"
+    assert row["plain_minflt_by_launch"] == "10 20"
+
+
 def test_a_baseline_of_ours_is_compared_with_ours_round_by_round():
     def blocks(step_s: list[float]) -> list[dict]:
         return [
