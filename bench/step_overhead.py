@@ -36,9 +36,9 @@ resamples of the rounds with replacement, random.Random(0)). With
 --launches N every contender is started afresh N times, the rounds split
 among the launches: under glibc's default allocator a process's page
 faults, and so its CPU, depend on its allocation history, which one launch
-draws once. The interval then resamples launches, then rounds within them,
-and each launch's own ratio and faults per step are listed (`_by_launch`). Wall and CPU
-ratios both; with --ft-baseline, ft's to ftbase's the same way
+draws once. The interval then resamples launches, then rounds within
+them, and each launch's own ratio and faults per step are listed
+(`_by_launch`). Wall and CPU ratios both; with --ft-baseline, ft's to ftbase's the same way
 (`ft_vs_ftbase`: a change's effect, paired round by round). Also the RPCs the step sends on
 its critical path (heartbeats left out), and its CPU per step by thread
 (training, our quorum thread and server loop, grpc's, gloo's: where the

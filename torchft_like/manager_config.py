@@ -153,7 +153,7 @@ class ManagerConfig:
     """Linux scheduling policy of the threads that wake each step or on a
     timer (the ManagerServer's loop, the quorum thread, the freeze watch),
     TORCHFT_LIKE_CONTROL_SCHED. batch (the default): SCHED_BATCH, woken they
-    wait for a free core or the next tick (at most ~4 ms, bench.wake_latency)
+    wait for a free core or the next scheduler tick (4 ms here, bench.wake_latency)
     instead of preempting the training threads
     (lighthouse.rpc.loop.set_batch_policy); normal: SCHED_OTHER, as every
     thread starts."""

@@ -44,9 +44,8 @@ def test_the_ratio_interval_holds_the_geometric_mean_and_narrows_with_rounds():
 def test_rounds_of_one_launch_count_as_one_draw_in_the_interval():
     # Two launches, each steady within itself, 10% apart: resampling rounds
     # alone would claim a tight interval; launches resampled show the spread.
-    ratios = [0.95 + 0.001 * (i % 3) for i in range(30)] + [
-        1.05 + 0.001 * (i % 3) for i in range(30)
-    ]
+    jitter = [0.001 * (i % 3) for i in range(30)]
+    ratios = [0.95 + j for j in jitter] + [1.05 + j for j in jitter]
     launches = [0] * 30 + [1] * 30
     low, high = ratio_interval(ratios)
     low_l, high_l = ratio_interval(ratios, launches)
