@@ -24,6 +24,14 @@ def add_common_args(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def pct(xs: list[float], q: float) -> float:
+    """The `q` quantile of `xs` (nearest rank below); nan for none."""
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
 def results_file(out: str, name: str) -> str:
     """The JSON lines file of benchmark `name` under results directory `out`."""
     return str(Path(out) / f"{name}.jsonl")

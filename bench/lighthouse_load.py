@@ -49,7 +49,7 @@ from pathlib import Path
 
 import psutil
 
-from bench._report import REPO, add_common_args, report, results_file
+from bench._report import REPO, add_common_args, pct, report, results_file
 from tools.procs import free_port
 
 CONTENDERS = ("ref", "ours", "ours_grpcio", "ours_stream", "ours_paced")
@@ -240,13 +240,6 @@ def _profile(pid: int, contender: str, n: int, args: argparse.Namespace) -> subp
     cmd = [spy, "record", "-p", str(pid), "-d", str(secs), "-r", "100", "-f", "raw", "-o", str(out)]
     cmd += ["--native"] if args.profile_native else []
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-
-
-def pct(xs: list[float], q: float) -> float:
-    if not xs:
-        return float("nan")
-    xs = sorted(xs)
-    return xs[min(len(xs) - 1, int(q * len(xs)))]
 
 
 def run_one(contender: str, n: int, args: argparse.Namespace) -> dict:

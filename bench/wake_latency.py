@@ -27,7 +27,9 @@ import sys
 import threading
 import time
 
-from bench._report import add_common_args, report, results_file
+import psutil
+
+from bench._report import add_common_args, pct, report, results_file
 from lighthouse.rpc.loop import set_batch_policy
 from tools.procs import kill_tree
 
@@ -51,9 +53,14 @@ def overshoots_us(batch: bool, wakes: int, period_s: float) -> list[float]:
     return out
 
 
-def percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+def wait_spinning(spinners: list[subprocess.Popen], timeout_s: float) -> None:
+    """Returns once every spinner has run 0.1 s of CPU: the cores are busy."""
+    deadline = time.monotonic() + timeout_s
+    for proc in spinners:
+        while psutil.Process(proc.pid).cpu_times().user < 0.1:
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"spinner {proc.pid} did not run within {timeout_s} s")
+            time.sleep(0.01)
 
 
 def main() -> None:
@@ -72,7 +79,7 @@ def main() -> None:
     ]
     by_policy: dict[str, list[float]] = {p: [] for p in POLICIES}
     try:
-        time.sleep(0.5)  # the spinners are running
+        wait_spinning(spinners, timeout_s=30)
         for repeat in range(args.repeats):
             order = POLICIES if repeat % 2 == 0 else POLICIES[::-1]
             for policy in order:
@@ -88,9 +95,9 @@ def main() -> None:
             "busy": args.busy,
             "wakes": len(values),
             "period_ms": args.period_ms,
-            "median_us": round(percentile(values, 0.5)),
-            "p99_us": round(percentile(values, 0.99)),
-            "p999_us": round(percentile(values, 0.999)),
+            "median_us": round(pct(values, 0.5)),
+            "p99_us": round(pct(values, 0.99)),
+            "p999_us": round(pct(values, 0.999)),
             "max_us": round(max(values)),
         }
         for policy, values in by_policy.items()

@@ -86,8 +86,9 @@ class ManagerServer:
         local_collectives: the group's process group never talks to other
             groups (ProcessGroupDummy): it tells the lighthouse so, and
             lighthouse.compat lets it share a job with any torchft release.
-        sched_batch: run the server's loop under SCHED_BATCH, so that its
-            wake-ups never preempt training (lighthouse.rpc.loop.set_batch_policy).
+        sched_batch: run the server's loop under SCHED_BATCH (the default,
+            as ManagerConfig.control_sched), so that its wake-ups never
+            preempt training (lighthouse.rpc.loop.set_batch_policy).
 
     Raises:
         ValueError: a bad option or bind address.
@@ -109,7 +110,7 @@ class ManagerServer:
         secret: str | None = None,
         tls: TLSConfig | None = None,
         local_collectives: bool = False,
-        sched_batch: bool = False,
+        sched_batch: bool = True,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size ({world_size}) must be at least 1")
