@@ -3,7 +3,17 @@
 Just what a gRPC server needs: framing, HPACK decoding (the `hpack`
 library), both directions' flow control, SETTINGS, PING, RST_STREAM and
 GOAWAY. Requests go to a `StreamHandler` as decoded headers and data;
-answers are written with `send_headers`, `send_data` and `reset`.
+answers are written with `send`, and `reset`.
+
+Anyone who reaches the port speaks to this class before any secret is
+checked, so everything a peer can make it hold or do is bounded
+(lighthouse.rpc.limits): header blocks before they are decoded; request
+bytes by honest flow control (windows given back as the handler consumes
+messages, not as bytes arrive) and a process-wide budget; answers by write
+backpressure (a connection whose answers are not taken is not read
+further); PINGs, SETTINGS and resets by rate; the loop time of one read by
+a work budget. A broken rule ends the stream or the connection with the
+error RFC 9113 names, logged once per peer host.
 
 Why not grpcio's server: a unary call costs it ~600 us of CPU on this
 box whatever the handler does (thread hand-offs between its poller and the
@@ -15,52 +25,66 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import struct
+import time
 from typing import Any, Protocol
 
 import hpack
 
+from lighthouse.rpc.frames import (
+    ACK,
+    CONTINUATION,
+    DATA,
+    DEFAULT_WINDOW,
+    END_HEADERS,
+    END_STREAM,
+    ENHANCE_YOUR_CALM,
+    FLOW_CONTROL_ERROR,
+    FRAME_SIZE_ERROR,
+    GOAWAY,
+    HEADER,
+    HEADERS,
+    MAX_WINDOW,
+    NO_ERROR,
+    PING,
+    PREFACE,
+    PRIORITY,
+    PROTOCOL_ERROR,
+    PUSH_PROMISE,
+    REFUSED_STREAM,
+    RST_STREAM,
+    SETTING,
+    SETTINGS,
+    SETTINGS_INITIAL_WINDOW_SIZE,
+    SETTINGS_MAX_CONCURRENT_STREAMS,
+    SETTINGS_MAX_FRAME_SIZE,
+    SETTINGS_MAX_HEADER_LIST_SIZE,
+    STREAM_CLOSED,
+    U32,
+    WINDOW_UPDATE,
+    ProtocolError,
+    check_frame,
+    frame,
+    header_fragment,
+    settings,
+    unpad,
+    window_increment,
+)
+from lighthouse.rpc.limits import LIMITS, Limits, PeerLog, ProcessBudget, TokenBucket
+
 logger = logging.getLogger(__name__)
+_peer_log = PeerLog(logger)
 
-PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
-DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE = range(9)
-CONTINUATION = 9
-END_STREAM = 0x1
-ACK = 0x1
-END_HEADERS = 0x4
-PADDED = 0x8
-PRIORITY_FLAG = 0x20
-NO_ERROR, PROTOCOL_ERROR, INTERNAL_ERROR, FLOW_CONTROL_ERROR = 0x0, 0x1, 0x2, 0x3
-STREAM_CLOSED, FRAME_SIZE_ERROR, REFUSED_STREAM, CANCEL, COMPRESSION_ERROR = 0x5, 0x6, 0x7, 0x8, 0x9
-ENHANCE_YOUR_CALM = 0xB
-
-_HEADER = struct.Struct(">BHBBI")
-_SETTING = struct.Struct(">HI")
-_U32 = struct.Struct(">I")
-_MAX_WINDOW = 2**31 - 1
-DEFAULT_WINDOW = 65_535
-
-RECV_WINDOW = 4 * 1024 * 1024
-"""What each stream, and the connection, may send us before our WINDOW_UPDATE:
-large, so that no call of ours waits on flow control; refreshed at half."""
-MAX_CONCURRENT_STREAMS = 1000
-MAX_FRAME_SIZE = 1 << 20
-"""The largest frame we accept (SETTINGS_MAX_FRAME_SIZE): one frame per
-message up to a megabyte."""
+COMPRESSION_ERROR = 0x9
+CANCEL = 0x8
 _INDEXED = bytes(range(0x80, 0xFF))
 """First bytes of an indexed header field with a one-byte index (RFC 7541 6.1)."""
 _CACHED_BLOCKS = 64
-HANDSHAKE_TIMEOUT_S = 10.0
-"""A connection that has not sent the HTTP/2 preface by then (a port scan, a
-stray HTTP/1 client) is dropped."""
-
-
-class ConnectionError_(Exception):
-    """A connection error: the peer broke the protocol; GOAWAY and close."""
-
-    def __init__(self, code: int, why: str) -> None:
-        super().__init__(why)
-        self.code = code
+_NEW_STREAM_WORK = 8
+"""A new stream's share of `Limits.work_per_read`: a call, not just a frame."""
+_PSEUDO = frozenset((":method", ":scheme", ":path", ":authority"))
+_CONNECTION_SPECIFIC = frozenset(
+    ("connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade")
+)
 
 
 class StreamHandler(Protocol):
@@ -70,36 +94,62 @@ class StreamHandler(Protocol):
         """A new request's headers (the stream is open; refuse with `reset`)."""
 
     def on_data(self, conn: Connection, stream_id: int, data: bytes, end: bool) -> None:
-        """Body bytes of an open stream; `end`: the peer sent its last."""
+        """Body bytes of an open stream; `end`: the peer sent its last. The
+        bytes count against the peer's windows until `consumed` says so."""
 
     def on_closed(self, conn: Connection, stream_id: int) -> None:
         """The stream ended abnormally: RST_STREAM, or the connection is gone."""
 
 
-class _Outgoing:
-    """A stream's send side: its flow-control window and what waits on it."""
+class _Stream:
+    """An open stream: its send side (window, what waits on it) and its
+    receive side (credit given, bytes held by the handler, the limit)."""
 
-    __slots__ = ("window", "pending", "end_after")
+    __slots__ = ("sid", "window", "pending", "end_after", "credit", "held", "limit", "remote_done")
 
-    def __init__(self, window: int) -> None:
+    def __init__(self, sid: int, window: int, limit: int, remote_done: bool) -> None:
+        self.sid = sid
         self.window = window
         self.pending = bytearray()
         self.end_after: bytes | None = None
         """A header block (trailers) to send with END_STREAM once pending is out."""
+        self.credit = limit
+        """What the peer may still send on it."""
+        self.held = 0
+        """Bytes the handler has and has not consumed."""
+        self.limit = limit
+        """credit + held stay within it: the stream window, or a message's grant."""
+        self.remote_done = remote_done
+        """The peer sent END_STREAM (half-closed, remote)."""
 
 
 class Connection(asyncio.Protocol):
     """One client connection. Streams are ids the handler owns; this class
-    only keeps their flow-control windows."""
+    keeps their flow control and the connection's bounds."""
 
-    def __init__(self, handler: StreamHandler, on_lost: Any = None) -> None:
+    def __init__(
+        self,
+        handler: StreamHandler,
+        on_lost: Any = None,
+        limits: Limits = LIMITS,
+        budget: ProcessBudget | None = None,
+    ) -> None:
         self._handler = handler
         self._on_lost = on_lost
+        self._limits = limits
+        self._budget = budget if budget is not None else ProcessBudget(limits)
         self.transport: asyncio.Transport | None = None
         self.peer = ""
+        self.idle_since: float | None = time.monotonic()
+        """When its last stream closed (None: streams are open): the server's
+        idle sweep and connection cap read it."""
         self._buf = bytearray()
+        self._buf_held = 0
+        """len(_buf) as counted in the process budget."""
         self._preface_seen = False
+        self._closed = False
         self._decoder = hpack.Decoder()
+        self._decoder.max_header_list_size = limits.max_header_list
         self._decoded: dict[bytes, list[tuple[str, str]]] = {}
         """Header blocks of indexed fields only -> their headers, while the
         table is unchanged: a client's repeated call sends the same few bytes."""
@@ -107,20 +157,37 @@ class Connection(asyncio.Protocol):
         """A header block still waiting for its CONTINUATION frames."""
         self._block_stream = 0
         self._block_end_stream = False
-        self._streams: dict[int, _Outgoing] = {}
+        self._block_frames = 0
+        self._block_error: ProtocolError | None = None
+        self._streams: dict[int, _Stream] = {}
         self._last_stream = 0
         self._send_window = DEFAULT_WINDOW
         self._peer_initial_window = DEFAULT_WINDOW
         self._peer_max_frame = 16_384
-        self._recv_unacked = 0
-        """Bytes received on the connection since our last WINDOW_UPDATE for it."""
-        self._stream_unacked: dict[int, int] = {}
         self._blocked: set[int] = set()
         """Open streams with data waiting on flow control."""
+        self._unsent = 0
+        """Bytes of answers waiting on flow control, all streams."""
+        self._credit = DEFAULT_WINDOW
+        """What the peer may still send on the connection."""
+        self._held = 0
+        self._granted = 0
         self._closing = False
-        self._handshake_timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None
+        """The handshake deadline, then a stalled writer's, then a close's."""
         self._pending_out: list[bytes] | None = None
-        """Writes held until the end of the `data_received` under way."""
+        """Writes held until the end of the read under way."""
+        self._work = 0
+        self._backlog = False
+        self._write_paused = False
+        self._reading_paused = False
+        self._induced = 0
+        self._ping_at = 0.0
+        self._ping_strikes = 0
+        self._answered = True
+        """An answer (HEADERS or DATA) went out since the last PING."""
+        self._settings_rate = TokenBucket(limits.settings_rate)
+        self._reset_rate = TokenBucket(limits.reset_rate)
 
     # ---- asyncio.Protocol --------------------------------------------------------
 
@@ -130,67 +197,153 @@ class Connection(asyncio.Protocol):
         if peer:
             host = f"[{peer[0]}]" if ":" in peer[0] else peer[0]
             self.peer = f"ipv{6 if ':' in peer[0] else 4}:{host}:{peer[1]}"
-        settings = b"".join(
-            _SETTING.pack(k, v)
-            for k, v in ((0x3, MAX_CONCURRENT_STREAMS), (0x4, RECV_WINDOW), (0x5, MAX_FRAME_SIZE))
+        lim = self._limits
+        with_settings = (
+            (SETTINGS_MAX_CONCURRENT_STREAMS, lim.max_streams),
+            (SETTINGS_INITIAL_WINDOW_SIZE, lim.stream_window),
+            (SETTINGS_MAX_FRAME_SIZE, lim.max_frame),
+            (SETTINGS_MAX_HEADER_LIST_SIZE, lim.max_header_list),
         )
+        self._credit = lim.connection_window
         transport.write(
-            frame(SETTINGS, 0, 0, settings)
-            + frame(WINDOW_UPDATE, 0, 0, _U32.pack(RECV_WINDOW - DEFAULT_WINDOW))
+            frame(SETTINGS, 0, 0, b"".join(SETTING.pack(k, v) for k, v in with_settings))
+            + frame(WINDOW_UPDATE, 0, 0, U32.pack(lim.connection_window - DEFAULT_WINDOW))
         )
-        self._handshake_timer = asyncio.get_event_loop().call_later(
-            HANDSHAKE_TIMEOUT_S, self._handshake_overdue
-        )
+        transport.set_write_buffer_limits(high=lim.write_high, low=lim.write_low)
+        self._timer = asyncio.get_event_loop().call_later(lim.handshake_s, self._handshake_overdue)
 
     def _handshake_overdue(self) -> None:
         if not self._preface_seen and self.transport is not None:
             self.transport.abort()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        if self._handshake_timer is not None:
-            self._handshake_timer.cancel()
-        streams, self._streams = self._streams, {}
+        if self._timer is not None:
+            self._timer.cancel()
+        self._closed = True
+        streams = list(self._streams)
+        for stream_id in streams:
+            self._forget(stream_id)
         self.transport = None
+        self._budget.held -= self._buf_held
+        self._buf_held = 0
+        self._buf = bytearray()
         for stream_id in streams:
             self._handler.on_closed(self, stream_id)
         if self._on_lost is not None:
             self._on_lost(self)
 
+    def pause_writing(self) -> None:
+        """The peer does not take our answers: read no more from it."""
+        self._write_paused = True
+        self._set_timer(self._limits.write_stall_s, self._stalled)
+        self._update_reading()
+
+    def resume_writing(self) -> None:
+        self._write_paused = False
+        self._induced = 0
+        if self._timer is not None and not self._closed:
+            self._timer.cancel()
+        if self._backlog:
+            self._resume()
+        self._update_reading()
+
+    def _stalled(self) -> None:
+        if self._write_paused and self.transport is not None:
+            _peer_log.log(self.peer, f"no answer taken in {self._limits.write_stall_s:.0f} s")
+            self.transport.abort()
+
     def data_received(self, data: bytes) -> None:
-        buf = self._buf
-        buf += data
+        if self._closed:
+            return
+        self._buf += data
+        self._process()
+
+    def _resume(self) -> None:
+        """The rest of a read that an earlier turn's work budget left."""
+        self._backlog = False
+        if not self._closed:
+            self._process()
+            self._update_reading()
+
+    def _process(self) -> None:
         self._pending_out = []
+        self._work = self._limits.work_per_read
         try:
-            pos = 0
-            if not self._preface_seen:
-                if len(buf) < len(PREFACE):
-                    if not PREFACE.startswith(bytes(buf)):
-                        raise ConnectionError_(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-                    return
-                if buf[: len(PREFACE)] != PREFACE:
-                    raise ConnectionError_(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-                self._preface_seen = True
-                pos = len(PREFACE)
-            size = len(buf)
-            while size - pos >= 9 and self.transport is not None:
-                hi, lo, kind, flags, stream_id = _HEADER.unpack_from(buf, pos)
-                length = hi << 16 | lo
-                if length > MAX_FRAME_SIZE:
-                    raise ConnectionError_(FRAME_SIZE_ERROR, f"a frame of {length} bytes")
-                end = pos + 9 + length
-                if end > size:
-                    break
-                self._frame(kind, flags, stream_id & _MAX_WINDOW, bytes(buf[pos + 9 : end]))
-                pos = end
-            del buf[:pos]
-        except ConnectionError_ as e:
-            self._flush_out()
+            self._frames()
+        except ProtocolError as e:
             self.close(e.code, str(e))
+        except hpack.OversizedHeaderListError as e:
+            self.close(ENHANCE_YOUR_CALM, f"a header list over the limit: {e}")
         except hpack.HPACKError as e:
-            self._flush_out()
             self.close(COMPRESSION_ERROR, f"header block: {e}")
         finally:
             self._flush_out()
+        held = len(self._buf)
+        if held != self._buf_held and not self._closed:
+            grows = held - self._buf_held
+            if grows > 0 and not self._budget.hold(grows):
+                self.close(ENHANCE_YOUR_CALM, "the server holds too many partial requests")
+                return
+            if grows < 0:
+                self._budget.held += grows
+            self._buf_held = held
+
+    def _frames(self) -> None:
+        buf = self._buf
+        pos = 0
+        if not self._preface_seen:
+            if len(buf) < len(PREFACE):
+                if not PREFACE.startswith(bytes(buf)):
+                    raise ProtocolError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+                return
+            if buf[: len(PREFACE)] != PREFACE:
+                raise ProtocolError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+            self._preface_seen = True
+            pos = len(PREFACE)
+            if self._timer is not None:
+                self._timer.cancel()
+        size = len(buf)
+        max_frame = self._limits.max_frame
+        try:
+            while size - pos >= 9 and not self._closed:
+                if self._work <= 0 or self._write_paused:
+                    self._defer()
+                    break
+                hi, lo, kind, flags, stream_id = HEADER.unpack_from(buf, pos)
+                length = hi << 16 | lo
+                if length > max_frame:
+                    raise ProtocolError(FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+                end = pos + 9 + length
+                if end > size:
+                    break
+                self._work -= 1
+                try:
+                    self._frame(kind, flags, stream_id & MAX_WINDOW, bytes(buf[pos + 9 : end]))
+                except ProtocolError as e:
+                    if not e.stream:
+                        raise
+                    self._stream_error(e)
+                pos = end
+        finally:
+            del buf[:pos]
+
+    def _defer(self) -> None:
+        """Leaves the rest of the read for a later turn: the next one if the
+        work budget ran out, `resume_writing` if the peer takes no answers."""
+        if not self._backlog:
+            self._backlog = True
+            if not self._write_paused:
+                asyncio.get_event_loop().call_soon(self._resume)
+            self._update_reading()
+
+    def _update_reading(self) -> None:
+        paused = self._backlog or self._write_paused
+        if paused != self._reading_paused and self.transport is not None and not self._closed:
+            self._reading_paused = paused
+            if paused:
+                self.transport.pause_reading()
+            else:
+                self.transport.resume_reading()
 
     def _flush_out(self) -> None:
         out, self._pending_out = self._pending_out, None
@@ -201,17 +354,14 @@ class Connection(asyncio.Protocol):
 
     def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if self._block_stream and kind != CONTINUATION:
-            raise ConnectionError_(PROTOCOL_ERROR, "a frame inside a header block")
+            raise ProtocolError(PROTOCOL_ERROR, "a frame inside a header block")
+        check_frame(kind, flags, stream_id, len(payload))
         if kind == DATA:
             self._data(flags, stream_id, payload)
         elif kind == HEADERS:
             self._headers(flags, stream_id, payload)
         elif kind == CONTINUATION:
-            if stream_id != self._block_stream or not stream_id:
-                raise ConnectionError_(PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
-            self._block += payload
-            if flags & END_HEADERS:
-                self._header_block_done()
+            self._continuation(flags, stream_id, payload)
         elif kind == SETTINGS:
             if not flags & ACK:
                 self._settings(payload)
@@ -219,27 +369,48 @@ class Connection(asyncio.Protocol):
             self._window_update(stream_id, payload)
         elif kind == PING:
             if not flags & ACK:
-                self._write(frame(PING, ACK, 0, payload))
+                self._ping(payload)
         elif kind == RST_STREAM:
-            self._forget(stream_id)
-            self._handler.on_closed(self, stream_id)
+            self._peer_reset(stream_id)
+        elif kind == PRIORITY:
+            if U32.unpack_from(payload)[0] & MAX_WINDOW == stream_id:
+                raise ProtocolError(PROTOCOL_ERROR, "a stream that depends on itself", stream_id)
         elif kind == GOAWAY:
             self._closing = True
         elif kind == PUSH_PROMISE:
-            raise ConnectionError_(PROTOCOL_ERROR, "a client sent PUSH_PROMISE")
-        # PRIORITY and unknown types are ignored, as the RFC asks.
+            raise ProtocolError(PROTOCOL_ERROR, "a client sent PUSH_PROMISE")
+        # Unknown types are ignored, as the RFC asks.
 
     def _headers(self, flags: int, stream_id: int, payload: bytes) -> None:
         if not stream_id % 2:
-            raise ConnectionError_(PROTOCOL_ERROR, f"HEADERS on even stream {stream_id}")
-        start, stop = 0, len(payload)
-        if flags & PADDED:
-            start, stop = 1, stop - payload[0]
-        if flags & PRIORITY_FLAG:
-            start += 5
-        self._block[:] = payload[start:stop]
+            raise ProtocolError(PROTOCOL_ERROR, f"HEADERS on even stream {stream_id}")
+        self._block_error = None
+        try:
+            fragment = header_fragment(flags, stream_id, payload)
+        except ProtocolError as e:
+            if not e.stream:
+                raise
+            # Still decoded (the HPACK table is shared), then the stream refused.
+            self._block_error = e
+            fragment = unpad(flags, payload)[5:]
+        if len(fragment) > self._limits.max_header_block:
+            raise ProtocolError(ENHANCE_YOUR_CALM, "a header block over the limit")
+        self._block[:] = fragment
         self._block_stream = stream_id
         self._block_end_stream = bool(flags & END_STREAM)
+        self._block_frames = 0
+        if flags & END_HEADERS:
+            self._header_block_done()
+
+    def _continuation(self, flags: int, stream_id: int, payload: bytes) -> None:
+        if stream_id != self._block_stream:
+            raise ProtocolError(PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
+        self._block_frames += 1
+        if self._block_frames > self._limits.max_continuations:
+            raise ProtocolError(ENHANCE_YOUR_CALM, "a header block in too many frames")
+        if len(self._block) + len(payload) > self._limits.max_header_block:
+            raise ProtocolError(ENHANCE_YOUR_CALM, "a header block over the limit")
+        self._block += payload
         if flags & END_HEADERS:
             self._header_block_done()
 
@@ -247,20 +418,33 @@ class Connection(asyncio.Protocol):
         stream_id, end_stream = self._block_stream, self._block_end_stream
         self._block_stream = 0
         headers = self._decode(bytes(self._block))
-        if stream_id in self._streams:  # trailers: gRPC clients send none
-            if end_stream:
-                self._handler.on_data(self, stream_id, b"", True)
+        self._block.clear()
+        stream = self._streams.get(stream_id)
+        if stream is not None:  # trailers: gRPC clients send none
+            if not end_stream:
+                raise ProtocolError(PROTOCOL_ERROR, "a second header block", stream_id)
+            if stream.remote_done:
+                raise ProtocolError(STREAM_CLOSED, "headers after the end", stream_id)
+            stream.remote_done = True
+            self._handler.on_data(self, stream_id, b"", True)
             return
         if stream_id <= self._last_stream:
-            raise ConnectionError_(PROTOCOL_ERROR, f"stream {stream_id} reused")
+            if end_stream:
+                return  # trailers of a call answered already
+            raise ProtocolError(STREAM_CLOSED, f"HEADERS on closed stream {stream_id}")
         self._last_stream = stream_id
-        if self._closing:
-            self._write(frame(RST_STREAM, 0, stream_id, _U32.pack(REFUSED_STREAM)))
+        self._work -= _NEW_STREAM_WORK
+        if self._block_error is not None:
+            raise self._block_error
+        if headers is _MALFORMED:
+            raise ProtocolError(PROTOCOL_ERROR, "a malformed request header list", stream_id)
+        lim = self._limits
+        if self._closing or len(self._streams) >= lim.max_streams or self._unsent > lim.write_high:
+            self._refuse(stream_id, REFUSED_STREAM)
             return
-        if len(self._streams) >= MAX_CONCURRENT_STREAMS:
-            self._write(frame(RST_STREAM, 0, stream_id, _U32.pack(REFUSED_STREAM)))
-            return
-        self._streams[stream_id] = _Outgoing(self._peer_initial_window)
+        stream = _Stream(stream_id, self._peer_initial_window, lim.stream_window, end_stream)
+        self._streams[stream_id] = stream
+        self.idle_since = None
         self._handler.on_headers(self, stream_id, headers)
         if end_stream and stream_id in self._streams:
             self._handler.on_data(self, stream_id, b"", True)
@@ -271,75 +455,173 @@ class Connection(asyncio.Protocol):
         such a block neither changes the table nor means anything else."""
         if block.translate(None, _INDEXED):
             self._decoded.clear()  # it may have changed the table
-            return list(self._decoder.decode(block, raw=False))  # type: ignore[arg-type]
+            return _checked(self._decoder.decode(block, raw=False))  # type: ignore[arg-type]
         headers = self._decoded.get(block)
         if headers is None:
-            headers = list(self._decoder.decode(block, raw=False))  # type: ignore[arg-type]
+            headers = _checked(self._decoder.decode(block, raw=False))  # type: ignore[arg-type]
             if len(self._decoded) < _CACHED_BLOCKS:
                 self._decoded[block] = headers
         return headers
 
     def _data(self, flags: int, stream_id: int, payload: bytes) -> None:
-        size = len(payload)
-        if flags & PADDED and size:
-            payload = payload[1 : size - payload[0]]
-        self._recv_unacked += size
-        updates = b""
-        if self._recv_unacked >= RECV_WINDOW // 2:
-            updates = frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._recv_unacked))
-            self._recv_unacked = 0
+        length = len(payload)
+        if length > self._credit:
+            raise ProtocolError(FLOW_CONTROL_ERROR, "DATA past the connection's window")
+        self._credit -= length
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            self._give_back(None)
+            if stream_id > self._last_stream:
+                raise ProtocolError(PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
+            return  # a stream we closed: its data in flight still arrives; dropped
+        data = unpad(flags, payload)
+        if stream.remote_done:
+            self._give_back(None)
+            raise ProtocolError(STREAM_CLOSED, "DATA after the end of the stream", stream_id)
+        if length > stream.credit:
+            self._give_back(None)
+            raise ProtocolError(FLOW_CONTROL_ERROR, "DATA past the stream's window", stream_id)
+        stream.credit -= length
+        if data:
+            if not self._budget.hold(len(data)):
+                self._give_back(None)
+                raise ProtocolError(ENHANCE_YOUR_CALM, "the server holds too much", stream_id)
+            stream.held += len(data)
+            self._held += len(data)
         end = bool(flags & END_STREAM)
-        if stream_id in self._streams:
-            if not end:  # a stream that goes on: refresh its window too
-                unacked = self._stream_unacked.get(stream_id, 0) + size
-                if unacked >= RECV_WINDOW // 2:
-                    updates += frame(WINDOW_UPDATE, 0, stream_id, _U32.pack(unacked))
-                    unacked = 0
-                self._stream_unacked[stream_id] = unacked
-            if updates:
-                self._write(updates)
-            self._handler.on_data(self, stream_id, payload, end)
-        else:
-            if updates:
-                self._write(updates)
-            if stream_id > self._last_stream or not stream_id:
-                raise ConnectionError_(PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
-            # A stream we reset: its data in flight still arrives; dropped.
+        stream.remote_done = end
+        if length != len(data):
+            self._give_back(stream)  # the padding is consumed now
+        self._handler.on_data(self, stream_id, data, end)
 
     def _settings(self, payload: bytes) -> None:
-        if len(payload) % 6:
-            raise ConnectionError_(FRAME_SIZE_ERROR, "a SETTINGS frame of odd length")
-        for pos in range(0, len(payload), 6):
-            key, value = _SETTING.unpack_from(payload, pos)
-            if key == 0x4:
-                if value > _MAX_WINDOW:
-                    raise ConnectionError_(FLOW_CONTROL_ERROR, "initial window over 2^31-1")
+        if not self._settings_rate.take():
+            raise ProtocolError(ENHANCE_YOUR_CALM, "too many SETTINGS frames")
+        for key, value in settings(payload):
+            if key == SETTINGS_INITIAL_WINDOW_SIZE:
                 delta, self._peer_initial_window = value - self._peer_initial_window, value
                 for out in self._streams.values():
                     out.window += delta
-            elif key == 0x5:
-                if not 16_384 <= value < 1 << 24:
-                    raise ConnectionError_(PROTOCOL_ERROR, f"max frame size {value}")
+                    if out.window > MAX_WINDOW:
+                        raise ProtocolError(FLOW_CONTROL_ERROR, "a stream window over 2^31-1")
+            elif key == SETTINGS_MAX_FRAME_SIZE:
                 self._peer_max_frame = value
-        self._write(frame(SETTINGS, ACK, 0, b""))
+        self._induce(frame(SETTINGS, ACK, 0, b""))
         self._flush_pending()
 
     def _window_update(self, stream_id: int, payload: bytes) -> None:
-        if len(payload) != 4:
-            raise ConnectionError_(FRAME_SIZE_ERROR, "a WINDOW_UPDATE not of 4 bytes")
-        increment = _U32.unpack(payload)[0] & _MAX_WINDOW
+        if stream_id > self._last_stream:
+            raise ProtocolError(PROTOCOL_ERROR, f"WINDOW_UPDATE on idle stream {stream_id}")
+        increment = window_increment(payload, stream_id)
         if stream_id == 0:
+            if self._send_window + increment > MAX_WINDOW:
+                raise ProtocolError(FLOW_CONTROL_ERROR, "a connection window over 2^31-1")
             self._send_window += increment
-        elif stream_id in self._streams:
-            self._streams[stream_id].window += increment
+        elif (out := self._streams.get(stream_id)) is not None:
+            if out.window + increment > MAX_WINDOW:
+                raise ProtocolError(FLOW_CONTROL_ERROR, "a window over 2^31-1", stream_id)
+            out.window += increment
         self._flush_pending()
+
+    def _ping(self, payload: bytes) -> None:
+        """Answered, but a peer that pings faster than `ping_interval_s`
+        while we answer nothing else gets a strike (C-core's policy)."""
+        now = time.monotonic()
+        if not self._answered and now - self._ping_at < self._limits.ping_interval_s:
+            self._ping_strikes += 1
+            if self._ping_strikes > self._limits.ping_strikes:
+                raise ProtocolError(ENHANCE_YOUR_CALM, "too many pings")
+        self._ping_at, self._answered = now, False
+        self._induce(frame(PING, ACK, 0, payload))
+
+    def _peer_reset(self, stream_id: int) -> None:
+        if stream_id > self._last_stream:
+            raise ProtocolError(PROTOCOL_ERROR, f"RST_STREAM on idle stream {stream_id}")
+        if stream_id in self._streams:
+            if not self._reset_rate.take():
+                raise ProtocolError(ENHANCE_YOUR_CALM, "too many streams reset")
+            self._forget(stream_id)
+            self._handler.on_closed(self, stream_id)
+
+    def _stream_error(self, e: ProtocolError) -> None:
+        if e.stream in self._streams:
+            self._forget(e.stream)
+            self._handler.on_closed(self, e.stream)
+        self._refuse(e.stream, e.code)
+
+    def _refuse(self, stream_id: int, code: int) -> None:
+        """RST_STREAM on a stream the peer made us end (resets are rate-bounded)."""
+        if not self._reset_rate.take():
+            raise ProtocolError(ENHANCE_YOUR_CALM, "too many streams refused")
+        self._induce(frame(RST_STREAM, 0, stream_id, U32.pack(code)))
+
+    def _induce(self, answer: bytes) -> None:
+        """A control answer the peer asked for; C-core's bound on those a
+        peer asks for without reading them."""
+        if self._write_paused:
+            self._induced += 1
+            if self._induced > self._limits.max_induced:
+                raise ProtocolError(ENHANCE_YOUR_CALM, "too many control answers not read")
+        self._write(answer)
+
+    # ---- receive flow control ------------------------------------------------------------
+
+    def consumed(self, stream_id: int, nbytes: int) -> None:
+        """The handler is done with `nbytes` of the stream's data: the peer
+        may send that much again."""
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return  # closed: what it held was released then
+        nbytes = min(nbytes, stream.held)
+        stream.held -= nbytes
+        self._held -= nbytes
+        self._budget.held -= nbytes
+        if not stream.held and stream.limit > self._limits.stream_window:
+            self._ungrant(stream)
+        self._give_back(stream)
+
+    def grant(self, stream_id: int, nbytes: int) -> bool:
+        """Lets the stream hold `nbytes` unconsumed (a message it declared
+        larger than the stream window) until it has consumed them all;
+        False if this connection's or the process's grants are spent."""
+        stream = self._streams.get(stream_id)
+        if stream is None:
+            return False
+        more = nbytes - stream.limit
+        if more <= 0:
+            return True
+        if self._granted + more > self._limits.max_grant or not self._budget.grant(more):
+            return False
+        self._granted += more
+        stream.limit += more
+        self._give_back(stream, at_once=True)
+        return True
+
+    def _ungrant(self, stream: _Stream) -> None:
+        extra = stream.limit - self._limits.stream_window
+        stream.limit -= extra
+        self._granted -= extra
+        self._budget.granted -= extra
+
+    def _give_back(self, stream: _Stream | None, at_once: bool = False) -> None:
+        """Window updates for what is consumed: each window's limit less the
+        credit the peer has and what is held, once that is half the limit."""
+        if stream is not None and not stream.remote_done:
+            owed = stream.limit - stream.credit - stream.held
+            if owed > 0 and (at_once or owed >= stream.limit >> 1):
+                stream.credit += owed
+                self._write(frame(WINDOW_UPDATE, 0, stream.sid, U32.pack(owed)))
+        limit = self._limits.connection_window + self._granted
+        owed = limit - self._credit - self._held
+        if owed > 0 and (at_once or owed >= limit >> 1):
+            self._credit += owed
+            self._write(frame(WINDOW_UPDATE, 0, 0, U32.pack(owed)))
 
     # ---- frames out ---------------------------------------------------------------
 
     def _write(self, data: bytes) -> None:
-        """Writes now, or at the end of the `data_received` under way: what
-        one read asks for (answers, PING and SETTINGS acks, window updates)
-        goes out in one send."""
+        """Writes now, or at the end of the read under way: what one read
+        asks for (answers, acks, window updates) goes out in one send."""
         if self._pending_out is not None:
             self._pending_out.append(data)
         elif self.transport is not None:
@@ -359,14 +641,18 @@ class Connection(asyncio.Protocol):
         out = self._streams.get(stream_id)
         if out is None or self.transport is None:
             return
+        self._answered = True
+        self._ping_strikes = 0
         chunks = []
         if headers is not None:
             chunks.append(frame(HEADERS, END_HEADERS, stream_id, headers))
         if out.pending or out.end_after is not None:
             out.pending += data
+            self._unsent += len(data)
         elif data:
             sent = self._data_frames(stream_id, out, data, chunks)
             out.pending += data[sent:]
+            self._unsent += len(data) - sent
         if out.pending:
             self._blocked.add(stream_id)
         if trailers is not None:
@@ -378,7 +664,7 @@ class Connection(asyncio.Protocol):
         if chunks:
             self._write(b"".join(chunks))
 
-    def _data_frames(self, stream_id: int, out: _Outgoing, data: bytes, chunks: list[bytes]) -> int:
+    def _data_frames(self, stream_id: int, out: _Stream, data: bytes, chunks: list[bytes]) -> int:
         """Appends DATA frames of `data` that the windows allow; returns bytes framed."""
         allowed = min(len(data), out.window, self._send_window)
         if allowed <= 0:
@@ -401,6 +687,7 @@ class Connection(asyncio.Protocol):
             data = bytes(out.pending)
             sent = self._data_frames(stream_id, out, data, chunks)
             del out.pending[:sent]
+            self._unsent -= sent
             if not out.pending:
                 self._blocked.discard(stream_id)
                 if out.end_after is not None:
@@ -415,59 +702,72 @@ class Connection(asyncio.Protocol):
         """Ends a stream at once (RST_STREAM); nothing more is sent on it."""
         if stream_id in self._streams:
             self._forget(stream_id)
-            self._write(frame(RST_STREAM, 0, stream_id, _U32.pack(code)))
+            self._write(frame(RST_STREAM, 0, stream_id, U32.pack(code)))
 
     def _forget(self, stream_id: int) -> None:
-        self._streams.pop(stream_id, None)
-        self._blocked.discard(stream_id)
-        self._stream_unacked.pop(stream_id, None)
+        """A stream is done: what it held and was granted is released."""
+        stream = self._streams.pop(stream_id, None)
+        if stream is None:
+            return
+        if stream_id in self._blocked:
+            self._blocked.discard(stream_id)
+            self._unsent -= len(stream.pending)
+        if stream.held:
+            self._held -= stream.held
+            self._budget.held -= stream.held
+            stream.held = 0
+        if stream.limit > self._limits.stream_window:
+            self._ungrant(stream)
+        if not self._streams:
+            self.idle_since = time.monotonic()
+        self._give_back(None)
 
     def goaway(self) -> None:
         """Refuses new streams; those open run on (graceful shutdown)."""
         if not self._closing:
             self._closing = True
-            self._write(frame(GOAWAY, 0, 0, _U32.pack(self._last_stream) + _U32.pack(NO_ERROR)))
+            self._write(frame(GOAWAY, 0, 0, U32.pack(self._last_stream) + U32.pack(NO_ERROR)))
 
     def close(self, code: int = NO_ERROR, why: str = "") -> None:
-        """GOAWAY with `code` and closes; the handler hears of every open stream."""
-        if self.transport is None:
+        """GOAWAY with `code` and closes; the handler hears of every open
+        stream. A peer that does not take the GOAWAY is cut off after
+        `close_s`."""
+        if self.transport is None or self._closed:
             return
         if code != NO_ERROR:
-            logger.info("closing HTTP/2 connection from %s: %s", self.peer, why)
-        detail = why.encode()[:256]
-        self._write(frame(GOAWAY, 0, 0, _U32.pack(self._last_stream) + _U32.pack(code) + detail))
+            _peer_log.log(self.peer, why)
+        self._write(frame(GOAWAY, 0, 0, U32.pack(self._last_stream) + U32.pack(code)))
+        self._flush_out()
+        self._closed = True
         self.transport.close()
+        self._set_timer(self._limits.close_s, self.transport.abort)
+
+    def _set_timer(self, delay: float, callback: Any) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._timer = asyncio.get_event_loop().call_later(delay, callback)
 
 
-def frame(kind: int, flags: int, stream_id: int, payload: bytes) -> bytes:
-    length = len(payload)
-    return _HEADER.pack(length >> 16, length & 0xFFFF, kind, flags, stream_id) + payload
+_MALFORMED: list[tuple[str, str]] = []
+"""Stands for a request header list RFC 9113 8.2-8.3 calls malformed."""
 
 
-# ---- HPACK, encoding side: literals only, so no table to keep in step --------------
-
-
-def encode_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
-    """An HPACK integer (RFC 7541 5.1) with `first`'s high bits in the first byte."""
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytes([first | value])
-    out = bytearray([first | limit])
-    value -= limit
-    while value >= 128:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
-def literal(name: str, value: str) -> bytes:
-    """A header as a literal never added to the table (RFC 7541 6.2.2)."""
-    raw_name, raw_value = name.encode(), value.encode()
-    return (
-        b"\x00"
-        + encode_int(len(raw_name), 7)
-        + raw_name
-        + encode_int(len(raw_value), 7)
-        + raw_value
-    )
+def _checked(fields: list[tuple[str, str]]) -> list[tuple[str, str]]:
+    """`fields` as a list, or _MALFORMED: an empty or upper-case name, a
+    pseudo-header unknown, repeated or after a regular one, a
+    connection-specific field, or a TE other than trailers."""
+    headers = list(fields)
+    regular = False
+    seen: set[str] = set()
+    for name, value in headers:
+        if not name or name != name.lower():
+            return _MALFORMED
+        if name[0] == ":":
+            if regular or name not in _PSEUDO or name in seen:
+                return _MALFORMED
+            seen.add(name)
+        else:
+            regular = True
+            if name in _CONNECTION_SPECIFIC or (name == "te" and value != "trailers"):
+                return _MALFORMED
+    return headers

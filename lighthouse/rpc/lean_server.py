@@ -8,9 +8,12 @@ per unary call on the loop's own thread, and a handler that finishes
 without waiting runs inline, with no task. `serve.new_server` picks it or
 grpcio's server (`rpc_server`).
 
-Compressed requests (gzip, deflate) are read; answers go uncompressed, as
-gRPC allows. Left out, as our servicers need none: server-side
-interceptors other than the shared secret, and the idle-connection timeout.
+Compressed requests (gzip, deflate) are read, within the message limit;
+answers go uncompressed, as gRPC allows. Left out, as our servicers need
+none: server-side interceptors other than the shared secret.
+
+Bounded as lighthouse.rpc.limits says: connections (past the cap the
+longest idle one makes room), their idle time, and what an answer echoes.
 """
 
 from __future__ import annotations
@@ -30,14 +33,16 @@ from typing import Any, NoReturn
 
 import grpc
 
-from lighthouse.rpc import auth, http2
+from lighthouse.rpc import auth, frames
+from lighthouse.rpc.connections import Connections
 from lighthouse.rpc.http2 import Connection
+from lighthouse.rpc.limits import LIMITS, ProcessBudget
 
 logger = logging.getLogger(__name__)
 
-_OK_HEADERS = b"\x88" + http2.literal("content-type", "application/grpc")
+_OK_HEADERS = b"\x88" + frames.literal("content-type", "application/grpc")
 """`:status: 200` (static table entry 8) and the gRPC content type."""
-_OK_TRAILERS = http2.literal("grpc-status", "0")
+_OK_TRAILERS = frames.literal("grpc-status", "0")
 _UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 _RESERVED = frozenset(
@@ -46,7 +51,9 @@ _RESERVED = frozenset(
 _WBITS = {"gzip": 31, "deflate": 15}
 """grpc-encoding -> zlib's wbits for it."""
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
-"""grpcio's default limit on a received message."""
+"""grpcio's default limit on a received message, compressed or not."""
+_SWEEP_S = 5.0
+"""How often idle connections are looked for."""
 
 
 class _Abort(Exception):
@@ -58,26 +65,35 @@ class _Abort(Exception):
         self.details = details
 
 
+def _echo(text: str) -> str:
+    """A request's own text as an answer may carry it: never longer than
+    `Limits.max_echo`, so an answer cannot amplify what a peer sends."""
+    limit = LIMITS.max_echo
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
 def _trailers(code: grpc.StatusCode, details: str) -> bytes:
-    block = http2.literal("grpc-status", str(code.value[0]))
+    block = frames.literal("grpc-status", str(code.value[0]))
     if details:
-        block += http2.literal(
+        block += frames.literal(
             "grpc-message", urllib.parse.quote(details, safe=" !#$&'()*+,/:;=?@[]~")
         )
     return block
 
 
 class _Requests:
-    """A streaming call's request iterator, fed by the connection."""
+    """A streaming call's request iterator, fed by the connection. A message
+    counts against the peer's window until the handler takes it."""
 
-    def __init__(self, decode: Callable[[bytes], Any] | None) -> None:
+    def __init__(self, decode: Callable[[bytes], Any] | None, conn: Connection, sid: int) -> None:
         self._decode = decode
-        self._items: collections.deque[Any] = collections.deque()
+        self._conn, self._sid = conn, sid
+        self._items: collections.deque[tuple[Any, int]] = collections.deque()
         self._waiter: asyncio.Future[None] | None = None
 
-    def push(self, item: Any) -> None:
-        """A message's bytes, or None for the end of the stream."""
-        self._items.append(item)
+    def push(self, item: Any, nbytes: int = 0) -> None:
+        """A message's bytes (`nbytes` on the wire), or None for the end of the stream."""
+        self._items.append((item, nbytes))
         if self._waiter is not None and not self._waiter.done():
             self._waiter.set_result(None)
 
@@ -88,10 +104,11 @@ class _Requests:
         while not self._items:
             self._waiter = asyncio.get_running_loop().create_future()
             await self._waiter
-        item = self._items.popleft()
+        item, nbytes = self._items.popleft()
         if item is None:
-            self._items.appendleft(None)
+            self._items.appendleft((None, 0))
             raise StopAsyncIteration
+        self._conn.consumed(self._sid, nbytes)
         return self._decode(item) if self._decode is not None else item
 
 
@@ -214,7 +231,9 @@ class LeanServer:
         self._refusals = auth.RefusalLog()
         self._handlers: dict[str, Any] = {}
         self._calls: dict[tuple[Connection, int], _Call] = {}
-        self._conns: set[Connection] = set()
+        self._conns = Connections()
+        self._budget = ProcessBudget()
+        self._sweeper: asyncio.TimerHandle | None = None
         self._servers: list[asyncio.AbstractServer] = []
         self._sockets: list[tuple[socket.socket, ssl.SSLContext | None]] = []
 
@@ -265,17 +284,22 @@ class LeanServer:
                 self._connection, sock=sock, ssl=context, backlog=1024
             )
             self._servers.append(server)
+        self._sweeper = loop.call_later(_SWEEP_S, self._sweep)
 
-    def _connection(self) -> Connection:
-        conn = Connection(self, self._conns.discard)
-        self._conns.add(conn)
-        return conn
+    def _sweep(self) -> None:
+        self._conns.sweep()
+        self._sweeper = asyncio.get_running_loop().call_later(_SWEEP_S, self._sweep)
+
+    def _connection(self) -> asyncio.Protocol:
+        return self._conns.admit(Connection(self, self._conns.lost, budget=self._budget))
 
     async def stop(self, grace: float | None) -> None:
         """Stops listening; open calls get `grace` seconds (None: none), then are cancelled."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         for server in self._servers:
             server.close()
-        for conn in list(self._conns):
+        for conn in list(self._conns.open):
             conn.goaway()
         calls, self._calls = list(self._calls.values()), {}
         tasks = [call.task for call in calls if call.task is not None and not call.task.done()]
@@ -287,7 +311,7 @@ class LeanServer:
             task.cancel()
         if tasks:  # their `finally` blocks run before the loop may stop
             await asyncio.wait(tasks, timeout=5)
-        for conn in list(self._conns):
+        for conn in list(self._conns.open):
             conn.close()
         for server in self._servers:
             await server.wait_closed()
@@ -312,7 +336,8 @@ class LeanServer:
                 timeout = value
             elif name == "grpc-encoding" and value != "identity":
                 if value not in _WBITS:
-                    unsupported = f"compression {value!r} is not supported (gzip, deflate are)"
+                    named = _echo(value)
+                    unsupported = f"compression {named!r} is not supported (gzip, deflate are)"
                     conn.send(stream_id, _OK_HEADERS, b"", _trailers(_UNIMPLEMENTED, unsupported))
                     return
                 encoding = value
@@ -321,12 +346,12 @@ class LeanServer:
                 if name == auth.METADATA_KEY:
                     presented = value
         if method != "POST" or not content_type.startswith("application/grpc"):
-            conn.reset(stream_id, http2.PROTOCOL_ERROR)  # not a gRPC request
+            conn.reset(stream_id, frames.PROTOCOL_ERROR)  # not a gRPC request
             return
         handler = self._handlers.get(path)
         if handler is None:
-            conn.send(stream_id, _OK_HEADERS, b"", _trailers(
-                grpc.StatusCode.UNIMPLEMENTED, f"Method not found: {path}"))  # fmt: skip
+            unknown = _trailers(_UNIMPLEMENTED, f"Method not found: {_echo(path)}")
+            conn.send(stream_id, _OK_HEADERS, b"", unknown)
             return
         if self._secret is not None:
             why = auth.refusal(presented, self._secret, self._service)
@@ -339,19 +364,20 @@ class LeanServer:
         call = _Call(conn, stream_id, handler, path)
         call.metadata = tuple(metadata)
         call.encoding = encoding
-        if timeout is not None:
+        if timeout is not None and 2 <= len(timeout) <= 9:  # gRPC: at most 8 digits
             try:
                 call.deadline = time.monotonic() + int(timeout[:-1]) * _TIMEOUT_UNITS[timeout[-1]]
             except (KeyError, ValueError):
                 pass
         self._calls[conn, stream_id] = call
         if handler.request_streaming:
-            call.requests = _Requests(handler.request_deserializer)
+            call.requests = _Requests(handler.request_deserializer, conn, stream_id)
             self._run(call, call.requests)
 
     def on_data(self, conn: Connection, stream_id: int, data: bytes, end: bool) -> None:
         call = self._calls.get((conn, stream_id))
         if call is None:
+            conn.consumed(stream_id, len(data))
             return
         body = call.body
         body += data
@@ -362,20 +388,24 @@ class LeanServer:
                 self._end(call, grpc.StatusCode.RESOURCE_EXHAUSTED, why)
                 return
             if len(body) < 5 + size:
+                if not conn.grant(stream_id, 5 + size):
+                    why = f"the server holds too many large requests to take one of {size} bytes"
+                    self._end(call, grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+                    return
                 break
             message = bytes(body[5 : 5 + size])
             compressed = body[0]
             del body[: 5 + size]
             if compressed:
-                try:
-                    message = zlib.decompress(message, _WBITS[call.encoding])
-                except (KeyError, zlib.error) as e:
-                    why = f"a compressed message that does not decompress as {call.encoding}: {e}"
-                    self._end(call, grpc.StatusCode.INTERNAL, why)
+                message, code, why = _decompressed(message, call.encoding)
+                if why:
+                    self._end(call, code, why)
                     return
             if call.requests is not None:
-                call.requests.push(message)
-            elif call.task is None and not call.done:
+                call.requests.push(message, 5 + size)
+                continue
+            conn.consumed(stream_id, 5 + size)
+            if call.task is None and not call.done:
                 call.body = bytearray()  # a unary call runs on its first message
                 self._run_unary(call, message)
                 return
@@ -476,6 +506,23 @@ class LeanServer:
         if call.task is not None and not call.done:
             self._end(call, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
             call.task.cancel()
+
+
+def _decompressed(message: bytes, encoding: str) -> tuple[bytes, grpc.StatusCode, str]:
+    """`message` decompressed, never past the message limit, or the status
+    and text that say what was wrong with it."""
+    internal = grpc.StatusCode.INTERNAL
+    try:
+        inflate = zlib.decompressobj(_WBITS[encoding])
+        out = inflate.decompress(message, MAX_MESSAGE_BYTES + 1)
+    except (KeyError, zlib.error) as e:
+        return b"", internal, f"a compressed message that does not decompress as {encoding}: {e}"
+    if len(out) > MAX_MESSAGE_BYTES:
+        why = f"received message larger than max (decompressed, over {MAX_MESSAGE_BYTES})"
+        return b"", grpc.StatusCode.RESOURCE_EXHAUSTED, why
+    if not inflate.eof:
+        return b"", internal, f"a compressed message cut short ({encoding})"
+    return out, grpc.StatusCode.OK, ""
 
 
 async def _stream_out(responses: Any, call: _Call) -> None:

@@ -8,8 +8,8 @@ import struct
 import hpack
 import pytest
 
-from lighthouse.rpc import http2
-from lighthouse.rpc.http2 import (
+from lighthouse.rpc import frames as http2
+from lighthouse.rpc.frames import (
     CONTINUATION,
     DATA,
     END_HEADERS,
@@ -20,9 +20,10 @@ from lighthouse.rpc.http2 import (
     RST_STREAM,
     SETTINGS,
     WINDOW_UPDATE,
-    Connection,
     frame,
 )
+from lighthouse.rpc.http2 import Connection
+from lighthouse.rpc.limits import LIMITS
 
 REQUEST = [
     (":method", "POST"),
@@ -48,6 +49,14 @@ class _Transport:
         self.closed = True
 
     abort = close
+
+    def set_write_buffer_limits(self, high: int, low: int) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        pass
+
+    resume_reading = pause_reading
 
     def frames(self) -> list[tuple[int, int, int, bytes]]:
         """The frames written since the last call."""
@@ -176,14 +185,37 @@ def test_rst_stream_and_a_lost_connection_close_the_handlers_streams(conn):
     assert [e for e in conn.handler.events if e[0] == "closed"] == [("closed", 1), ("closed", 3)]
 
 
-def test_a_long_stream_gets_its_window_back_and_the_connection_too(conn):
+def test_windows_come_back_as_the_handler_consumes_not_as_bytes_arrive(conn):
     conn.data_received(frame(HEADERS, END_HEADERS, 1, conn.enc.encode(REQUEST)))
     conn.t.frames()
-    chunk = bytes(http2.MAX_FRAME_SIZE)
-    for _ in range(http2.RECV_WINDOW // 2 // len(chunk)):
+    chunk = bytes(LIMITS.max_frame)
+    for _ in range(3):
         conn.data_received(frame(DATA, 0, 1, chunk))
+    assert conn.t.frames() == []  # held by the handler: nothing given back
+    conn.consumed(1, 3 * len(chunk))
     updates = [(sid, struct.unpack(">I", p)[0]) for k, _, sid, p in conn.t.frames()]
-    assert updates == [(0, http2.RECV_WINDOW // 2), (1, http2.RECV_WINDOW // 2)]
+    assert updates == [(1, 3 * len(chunk))]
+    # What is held stays bounded: past the window is a stream error, not a buffer.
+    for _ in range(3):
+        conn.data_received(frame(DATA, 0, 1, chunk))
+    conn.data_received(frame(DATA, 0, 1, chunk))
+    assert [(k, sid) for k, _, sid, _ in conn.t.frames()] == [(RST_STREAM, 1)]
+    assert not conn.is_open(1) and not conn.t.closed
+
+
+def test_a_declared_message_is_granted_its_size_once_and_released_when_consumed(conn):
+    conn.data_received(frame(HEADERS, END_HEADERS, 1, conn.enc.encode(REQUEST)))
+    conn.data_received(frame(HEADERS, END_HEADERS, 3, conn.enc.encode(REQUEST)))
+    conn.t.frames()
+    more = LIMITS.max_grant
+    assert conn.grant(1, LIMITS.stream_window + more)
+    assert not conn.grant(3, LIMITS.stream_window + 1)  # this connection's grant is spent
+    assert [(sid, struct.unpack(">I", p)[0]) for _, _, sid, p in conn.t.frames()] == [
+        (1, more),
+        (0, more),
+    ]
+    conn.reset(1)  # released with the stream
+    assert conn.grant(3, LIMITS.stream_window + 1)
 
 
 def test_a_repeated_block_of_indexed_fields_is_decoded_once_until_the_table_changes(conn):

@@ -18,7 +18,7 @@ from lighthouse import LighthouseServer
 from lighthouse.client import AsyncLighthouseClient
 from lighthouse.quorum import QuorumMember
 from lighthouse.rpc import auth, lean_client
-from lighthouse.rpc.http2 import literal
+from lighthouse.rpc.frames import literal
 from lighthouse.rpc.lean_client import CallFailed, ClientConnection, LeanChannel, Unavailable
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from tests.unit.test_lean_server import SECRET, serving

@@ -1,0 +1,149 @@
+"""What a peer of our HTTP/2 server may make it hold or do, and the
+accounting that keeps it there.
+
+Anyone who reaches the lighthouse's port is such a peer, secret or not: all
+of this applies before a call's headers are checked. The numbers follow
+grpcio's C-core where it has one (the header-list limits, the 10,000 pending
+control answers, the ping policy's shape) and are tighter where ours serves
+only small control-plane calls (streams per connection, frame size).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+
+
+@dataclasses.dataclass(frozen=True)
+class Limits:
+    """Bounds of one server; `LIMITS` holds the defaults."""
+
+    max_header_block: int = 16 * 1024
+    """Bytes of one header block as sent (HEADERS and CONTINUATIONs), checked
+    before it is decoded; C-core's hard metadata limit."""
+    max_header_list: int = 16 * 1024
+    """Bytes of one decoded header list, counted as RFC 9113 6.5.2 does."""
+    max_continuations: int = 64
+    """CONTINUATION frames in one header block (empty ones cost nothing else)."""
+    max_frame: int = 16_384
+    """SETTINGS_MAX_FRAME_SIZE: our calls are small; a partial frame is held."""
+    max_streams: int = 100
+    """SETTINGS_MAX_CONCURRENT_STREAMS: RFC 9113's smallest advised value; a
+    group holds a heartbeat stream and a call or two."""
+    stream_window: int = 65_535
+    """What a stream may send before its message is consumed: the default
+    initial window, so no SETTINGS race; a larger message is granted its
+    declared size (`grant`)."""
+    connection_window: int = 1 << 20
+    """What a connection may send before its messages are consumed."""
+    max_grant: int = 4 * 1024 * 1024 + 5
+    """The most a connection may be granted at once for declared messages
+    beyond the stream window: one message of grpcio's default 4 MiB."""
+    process_held: int = 16 * 1024 * 1024
+    """Request bytes held (received, not consumed, and partial frames) by
+    all connections together; the stream that would pass it is reset."""
+    process_grants: int = 8 * 1024 * 1024 + 10
+    """Declared-message grants of all connections together."""
+    write_high: int = 256 * 1024
+    """Unsent answer bytes past which a connection is not read further."""
+    write_low: int = 64 * 1024
+    """... and below which it is read again."""
+    max_induced: int = 10_000
+    """Control answers (PING and SETTINGS acks, resets) a peer may ask for
+    while it does not read them: past it, GOAWAY ENHANCE_YOUR_CALM (C-core's)."""
+    write_stall_s: float = 30.0
+    """A connection whose answers wait this long on a peer that reads none is dropped."""
+    ping_interval_s: float = 1.0
+    """A PING sooner than this after the last, with no answer of ours between, is a strike."""
+    ping_strikes: int = 10
+    """Strikes past which the peer gets GOAWAY ENHANCE_YOUR_CALM (too many pings)."""
+    settings_rate: tuple[float, float] = (32.0, 4.0)
+    """SETTINGS frames: a burst, then so many a second."""
+    reset_rate: tuple[float, float] = (200.0, 50.0)
+    """Streams the peer resets, or that we must refuse: a burst, then so many
+    a second (rapid reset, CVE-2023-44487)."""
+    work_per_read: int = 512
+    """Work units (a frame 1, a new stream 8) one turn of the loop gives one
+    connection; the rest of its read waits for the next turn."""
+    max_connections: int = 16_384
+    """Open connections; past it the longest idle one makes room."""
+    idle_s: float = 300.0
+    """A connection with no stream this long is closed (C-core's max_connection_idle)."""
+    handshake_s: float = 10.0
+    """A connection without the HTTP/2 preface by then is dropped (a port scan)."""
+    close_s: float = 5.0
+    """A closing connection's last frames get this long to go out, then it is aborted."""
+    max_echo: int = 128
+    """Characters of a request's own text (a path, a method) an answer may carry."""
+
+
+LIMITS = Limits()
+
+
+class TokenBucket:
+    """`take` is True while the peer stays within a burst and a rate."""
+
+    __slots__ = ("_tokens", "_burst", "_rate", "_at")
+
+    def __init__(self, burst_and_rate: tuple[float, float]) -> None:
+        self._burst, self._rate = burst_and_rate
+        self._tokens = self._burst
+        self._at = time.monotonic()
+
+    def take(self) -> bool:
+        if self._tokens < 1.0:
+            now = time.monotonic()
+            self._tokens = min(self._burst, self._tokens + (now - self._at) * self._rate)
+            self._at = now
+            if self._tokens < 1.0:
+                return False
+        self._tokens -= 1.0
+        return True
+
+
+class ProcessBudget:
+    """Request bytes held and granted by every connection of one server:
+    what many peers together may make it hold."""
+
+    def __init__(self, limits: Limits = LIMITS) -> None:
+        self.limits = limits
+        self.held = 0
+        self.granted = 0
+
+    def hold(self, nbytes: int) -> bool:
+        """Counts `nbytes` more held; False (and nothing counted) past the cap."""
+        if self.held + nbytes > self.limits.process_held:
+            return False
+        self.held += nbytes
+        return True
+
+    def grant(self, nbytes: int) -> bool:
+        if self.granted + nbytes > self.limits.process_grants:
+            return False
+        self.granted += nbytes
+        return True
+
+
+class PeerLog:
+    """Logs the first line per peer host at INFO, the rest at DEBUG: a peer
+    that breaks the protocol on every connection shows up once, and cannot
+    fill the log. Bounded memory: past `max_hosts` hosts, all at DEBUG."""
+
+    def __init__(self, logger: logging.Logger, max_hosts: int = 1024) -> None:
+        self._logger = logger
+        self._seen: set[str] = set()
+        self._max = max_hosts
+
+    def log(self, peer: str, message: str) -> None:
+        host = peer.rsplit(":", 1)[0]
+        first = host not in self._seen and len(self._seen) < self._max
+        if first:
+            self._seen.add(host)
+        self._logger.log(
+            logging.INFO if first else logging.DEBUG,
+            "closing HTTP/2 connection from %s: %s%s",
+            peer,
+            message[:200],
+            " (more from this host are logged at DEBUG)" if first else "",
+        )
