@@ -31,7 +31,7 @@ from urllib.parse import unquote
 import grpc
 import hpack
 
-from lighthouse.rpc.http2 import (
+from lighthouse.rpc.frames import (
     ACK,
     CANCEL,
     CONTINUATION,
@@ -45,7 +45,6 @@ from lighthouse.rpc.http2 import (
     PING,
     PREFACE,
     PRIORITY_FLAG,
-    RECV_WINDOW,
     RST_STREAM,
     SETTINGS,
     WINDOW_UPDATE,
@@ -58,6 +57,9 @@ _SETTING = struct.Struct(">HI")
 _U32 = struct.Struct(">I")
 _MESSAGE = struct.Struct(">BI")
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
+RECV_WINDOW = 4 * 1024 * 1024
+"""What the server may send us, per stream and on the connection, before our
+WINDOW_UPDATE: large, so that no answer of ours waits on flow control."""
 CONNECT_S = 1.0
 """Longest a connection attempt may take (a loopback or LAN connect takes
 milliseconds): past it the call goes through grpcio with the time left."""
