@@ -30,8 +30,10 @@ from typing import Any, Protocol
 
 import hpack
 
+from lighthouse.rpc.flow import Stream, StreamTable
 from lighthouse.rpc.frames import (
     ACK,
+    COMPRESSION_ERROR,
     CONTINUATION,
     DATA,
     DEFAULT_WINDOW,
@@ -74,8 +76,6 @@ from lighthouse.rpc.limits import LIMITS, Limits, PeerLog, ProcessBudget, TokenB
 logger = logging.getLogger(__name__)
 _peer_log = PeerLog(logger)
 
-COMPRESSION_ERROR = 0x9
-CANCEL = 0x8
 _INDEXED = bytes(range(0x80, 0xFF))
 """First bytes of an indexed header field with a one-byte index (RFC 7541 6.1)."""
 _CACHED_BLOCKS = 64
@@ -101,31 +101,10 @@ class StreamHandler(Protocol):
         """The stream ended abnormally: RST_STREAM, or the connection is gone."""
 
 
-class _Stream:
-    """An open stream: its send side (window, what waits on it) and its
-    receive side (credit given, bytes held by the handler, the limit)."""
-
-    __slots__ = ("sid", "window", "pending", "end_after", "credit", "held", "limit", "remote_done")
-
-    def __init__(self, sid: int, window: int, limit: int, remote_done: bool) -> None:
-        self.sid = sid
-        self.window = window
-        self.pending = bytearray()
-        self.end_after: bytes | None = None
-        """A header block (trailers) to send with END_STREAM once pending is out."""
-        self.credit = limit
-        """What the peer may still send on it."""
-        self.held = 0
-        """Bytes the handler has and has not consumed."""
-        self.limit = limit
-        """credit + held stay within it: the stream window, or a message's grant."""
-        self.remote_done = remote_done
-        """The peer sent END_STREAM (half-closed, remote)."""
-
-
-class Connection(asyncio.Protocol):
-    """One client connection. Streams are ids the handler owns; this class
-    keeps their flow control and the connection's bounds."""
+class Connection(StreamTable, asyncio.Protocol):
+    """One client connection. Streams are ids the handler owns; the
+    StreamTable keeps their flow control, this class the protocol and the
+    connection's bounds."""
 
     def __init__(
         self,
@@ -134,15 +113,11 @@ class Connection(asyncio.Protocol):
         limits: Limits = LIMITS,
         budget: ProcessBudget | None = None,
     ) -> None:
+        super().__init__(limits, budget if budget is not None else ProcessBudget(limits))
         self._handler = handler
         self._on_lost = on_lost
-        self._limits = limits
-        self._budget = budget if budget is not None else ProcessBudget(limits)
         self.transport: asyncio.Transport | None = None
         self.peer = ""
-        self.idle_since: float | None = time.monotonic()
-        """When its last stream closed (None: streams are open): the server's
-        idle sweep and connection cap read it."""
         self._buf = bytearray()
         self._buf_held = 0
         """len(_buf) as counted in the process budget."""
@@ -159,19 +134,7 @@ class Connection(asyncio.Protocol):
         self._block_end_stream = False
         self._block_frames = 0
         self._block_error: ProtocolError | None = None
-        self._streams: dict[int, _Stream] = {}
         self._last_stream = 0
-        self._send_window = DEFAULT_WINDOW
-        self._peer_initial_window = DEFAULT_WINDOW
-        self._peer_max_frame = 16_384
-        self._blocked: set[int] = set()
-        """Open streams with data waiting on flow control."""
-        self._unsent = 0
-        """Bytes of answers waiting on flow control, all streams."""
-        self._credit = DEFAULT_WINDOW
-        """What the peer may still send on the connection."""
-        self._held = 0
-        self._granted = 0
         self._closing = False
         self._timer: asyncio.TimerHandle | None = None
         """The handshake deadline, then a stalled writer's, then a close's."""
@@ -181,11 +144,7 @@ class Connection(asyncio.Protocol):
         self._backlog = False
         self._write_paused = False
         self._reading_paused = False
-        self._induced = 0
         self._ping_at = 0.0
-        self._ping_strikes = 0
-        self._answered = True
-        """An answer (HEADERS or DATA) went out since the last PING."""
         self._settings_rate = TokenBucket(limits.settings_rate)
         self._reset_rate = TokenBucket(limits.reset_rate)
 
@@ -240,7 +199,6 @@ class Connection(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._write_paused = False
-        self._induced = 0
         if self._timer is not None and not self._closed:
             self._timer.cancel()
         if self._backlog:
@@ -248,9 +206,9 @@ class Connection(asyncio.Protocol):
         self._update_reading()
 
     def _stalled(self) -> None:
-        if self._write_paused and self.transport is not None:
-            _peer_log.log(self.peer, f"no answer taken in {self._limits.write_stall_s:.0f} s")
-            self.transport.abort()
+        if self._write_paused:
+            why = f"no answer taken in {self._limits.write_stall_s:.0f} s"
+            self.close(ENHANCE_YOUR_CALM, why)
 
     def data_received(self, data: bytes) -> None:
         if self._closed:
@@ -442,7 +400,7 @@ class Connection(asyncio.Protocol):
         if self._closing or len(self._streams) >= lim.max_streams or self._unsent > lim.write_high:
             self._refuse(stream_id, REFUSED_STREAM)
             return
-        stream = _Stream(stream_id, self._peer_initial_window, lim.stream_window, end_stream)
+        stream = Stream(stream_id, self._peer_initial_window, lim.stream_window, end_stream)
         self._streams[stream_id] = stream
         self.idle_since = None
         self._handler.on_headers(self, stream_id, headers)
@@ -506,7 +464,7 @@ class Connection(asyncio.Protocol):
                         raise ProtocolError(FLOW_CONTROL_ERROR, "a stream window over 2^31-1")
             elif key == SETTINGS_MAX_FRAME_SIZE:
                 self._peer_max_frame = value
-        self._induce(frame(SETTINGS, ACK, 0, b""))
+        self._write(frame(SETTINGS, ACK, 0, b""))
         self._flush_pending()
 
     def _window_update(self, stream_id: int, payload: bytes) -> None:
@@ -532,7 +490,7 @@ class Connection(asyncio.Protocol):
             if self._ping_strikes > self._limits.ping_strikes:
                 raise ProtocolError(ENHANCE_YOUR_CALM, "too many pings")
         self._ping_at, self._answered = now, False
-        self._induce(frame(PING, ACK, 0, payload))
+        self._write(frame(PING, ACK, 0, payload))
 
     def _peer_reset(self, stream_id: int) -> None:
         if stream_id > self._last_stream:
@@ -553,71 +511,7 @@ class Connection(asyncio.Protocol):
         """RST_STREAM on a stream the peer made us end (resets are rate-bounded)."""
         if not self._reset_rate.take():
             raise ProtocolError(ENHANCE_YOUR_CALM, "too many streams refused")
-        self._induce(frame(RST_STREAM, 0, stream_id, U32.pack(code)))
-
-    def _induce(self, answer: bytes) -> None:
-        """A control answer the peer asked for; C-core's bound on those a
-        peer asks for without reading them."""
-        if self._write_paused:
-            self._induced += 1
-            if self._induced > self._limits.max_induced:
-                raise ProtocolError(ENHANCE_YOUR_CALM, "too many control answers not read")
-        self._write(answer)
-
-    # ---- receive flow control ------------------------------------------------------------
-
-    def consumed(self, stream_id: int, nbytes: int) -> None:
-        """The handler is done with `nbytes` of the stream's data: the peer
-        may send that much again."""
-        stream = self._streams.get(stream_id)
-        if stream is None:
-            return  # closed: what it held was released then
-        nbytes = min(nbytes, stream.held)
-        stream.held -= nbytes
-        self._held -= nbytes
-        self._budget.held -= nbytes
-        if not stream.held and stream.limit > self._limits.stream_window:
-            self._ungrant(stream)
-        self._give_back(stream)
-
-    def grant(self, stream_id: int, nbytes: int) -> bool:
-        """Lets the stream hold `nbytes` unconsumed (a message it declared
-        larger than the stream window) until it has consumed them all;
-        False if this connection's or the process's grants are spent."""
-        stream = self._streams.get(stream_id)
-        if stream is None:
-            return False
-        more = nbytes - stream.limit
-        if more <= 0:
-            return True
-        if self._granted + more > self._limits.max_grant or not self._budget.grant(more):
-            return False
-        self._granted += more
-        stream.limit += more
-        self._give_back(stream, at_once=True)
-        return True
-
-    def _ungrant(self, stream: _Stream) -> None:
-        extra = stream.limit - self._limits.stream_window
-        stream.limit -= extra
-        self._granted -= extra
-        self._budget.granted -= extra
-
-    def _give_back(self, stream: _Stream | None, at_once: bool = False) -> None:
-        """Window updates for what is consumed: each window's limit less the
-        credit the peer has and what is held, once that is half the limit."""
-        if stream is not None and not stream.remote_done:
-            owed = stream.limit - stream.credit - stream.held
-            if owed > 0 and (at_once or owed >= stream.limit >> 1):
-                stream.credit += owed
-                self._write(frame(WINDOW_UPDATE, 0, stream.sid, U32.pack(owed)))
-        limit = self._limits.connection_window + self._granted
-        owed = limit - self._credit - self._held
-        if owed > 0 and (at_once or owed >= limit >> 1):
-            self._credit += owed
-            self._write(frame(WINDOW_UPDATE, 0, 0, U32.pack(owed)))
-
-    # ---- frames out ---------------------------------------------------------------
+        self._write(frame(RST_STREAM, 0, stream_id, U32.pack(code)))
 
     def _write(self, data: bytes) -> None:
         """Writes now, or at the end of the read under way: what one read
@@ -626,101 +520,6 @@ class Connection(asyncio.Protocol):
             self._pending_out.append(data)
         elif self.transport is not None:
             self.transport.write(data)
-
-    def is_open(self, stream_id: int) -> bool:
-        return stream_id in self._streams
-
-    def send(
-        self, stream_id: int, headers: bytes | None, data: bytes, trailers: bytes | None
-    ) -> None:
-        """Sends a header block (None: none), `data` as DATA frames as flow
-        control allows (the rest when the peer opens its window), and
-        `trailers` with END_STREAM after them (None: the stream goes on).
-        The stream is done once its trailers are out. A closed stream
-        sends nothing."""
-        out = self._streams.get(stream_id)
-        if out is None or self.transport is None:
-            return
-        self._answered = True
-        self._ping_strikes = 0
-        chunks = []
-        if headers is not None:
-            chunks.append(frame(HEADERS, END_HEADERS, stream_id, headers))
-        if out.pending or out.end_after is not None:
-            out.pending += data
-            self._unsent += len(data)
-        elif data:
-            sent = self._data_frames(stream_id, out, data, chunks)
-            out.pending += data[sent:]
-            self._unsent += len(data) - sent
-        if out.pending:
-            self._blocked.add(stream_id)
-        if trailers is not None:
-            if out.pending:
-                out.end_after = trailers
-            else:
-                chunks.append(frame(HEADERS, END_HEADERS | END_STREAM, stream_id, trailers))
-                self._forget(stream_id)
-        if chunks:
-            self._write(b"".join(chunks))
-
-    def _data_frames(self, stream_id: int, out: _Stream, data: bytes, chunks: list[bytes]) -> int:
-        """Appends DATA frames of `data` that the windows allow; returns bytes framed."""
-        allowed = min(len(data), out.window, self._send_window)
-        if allowed <= 0:
-            return 0
-        step = self._peer_max_frame
-        for pos in range(0, allowed, step):
-            piece = data[pos : min(pos + step, allowed)]
-            chunks.append(frame(DATA, 0, stream_id, piece))
-        out.window -= allowed
-        self._send_window -= allowed
-        return allowed
-
-    def _flush_pending(self) -> None:
-        """Sends what waited on flow control, as the windows now allow."""
-        if not self._blocked:
-            return  # the usual case, on each of a client's WINDOW_UPDATEs
-        chunks: list[bytes] = []
-        for stream_id in list(self._blocked):
-            out = self._streams[stream_id]
-            data = bytes(out.pending)
-            sent = self._data_frames(stream_id, out, data, chunks)
-            del out.pending[:sent]
-            self._unsent -= sent
-            if not out.pending:
-                self._blocked.discard(stream_id)
-                if out.end_after is not None:
-                    chunks.append(
-                        frame(HEADERS, END_HEADERS | END_STREAM, stream_id, out.end_after)
-                    )
-                    self._forget(stream_id)
-        if chunks:
-            self._write(b"".join(chunks))
-
-    def reset(self, stream_id: int, code: int = CANCEL) -> None:
-        """Ends a stream at once (RST_STREAM); nothing more is sent on it."""
-        if stream_id in self._streams:
-            self._forget(stream_id)
-            self._write(frame(RST_STREAM, 0, stream_id, U32.pack(code)))
-
-    def _forget(self, stream_id: int) -> None:
-        """A stream is done: what it held and was granted is released."""
-        stream = self._streams.pop(stream_id, None)
-        if stream is None:
-            return
-        if stream_id in self._blocked:
-            self._blocked.discard(stream_id)
-            self._unsent -= len(stream.pending)
-        if stream.held:
-            self._held -= stream.held
-            self._budget.held -= stream.held
-            stream.held = 0
-        if stream.limit > self._limits.stream_window:
-            self._ungrant(stream)
-        if not self._streams:
-            self.idle_since = time.monotonic()
-        self._give_back(None)
 
     def goaway(self) -> None:
         """Refuses new streams; those open run on (graceful shutdown)."""
@@ -739,6 +538,7 @@ class Connection(asyncio.Protocol):
         self._write(frame(GOAWAY, 0, 0, U32.pack(self._last_stream) + U32.pack(code)))
         self._flush_out()
         self._closed = True
+        self._block = bytearray()
         self.transport.close()
         self._set_timer(self._limits.close_s, self.transport.abort)
 

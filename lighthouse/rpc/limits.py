@@ -46,12 +46,12 @@ class Limits:
     process_grants: int = 8 * 1024 * 1024 + 10
     """Declared-message grants of all connections together."""
     write_high: int = 256 * 1024
-    """Unsent answer bytes past which a connection is not read further."""
+    """Unsent answer bytes past which a connection is not read further: a
+    peer cannot pile up answers (C-core instead counts those pending and
+    calms the peer past 10,000); one read's answers are within the work
+    budget, and the control answers within their rates."""
     write_low: int = 64 * 1024
     """... and below which it is read again."""
-    max_induced: int = 10_000
-    """Control answers (PING and SETTINGS acks, resets) a peer may ask for
-    while it does not read them: past it, GOAWAY ENHANCE_YOUR_CALM (C-core's)."""
     write_stall_s: float = 30.0
     """A connection whose answers wait this long on a peer that reads none is dropped."""
     ping_interval_s: float = 1.0

@@ -1,0 +1,293 @@
+"""What a peer can make one server connection hold or do, bound by bound
+(lighthouse.rpc.limits), on a connection fed bytes (no sockets)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import struct
+import zlib
+
+import hpack
+import pytest
+
+from lighthouse.rpc import frames
+from lighthouse.rpc.connections import Connections
+from lighthouse.rpc.frames import (
+    CONTINUATION,
+    DATA,
+    END_HEADERS,
+    END_STREAM,
+    ENHANCE_YOUR_CALM,
+    GOAWAY,
+    HEADERS,
+    PING,
+    REFUSED_STREAM,
+    RST_STREAM,
+    SETTINGS,
+    frame,
+)
+from lighthouse.rpc.http2 import Connection
+from lighthouse.rpc.lean_server import MAX_MESSAGE_BYTES, _decompressed, _echo
+from lighthouse.rpc.limits import LIMITS, Limits, ProcessBudget, TokenBucket
+
+REQUEST = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", "/svc/M"),
+    (":authority", "x"),
+    ("content-type", "application/grpc"),
+]
+
+
+class _Transport:
+    def __init__(self) -> None:
+        self.out = bytearray()
+        self.closed = False
+        self.reading = True
+
+    def write(self, data: bytes) -> None:
+        self.out += data
+
+    def get_extra_info(self, name: str) -> object:
+        return ("127.0.0.1", 5) if name == "peername" else None
+
+    def close(self) -> None:
+        self.closed = True
+
+    abort = close
+
+    def set_write_buffer_limits(self, high: int, low: int) -> None:
+        pass
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def frames(self) -> list[tuple[int, int, int, bytes]]:
+        out, pos = [], 0
+        while pos < len(self.out):
+            hi, lo, kind, flags, sid = struct.unpack_from(">BHBBI", self.out, pos)
+            length = hi << 16 | lo
+            out.append((kind, flags, sid, bytes(self.out[pos + 9 : pos + 9 + length])))
+            pos += 9 + length
+        self.out.clear()
+        return out
+
+
+class _Handler:
+    def __init__(self) -> None:
+        self.opened: list[int] = []
+        self.closed: list[int] = []
+
+    def on_headers(self, conn, stream_id, headers):
+        self.opened.append(stream_id)
+
+    def on_data(self, conn, stream_id, data, end):
+        pass
+
+    def on_closed(self, conn, stream_id):
+        self.closed.append(stream_id)
+
+
+@pytest.fixture
+def loop():
+    loop = asyncio.new_event_loop()
+    asyncio.set_event_loop(loop)
+    yield loop
+    asyncio.set_event_loop(None)
+    loop.close()
+
+
+def _connect(limits: Limits = LIMITS, budget: ProcessBudget | None = None):
+    handler, t = _Handler(), _Transport()
+    conn = Connection(handler, limits=limits, budget=budget)
+    conn.connection_made(t)
+    conn.data_received(frames.PREFACE + frame(SETTINGS, 0, 0, b""))
+    t.frames()
+    return conn, t, handler
+
+
+def _goaway(t: _Transport) -> int | None:
+    """The error code of the GOAWAY written, if any."""
+    for kind, _, _, payload in t.frames():
+        if kind == GOAWAY:
+            return struct.unpack_from(">I", payload, 4)[0]
+    return None
+
+
+def test_a_header_block_over_the_limit_is_refused_before_it_is_decoded(loop):
+    conn, t, handler = _connect()
+    conn.data_received(frame(HEADERS, 0, 1, b"\x00" * 9000))
+    conn.data_received(frame(CONTINUATION, 0, 1, b"\x00" * 9000))
+    assert _goaway(t) == ENHANCE_YOUR_CALM and t.closed and handler.opened == []
+
+
+def test_empty_continuations_without_end_are_cut_off_by_count(loop):
+    conn, t, _ = _connect()
+    conn.data_received(frame(HEADERS, 0, 1, b""))
+    conn.data_received(frame(CONTINUATION, 0, 1, b"") * (LIMITS.max_continuations + 1))
+    assert _goaway(t) == ENHANCE_YOUR_CALM
+
+
+def test_one_huge_literal_never_reaches_the_decoder(loop):
+    conn, t, _ = _connect()
+    huge = hpack.Encoder().encode([("x-big", "v" * 1_000_000)], huffman=False)
+    conn.data_received(frame(HEADERS, 0, 1, huge[:16_000]))
+    conn.data_received(frame(CONTINUATION, 0, 1, huge[16_000:32_000]))
+    assert _goaway(t) == ENHANCE_YOUR_CALM
+
+
+def test_a_decoded_header_list_over_the_limit_closes_the_connection(loop):
+    conn, t, handler = _connect()
+    # Few bytes on the wire, many once decoded: one entry indexed over and over.
+    enc = hpack.Encoder()
+    first = enc.encode([("x-a", "v" * 3000)])
+    again = enc.encode([("x-a", "v" * 3000)]) * 10
+    conn.data_received(frame(HEADERS, END_HEADERS, 1, first + again))
+    assert _goaway(t) == ENHANCE_YOUR_CALM and handler.opened == []
+
+
+def test_pings_faster_than_the_policy_without_answers_between_get_enhance_your_calm(loop):
+    conn, t, _ = _connect()
+    conn.data_received(frame(PING, 0, 0, b"12345678") * LIMITS.ping_strikes)
+    assert [k for k, *_ in t.frames()] == [PING] * LIMITS.ping_strikes
+    conn.data_received(frame(PING, 0, 0, b"12345678") * 2)
+    assert _goaway(t) == ENHANCE_YOUR_CALM
+
+
+def test_an_answer_between_pings_clears_the_strikes(loop):
+    conn, t, _ = _connect()
+    enc = hpack.Encoder()
+    for sid in range(1, 2 * (LIMITS.ping_strikes + 2), 2):
+        conn.data_received(frame(PING, 0, 0, b"12345678"))
+        conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, sid, enc.encode(REQUEST)))
+        conn.send(sid, b"H", b"", b"T")
+    assert not t.closed
+
+
+def test_a_settings_flood_is_cut_off_at_the_rate(loop):
+    conn, t, _ = _connect()
+    burst = int(LIMITS.settings_rate[0])
+    conn.data_received(frame(SETTINGS, 0, 0, b"") * (burst - 1))  # one was taken at setup
+    assert not t.closed
+    conn.data_received(frame(SETTINGS, 0, 0, b"") * 2)
+    assert _goaway(t) == ENHANCE_YOUR_CALM
+
+
+def test_rapid_reset_is_cut_off_at_the_rate(loop):
+    conn, t, handler = _connect()
+    block = hpack.Encoder().encode(REQUEST)
+    flood = b"".join(
+        frame(HEADERS, END_HEADERS, sid, block)
+        + frame(RST_STREAM, 0, sid, struct.pack(">I", frames.CANCEL))
+        for sid in range(1, 2 * 1000, 2)
+    )
+    for pos in range(0, len(flood), 65536):  # as reads, each run in its own turn
+        conn.data_received(flood[pos : pos + 65536])
+        while conn._backlog and not t.closed:
+            conn._resume()
+    assert _goaway(t) == ENHANCE_YOUR_CALM
+    assert len(handler.opened) <= LIMITS.reset_rate[0] + 5
+
+
+def test_one_read_is_processed_within_the_work_budget_the_rest_next_turn(loop):
+    conn, t, handler = _connect()
+    enc = hpack.Encoder()
+    many = b"".join(
+        frame(HEADERS, END_HEADERS | END_STREAM, sid, enc.encode(REQUEST))
+        for sid in range(1, 2 * 90, 2)
+    )
+    conn.data_received(many)
+    first_turn = len(handler.opened)
+    assert 0 < first_turn < 90 and not t.reading
+    loop.run_until_complete(asyncio.sleep(0))
+    assert len(handler.opened) == 90 and t.reading
+
+
+def test_a_peer_that_takes_no_answers_is_not_read_then_cut_off(loop):
+    conn, t, _ = _connect(dataclasses.replace(LIMITS, write_stall_s=0.01))
+    conn.pause_writing()  # the transport's buffer passed its high mark
+    assert not t.reading
+    conn.data_received(frame(PING, 0, 0, b"12345678") * 3)  # (a TLS layer may still deliver)
+    assert t.frames() == []  # not processed while the peer reads nothing
+    conn.resume_writing()
+    assert [k for k, *_ in t.frames()] == [PING] * 3 and t.reading
+    conn.pause_writing()
+    loop.run_until_complete(asyncio.sleep(0.05))
+    assert _goaway(t) == ENHANCE_YOUR_CALM and t.closed
+
+
+def test_answers_blocked_by_the_peers_window_refuse_new_streams_past_the_mark(loop):
+    conn, t, handler = _connect()
+    conn.data_received(frame(SETTINGS, 0, 0, struct.pack(">HI", 0x4, 0)))  # zero windows
+    enc = hpack.Encoder()
+    answer = bytes(LIMITS.write_high // 2 + 1)
+    for sid in (1, 3, 5):
+        conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, sid, enc.encode(REQUEST)))
+        conn.send(sid, b"H", answer, b"T")
+    out = t.frames()
+    assert handler.opened == [1, 3]
+    assert (RST_STREAM, 0, 5, struct.pack(">I", REFUSED_STREAM)) in out
+
+
+def test_the_process_budget_resets_the_stream_that_would_pass_it(loop):
+    budget = ProcessBudget(dataclasses.replace(LIMITS, process_held=20_000))
+    first, t1, _ = _connect(budget=budget)
+    second, t2, h2 = _connect(budget=budget)
+    block = hpack.Encoder().encode(REQUEST)
+    first.data_received(frame(HEADERS, END_HEADERS, 1, block) + frame(DATA, 0, 1, bytes(16_000)))
+    second.data_received(frame(HEADERS, END_HEADERS, 1, block) + frame(DATA, 0, 1, bytes(16_000)))
+    assert [(k, sid) for k, _, sid, _ in t2.frames()] == [(RST_STREAM, 1)]
+    assert h2.closed == [1] and budget.held == 16_000
+    first.connection_lost(None)
+    assert budget.held == 0
+
+
+def test_the_longest_idle_connection_makes_room_at_the_cap(loop):
+    pool = Connections(dataclasses.replace(LIMITS, max_connections=2))
+    conns = []
+    for _ in range(2):
+        conn, _, _ = _connect()
+        conns.append(pool.admit(conn))
+    conns[1].idle_since = None  # a stream open: never the one dropped
+    conns[0].idle_since = 1.0
+    newer, _, _ = _connect()
+    assert pool.admit(newer) is newer and conns[0] not in pool.open
+    newer.idle_since = None
+    refused = pool.admit(_connect()[0])
+    assert refused not in pool.open and len(pool.open) == 2
+
+
+def test_the_sweep_closes_connections_idle_past_the_timeout(loop):
+    pool = Connections(dataclasses.replace(LIMITS, idle_s=10.0))
+    idle, t_idle, _ = _connect()
+    busy, t_busy, _ = _connect()
+    for conn in (idle, busy):
+        pool.admit(conn)
+    idle.idle_since, busy.idle_since = 100.0, None
+    assert pool.sweep(now=105.0) == 0
+    assert pool.sweep(now=111.0) == 1 and t_idle.closed and not t_busy.closed
+
+
+def test_a_gzip_bomb_decompresses_no_further_than_the_message_limit():
+    bomb = zlib.compress(bytes(64 * MAX_MESSAGE_BYTES), 9)
+    assert len(bomb) < MAX_MESSAGE_BYTES // 8
+    out, code, why = _decompressed(bomb, "deflate")
+    assert out == b"" and code.name == "RESOURCE_EXHAUSTED" and "larger than max" in why
+    fine = zlib.compress(b"hello")
+    assert _decompressed(fine, "deflate")[0] == b"hello"
+    assert _decompressed(fine[:-3], "deflate")[1].name == "INTERNAL"
+
+
+def test_an_answer_echoes_no_more_than_a_bounded_part_of_the_request():
+    assert _echo("/svc/M") == "/svc/M"
+    long = "/" + "x" * 100_000
+    assert len(_echo(long)) < LIMITS.max_echo + 40
+
+
+def test_a_token_bucket_allows_its_burst_then_its_rate():
+    bucket = TokenBucket((3.0, 0.0))
+    assert [bucket.take() for _ in range(4)] == [True, True, True, False]
