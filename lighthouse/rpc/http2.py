@@ -24,6 +24,7 @@ event loop, ~18 syscalls a call; bench/NOTES.md). Here a call is one
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import time
 from typing import Any, Protocol
@@ -135,6 +136,8 @@ class Connection(StreamTable, asyncio.Protocol):
         self._block_frames = 0
         self._block_error: ProtocolError | None = None
         self._last_stream = 0
+        self._reset_by_peer: collections.deque[int] = collections.deque(maxlen=16)
+        """The streams the peer reset last: a frame on one is its error (RFC 9113 5.1)."""
         self._closing = False
         self._timer: asyncio.TimerHandle | None = None
         """The handshake deadline, then a stalled writer's, then a close's."""
@@ -387,9 +390,9 @@ class Connection(StreamTable, asyncio.Protocol):
             self._handler.on_data(self, stream_id, b"", True)
             return
         if stream_id <= self._last_stream:
-            if end_stream:
+            if end_stream and stream_id not in self._reset_by_peer:
                 return  # trailers of a call answered already
-            raise ProtocolError(STREAM_CLOSED, f"HEADERS on closed stream {stream_id}")
+            raise ProtocolError(PROTOCOL_ERROR, f"HEADERS opening old stream {stream_id}")
         self._last_stream = stream_id
         self._work -= _NEW_STREAM_WORK
         if self._block_error is not None:
@@ -431,6 +434,8 @@ class Connection(StreamTable, asyncio.Protocol):
             self._give_back(None)
             if stream_id > self._last_stream:
                 raise ProtocolError(PROTOCOL_ERROR, f"DATA on idle stream {stream_id}")
+            if stream_id in self._reset_by_peer:
+                raise ProtocolError(STREAM_CLOSED, "DATA after RST_STREAM", stream_id)
             return  # a stream we closed: its data in flight still arrives; dropped
         data = unpad(flags, payload)
         if stream.remote_done:
@@ -499,6 +504,7 @@ class Connection(StreamTable, asyncio.Protocol):
             if not self._reset_rate.take():
                 raise ProtocolError(ENHANCE_YOUR_CALM, "too many streams reset")
             self._forget(stream_id)
+            self._reset_by_peer.append(stream_id)
             self._handler.on_closed(self, stream_id)
 
     def _stream_error(self, e: ProtocolError) -> None:

@@ -76,7 +76,8 @@ def test_without_the_secret_the_refusal_says_what_to_set(server):
 
 
 def test_an_answer_larger_than_the_window_arrives_whole(server):
-    """3 MB: past half of our 4 MB windows, so WINDOW_UPDATEs must go out."""
+    """3 MB, far past HTTP/2's default 64 KB window: it fits ours (RECV_WINDOW,
+    given back once the answer is taken; tests/unit/test_lean_client_bounds.py)."""
     _, target = server
     request = pb.LighthouseQuorumRequest(requester=pb.QuorumMember(step=30_000))
     answer = pb.LighthouseQuorumResponse.FromString(
