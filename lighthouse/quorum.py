@@ -365,7 +365,16 @@ def compute_quorum(now: float, state: LighthouseState, config: LighthouseConfig)
         decision.members, state.high_water_step, config.allow_fresh_start, state.held_state
     )
     if veto is not None:
-        decision = QuorumDecision(None, f"{veto} {tally}", "fresh_start")
+        # A live group that holds the job's state but is between quorums
+        # (reconfiguring, healing others, failing a step) is waited for, not
+        # given up on: it asks again within a step, and then all heal from it.
+        holders = {rid for rid in healthy - joined.keys() if rid in described}
+        holders = {rid for rid in holders if described[rid].step > 0}
+        if holders:
+            why = f"waiting for {_some(holders)}: live and holding the job's state, not asking yet"
+            decision = QuorumDecision(None, f"{why} {tally}", "holder_wait")
+        else:
+            decision = QuorumDecision(None, f"{veto} {tally}", "fresh_start")
     return replace(decision, refused=refused) if refused else decision
 
 

@@ -153,6 +153,8 @@ class GoneWatch:
         self._collectives, self._pg, self._log = collectives, pg, log
         self._breaks = StepBreaks()
         self._lock = threading.Lock()
+        self._heard = threading.Condition(self._lock)
+        """Notified on each notice: a quorum's setup waits on it (`unless_gone`)."""
         self._published = 0
         self._watch_seq = 0
         """The key the watcher waits on (another rank)."""
@@ -219,8 +221,51 @@ class GoneWatch:
         """Members `gone` of quorum `quorum_id` are gone."""
         with self._lock:
             now = self._breaks.notice(quorum_id, gone)
+            self._heard.notify_all()
         if now is not None:
             self._abort(quorum_id, now)
+
+    def unless_gone(self, quorum_id: int, work: Callable[[], None], what: str) -> None:
+        """Runs `work`, a blocking part of quorum `quorum_id`'s setup (the
+        process group joining it: store connects, rendezvous), and returns
+        when it ends, or raises MemberGoneError as soon as a member of that
+        quorum is known gone, before or during it. Its waits are bounded
+        only by the collective timeout, which a gone member would use up;
+        abandoned, the work runs on in its thread to that timeout, and the
+        caller aborts what it was building.
+
+        Raises:
+            MemberGoneError: a member of the quorum is gone.
+            Exception: what `work` raised.
+        """
+        outcome: list[BaseException] = []
+        finished = threading.Event()
+
+        def run() -> None:
+            try:
+                work()
+            except BaseException as e:
+                outcome.append(e)
+            finally:
+                with self._lock:
+                    finished.set()
+                    self._heard.notify_all()
+
+        with self._lock:
+            gone = self._breaks.broken.get(quorum_id)
+            if gone is None:
+                name = f"torchft_{what.replace(' ', '_')}"
+                threading.Thread(target=run, name=name, daemon=True).start()
+                while not finished.is_set() and gone is None:
+                    self._heard.wait()
+                    gone = self._breaks.broken.get(quorum_id)
+        if gone is not None and not finished.is_set():
+            raise MemberGoneError(
+                f"quorum {quorum_id}: replica group(s) {', '.join(gone)} gone (the lighthouse "
+                f"says so) while this rank was in its {what}; asking for the next quorum"
+            )
+        if outcome:
+            raise outcome[0]
 
     def _abort(self, quorum_id: int, gone: tuple[str, ...]) -> None:
         error = MemberGoneError(

@@ -41,7 +41,7 @@ from torchft_like.checkpointing import CheckpointTransport
 from torchft_like.collectives import InOrderCollectives
 from torchft_like.commit import check_retries, rank_vote
 from torchft_like.fingerprint import step_fingerprint
-from torchft_like.gone_watch import GoneWatch
+from torchft_like.gone_watch import GoneWatch, MemberGoneError
 from torchft_like.group_quorum import QuorumRequest
 from torchft_like.manager_client import LocalManagerClient, ManagerClient, ManagerClientProtocol
 from torchft_like.manager_config import WorldSizeMode, resolve_config
@@ -365,7 +365,8 @@ class Manager(ManagerViews):
             self.report_error(e)
         except Exception as e:
             # A QuorumError is expected when peers or the lighthouse fail: no traceback.
-            log = self._logger.warning if isinstance(e, QuorumError) else self._logger.exception
+            expected = isinstance(e, (QuorumError, MemberGoneError))
+            log = self._logger.warning if expected else self._logger.exception
             log("quorum failed: %s", e)
             self._step_state.quorum_error = e
             self.report_error(e)
@@ -395,9 +396,17 @@ class Manager(ManagerViews):
                 result.replica_world_size,
                 store,
             )
-            self._pg.configure(
-                store, self.replica_id, result.replica_rank, result.replica_world_size
-            )
+            rank, size = result.replica_rank, result.replica_world_size
+            try:
+                self._gone.unless_gone(
+                    result.quorum_id,
+                    lambda: self._pg.configure(store, self.replica_id, rank, size),
+                    "process group setup",
+                )
+            except MemberGoneError:
+                if hasattr(self._pg, "abort"):
+                    self._pg.abort()  # what it joins is not installed when it ends
+                raise
             self._quorum_id = result.quorum_id
         self._gone.quorum_applied(result.quorum_id)
         transport = self._checkpoint_transport

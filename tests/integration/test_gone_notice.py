@@ -5,6 +5,7 @@ the group's store (torchft_like.gone_watch)."""
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 import time
@@ -14,16 +15,18 @@ from typing import Any
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch.distributed import TCPStore
 
 from lighthouse import LighthouseServer
 from torchft_like._work import FutureWork
 from torchft_like.collectives import InOrderCollectives
-from torchft_like.gone_watch import GoneWatch
+from torchft_like.gone_watch import GoneWatch, MemberGoneError
 from torchft_like.group_quorum import QuorumRequest
 from torchft_like.manager_client import LocalManagerClient
 from torchft_like.manager_config import resolve_config
 from torchft_like.manager_server import ManagerServer
+from torchft_like.process_group import ProcessGroupGloo
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=20)
@@ -129,3 +132,48 @@ def test_rank_0_passes_a_notice_to_the_other_ranks_through_the_store():
 
 def _logger(rank: int) -> logging.LoggerAdapter[logging.Logger]:
     return logging.LoggerAdapter(logging.getLogger(f"test.rank{rank}"), {})
+
+
+def test_a_notice_ends_a_rank_s_process_group_setup_for_that_quorum_at_once():
+    """Joining a quorum whose member died waits on the member's rendezvous key
+    (or its store) up to the collective timeout; a notice ends the wait, and
+    the group it was joining is never installed."""
+    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
+    config = resolve_config(
+        rank=0,
+        world_size=1,
+        store_addr="127.0.0.1",
+        store_port=store.port,
+        lighthouse_addr="http://127.0.0.1:1",
+        environ={},
+    )
+    server = _Server()
+    pg = ProcessGroupGloo(timeout=timedelta(seconds=3))
+    watch = GoneWatch(config, store, "g:x", server, InOrderCollectives(), pg, _logger(0))
+    (listener,) = server.listeners
+    try:
+        # Rank 0 of 2: the other member never comes (its process died).
+        join = functools.partial(pg.configure, f"127.0.0.1:{store.port}/q8", "g:x", 0, 2)
+        threading.Timer(0.3, listener, args=(8, ("dead:z",))).start()
+        start = time.monotonic()
+        with pytest.raises(MemberGoneError, match=r"quorum 8: .*dead:z.*process group setup"):
+            watch.unless_gone(8, join, "process group setup")
+        assert time.monotonic() - start < 2.0, "the setup waited on past the notice"
+        pg.abort()
+        # A notice heard before the setup begins ends it before it starts.
+        with pytest.raises(MemberGoneError):
+            watch.unless_gone(8, lambda: time.sleep(60), "process group setup")
+        # The abandoned join ends at its own timeout and installs nothing.
+        time.sleep(4)
+        with pytest.raises(RuntimeError, match="aborted"):
+            pg.allreduce([torch.ones(1)], dist.AllreduceOptions()).wait()
+        # A setup no notice concerns returns, or raises its own error.
+        watch.unless_gone(9, lambda: None, "process group setup")
+        with pytest.raises(ValueError, match="own"):
+            watch.unless_gone(9, functools.partial(_raise, ValueError("its own")), "setup")
+    finally:
+        watch.close()
+
+
+def _raise(error: Exception) -> None:
+    raise error

@@ -31,6 +31,7 @@ def state(
     closed: tuple[str, ...] = (),
     prev: tuple[str, ...] | None = None,
     joined_ago: float = 0.0,
+    described: dict[str, int] | None = None,
 ) -> LighthouseState:
     """`joined`: replica -> step, waiting now; `healthy_idle`: heartbeating,
     not waiting; `closed`: heartbeat stream ended (dead); `prev`: the previous quorum."""
@@ -45,6 +46,7 @@ def state(
         heartbeats,
         prev_quorum,
         streams_closed={rid: NOW - 0.05 for rid in closed},
+        described={rid: QuorumMember(rid, step=step) for rid, step in (described or {}).items()},
         high_water_step=mark,
     )
 
@@ -63,6 +65,14 @@ def state(
          state({"b": 0, "c": 0}, mark=40, healthy_idle=("a",)), CONFIG, "stragglers", None),
         ("... and vetoed once the join timeout leaves it out",
          state({"b": 0, "c": 0}, mark=40, healthy_idle=("a",), joined_ago=6.0), CONFIG,
+         "fresh_start", None),
+        ("a live holder of the state, between quorums, is waited for, not given up on",
+         state({"b": 0, "c": 0}, mark=40, healthy_idle=("a",), joined_ago=6.0,
+               described={"a": 40}), CONFIG, "holder_wait", None),
+        ("... and the quorum is issued as soon as it asks",
+         state({"a": 40, "b": 0, "c": 0}, mark=40), CONFIG, "valid", "a,b,c"),
+        ("a holder that died is not waited for",
+         state({"b": 0}, mark=40, closed=("a",), described={"a": 40}), CONFIG,
          "fresh_start", None),
         ("the fast quorum is vetoed too",
          state({"b": 0}, mark=40, prev=("b",)), CONFIG, "fresh_start", None),

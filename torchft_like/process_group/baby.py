@@ -167,6 +167,8 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
         self._use_standby = standby
         self._lock = threading.Lock()
         self._child: _Child | None = None
+        self._joining: _Child | None = None
+        """The child configure() is waiting on, if any."""
         self._standby: _Child | None = _Child() if standby else None
         self._buffers = _Buffers()
         self._pending: dict[int, _Op] = {}
@@ -199,6 +201,8 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
         elif local is None and not os.environ.get("GLOO_SOCKET_IFNAME"):
             local = _local_address_towards(host, port)
         msg = ("configure", host, port, prefix, rank, world_size, self._timeout_s, local)
+        with self._lock:
+            self._joining = child  # abort() kills it too: a member is gone
         try:
             child.conn.send(msg)
             if not child.conn.poll(self._timeout_s):
@@ -209,6 +213,9 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
         except BaseException:
             child.close()
             raise
+        finally:
+            with self._lock:
+                self._joining = None
         if reply is not None:
             child.close()
             raise RuntimeError(f"ProcessGroupBabyGloo configure failed in its child: {reply}")
@@ -230,9 +237,12 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
         """Kills the child now: every collective in flight fails at once,
         later ones raise until configure()."""
         error = RuntimeError("ProcessGroupBabyGloo aborted: its child process was killed")
-        if errored:
-            with self._lock:
+        with self._lock:
+            if errored:
                 self._error = self._error or error
+            joining = self._joining
+        if joining is not None:
+            joining.proc.kill()  # its configure() sees the pipe close and raises
         self._drop_child(error, wait=False)
 
     def shutdown(self) -> None:

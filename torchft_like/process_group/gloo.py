@@ -119,6 +119,8 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
         every member has joined or `timeout` passes."""
         host, port, prefix = parse_store_addr(store_addr)
         self._abort_backend()
+        with self._lock:
+            generation = self._generation
         store = dist.TCPStore(
             host, port, is_master=False, wait_for_workers=False, timeout=self._timeout
         )
@@ -139,8 +141,13 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
         else:  # gloo's default: GLOO_SOCKET_IFNAME, else what the hostname resolves to
             backend = dist.ProcessGroupGloo(prefixed, rank, world_size, self._timeout)
         with self._lock:
-            self._backend, self._error = backend, None
-            self._rank, self._world_size = rank, world_size
+            abandoned = generation != self._generation
+            if not abandoned:
+                self._backend, self._error = backend, None
+                self._rank, self._world_size = rank, world_size
+        if abandoned:  # aborted while it joined (a member is gone): never installed
+            _abort_and_drop([backend])
+            raise RuntimeError("gloo process group aborted while it was being configured")
         logger.debug("%s configured: rank %d of %d at %s", replica_id, rank, world_size, store_addr)
 
     def _abort_backend(self, generation: int | None = None) -> None:
