@@ -4,7 +4,9 @@
 #
 #   scripts/integration.sh            Ray Train and torchtitan (tests/clients), in
 #                                     .venv-integration: torch pinned first, then
-#                                     .[dev,integration,bench] (bench: torchft nightly)
+#                                     .[dev,integration,bench] (bench: torchft nightly);
+#                                     and nghttp2's h2load against the lean lighthouse
+#                                     (tests/integration/test_h2load.py)
 #   scripts/integration.sh torchft-0.2
 #                                     a torchft 0.2.0 group sharing an allreduce with
 #                                     ours, in .venv-torchft020 (one torchft per venv)
@@ -30,5 +32,9 @@ if [ "${1:-}" = "torchft-0.2" ]; then
     exec .venv-torchft020/bin/python -m pytest -m integration \
         tests/integration/test_torchft_020_mixed.py "$@"
 fi
+# h2load (Debian's nghttp2-client): an HTTP/2 client independent of grpcio, for test_h2load.
+command -v h2load >/dev/null || { apt-get update -qq && apt-get install -y -qq nghttp2-client; } \
+    || echo "nghttp2-client could not be installed: tests/integration/test_h2load.py will skip"
 venv .venv-integration -e ".[dev,integration,bench]"
-exec .venv-integration/bin/python -m pytest -m integration tests/clients "$@"
+exec .venv-integration/bin/python -m pytest -m integration tests/clients \
+    tests/integration/test_h2load.py "$@"

