@@ -72,6 +72,9 @@ class StreamTable:
         """What the peer may still send on the connection."""
         self._held = 0
         self._granted = 0
+        self._conn_limit = limits.connection_window
+        """What the peer may send on the connection, with what is held: the
+        connection window and the grants."""
         self._answered = True
         """An answer (HEADERS or DATA) went out since the last PING."""
         self._ping_strikes = 0
@@ -85,9 +88,10 @@ class StreamTable:
         """The handler is done with `nbytes` of the stream's data: the peer
         may send that much again."""
         stream = self._streams.get(stream_id)
-        if stream is None:
+        if stream is None or not stream.held:
             return  # closed: what it held was released then
-        nbytes = min(nbytes, stream.held)
+        if nbytes > stream.held:
+            nbytes = stream.held
         stream.held -= nbytes
         self._held -= nbytes
         self._budget.held -= nbytes
@@ -108,6 +112,7 @@ class StreamTable:
         if self._granted + more > self._limits.max_grant or not self._budget.grant(more):
             return False
         self._granted += more
+        self._conn_limit += more
         stream.limit += more
         self._give_back(stream, at_once=True)
         return True
@@ -116,17 +121,19 @@ class StreamTable:
         extra = stream.limit - self._limits.stream_window
         stream.limit -= extra
         self._granted -= extra
+        self._conn_limit -= extra
         self._budget.granted -= extra
 
     def _give_back(self, stream: Stream | None, at_once: bool = False) -> None:
         """Window updates for what is consumed: each window's limit less the
         credit the peer has and what is held, once that is half the limit."""
         if stream is not None and not stream.remote_done:
-            owed = stream.limit - stream.credit - stream.held
-            if owed > 0 and (at_once or owed >= stream.limit >> 1):
+            limit = stream.limit
+            owed = limit - stream.credit - stream.held
+            if owed > 0 and (at_once or owed >= limit >> 1):
                 stream.credit += owed
                 self._write(frame(WINDOW_UPDATE, 0, stream.sid, U32.pack(owed)))
-        limit = self._limits.connection_window + self._granted
+        limit = self._conn_limit
         owed = limit - self._credit - self._held
         if owed > 0 and (at_once or owed >= limit >> 1):
             self._credit += owed

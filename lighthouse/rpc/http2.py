@@ -48,6 +48,7 @@ from lighthouse.rpc.frames import (
     HEADERS,
     MAX_WINDOW,
     NO_ERROR,
+    PADDED,
     PING,
     PREFACE,
     PRIORITY,
@@ -227,45 +228,19 @@ class Connection(StreamTable, asyncio.Protocol):
             self._update_reading()
 
     def _process(self) -> None:
+        """Frames of the read buffer, within the turn's work budget; a
+        broken rule closes the connection, the answers go out in one write."""
         self._pending_out = []
         self._work = self._limits.work_per_read
-        try:
-            self._frames()
-        except ProtocolError as e:
-            self.close(e.code, str(e))
-        except hpack.OversizedHeaderListError as e:
-            self.close(ENHANCE_YOUR_CALM, f"a header list over the limit: {e}")
-        except hpack.HPACKError as e:
-            self.close(COMPRESSION_ERROR, f"header block: {e}")
-        finally:
-            self._flush_out()
-        held = len(self._buf)
-        if held != self._buf_held and not self._closed:
-            grows = held - self._buf_held
-            if grows > 0 and not self._budget.hold(grows):
-                self.close(ENHANCE_YOUR_CALM, "the server holds too many partial requests")
-                return
-            if grows < 0:
-                self._budget.held += grows
-            self._buf_held = held
-
-    def _frames(self) -> None:
         buf = self._buf
         pos = 0
-        if not self._preface_seen:
-            if len(buf) < len(PREFACE):
-                if not PREFACE.startswith(bytes(buf)):
-                    raise ProtocolError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-                return
-            if buf[: len(PREFACE)] != PREFACE:
-                raise ProtocolError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
-            self._preface_seen = True
-            pos = len(PREFACE)
-            if self._timer is not None:
-                self._timer.cancel()
-        size = len(buf)
-        max_frame = self._limits.max_frame
         try:
+            if not self._preface_seen:
+                if not self._preface():
+                    return
+                pos = len(PREFACE)
+            size = len(buf)
+            max_frame = self._limits.max_frame
             while size - pos >= 9 and not self._closed:
                 if self._work <= 0 or self._write_paused:
                     self._defer()
@@ -278,15 +253,50 @@ class Connection(StreamTable, asyncio.Protocol):
                 if end > size:
                     break
                 self._work -= 1
+                stream_id &= MAX_WINDOW
+                payload = bytes(buf[pos + 9 : end])
+                pos = end
                 try:
-                    self._frame(kind, flags, stream_id & MAX_WINDOW, bytes(buf[pos + 9 : end]))
+                    if kind == DATA and stream_id and not self._block_stream:
+                        self._data(flags, stream_id, payload)  # the usual frame, first
+                    else:
+                        self._frame(kind, flags, stream_id, payload)
                 except ProtocolError as e:
                     if not e.stream:
                         raise
                     self._stream_error(e)
-                pos = end
+        except ProtocolError as e:
+            self.close(e.code, str(e))
+        except hpack.OversizedHeaderListError as e:
+            self.close(ENHANCE_YOUR_CALM, f"a header list over the limit: {e}")
+        except hpack.HPACKError as e:
+            self.close(COMPRESSION_ERROR, f"header block: {e}")
         finally:
             del buf[:pos]
+            self._flush_out()
+        held = len(buf)
+        if held != self._buf_held and not self._closed:
+            grows = held - self._buf_held
+            if grows > 0 and not self._budget.hold(grows):
+                self.close(ENHANCE_YOUR_CALM, "the server holds too many partial requests")
+                return
+            if grows < 0:
+                self._budget.held += grows
+            self._buf_held = held
+
+    def _preface(self) -> bool:
+        """Whether the client's preface is whole (it is checked as it comes)."""
+        buf = self._buf
+        if len(buf) < len(PREFACE):
+            if not PREFACE.startswith(bytes(buf)):
+                raise ProtocolError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+            return False
+        if buf[: len(PREFACE)] != PREFACE:
+            raise ProtocolError(PROTOCOL_ERROR, "not an HTTP/2 connection preface")
+        self._preface_seen = True
+        if self._timer is not None:
+            self._timer.cancel()
+        return True
 
     def _defer(self) -> None:
         """Leaves the rest of the read for a later turn: the next one if the
@@ -316,7 +326,8 @@ class Connection(StreamTable, asyncio.Protocol):
     def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
         if self._block_stream and kind != CONTINUATION:
             raise ProtocolError(PROTOCOL_ERROR, "a frame inside a header block")
-        check_frame(kind, flags, stream_id, len(payload))
+        if kind > HEADERS or not stream_id:  # DATA and HEADERS on a stream pass
+            check_frame(kind, flags, stream_id, len(payload))
         if kind == DATA:
             self._data(flags, stream_id, payload)
         elif kind == HEADERS:
@@ -437,7 +448,7 @@ class Connection(StreamTable, asyncio.Protocol):
             if stream_id in self._reset_by_peer:
                 raise ProtocolError(STREAM_CLOSED, "DATA after RST_STREAM", stream_id)
             return  # a stream we closed: its data in flight still arrives; dropped
-        data = unpad(flags, payload)
+        data = unpad(flags, payload) if flags & PADDED else payload
         if stream.remote_done:
             self._give_back(None)
             raise ProtocolError(STREAM_CLOSED, "DATA after the end of the stream", stream_id)
@@ -445,15 +456,17 @@ class Connection(StreamTable, asyncio.Protocol):
             self._give_back(None)
             raise ProtocolError(FLOW_CONTROL_ERROR, "DATA past the stream's window", stream_id)
         stream.credit -= length
-        if data:
-            if not self._budget.hold(len(data)):
+        size = len(data)
+        if size:
+            budget = self._budget
+            if budget.held + size > budget.limits.process_held:
                 self._give_back(None)
                 raise ProtocolError(ENHANCE_YOUR_CALM, "the server holds too much", stream_id)
-            stream.held += len(data)
-            self._held += len(data)
-        end = bool(flags & END_STREAM)
-        stream.remote_done = end
-        if length != len(data):
+            budget.held += size
+            stream.held += size
+            self._held += size
+        end = stream.remote_done = bool(flags & END_STREAM)
+        if length != size:
             self._give_back(stream)  # the padding is consumed now
         self._handler.on_data(self, stream_id, data, end)
 

@@ -50,6 +50,7 @@ from lighthouse.rpc.frames import (
     END_HEADERS,
     END_STREAM,
     ENHANCE_YOUR_CALM,
+    ERROR_NAMES,
     FLOW_CONTROL_ERROR,
     FRAME_SIZE_ERROR,
     GOAWAY,
@@ -84,15 +85,6 @@ _SETTING = struct.Struct(">HI")
 _U32 = struct.Struct(">I")
 _MESSAGE = struct.Struct(">BI")
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
-_ERRORS = {
-    PROTOCOL_ERROR: "PROTOCOL_ERROR",
-    INTERNAL_ERROR: "INTERNAL_ERROR",
-    FLOW_CONTROL_ERROR: "FLOW_CONTROL_ERROR",
-    FRAME_SIZE_ERROR: "FRAME_SIZE_ERROR",
-    COMPRESSION_ERROR: "COMPRESSION_ERROR",
-    ENHANCE_YOUR_CALM: "ENHANCE_YOUR_CALM",
-}
-"""The names of the HTTP/2 error codes we abort a connection with."""
 MAX_FRAME = DEFAULT_MAX_FRAME
 """The largest frame we accept: we advertise no SETTINGS_MAX_FRAME_SIZE, so
 RFC 9113's initial value; a larger one is a FRAME_SIZE_ERROR."""
@@ -508,7 +500,7 @@ class ClientConnection(asyncio.Protocol):
         if self.transport is not None:
             detail = _U32.pack(0) + _U32.pack(code) + why.encode()[:256]
             self.transport.write(frame(GOAWAY, 0, 0, detail))
-        self.abort(f"the server broke HTTP/2 ({_ERRORS.get(code, code)}): {why}")
+        self.abort(f"the server broke HTTP/2 ({ERROR_NAMES.get(code, code)}): {why}")
 
     def start(self, headers: bytes, message: bytes) -> tuple[int, _Call]:
         """Sends one call's headers and message; raises Unavailable if it cannot."""

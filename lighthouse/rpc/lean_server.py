@@ -65,7 +65,7 @@ class _Abort(Exception):
         self.details = details
 
 
-def _echo(text: str) -> str:
+def echo(text: str) -> str:
     """A request's own text as an answer may carry it: never longer than
     `Limits.max_echo`, so an answer cannot amplify what a peer sends."""
     limit = LIMITS.max_echo
@@ -336,7 +336,7 @@ class LeanServer:
                 timeout = value
             elif name == "grpc-encoding" and value != "identity":
                 if value not in _WBITS:
-                    named = _echo(value)
+                    named = echo(value)
                     unsupported = f"compression {named!r} is not supported (gzip, deflate are)"
                     conn.send(stream_id, _OK_HEADERS, b"", _trailers(_UNIMPLEMENTED, unsupported))
                     return
@@ -350,7 +350,7 @@ class LeanServer:
             return
         handler = self._handlers.get(path)
         if handler is None:
-            unknown = _trailers(_UNIMPLEMENTED, f"Method not found: {_echo(path)}")
+            unknown = _trailers(_UNIMPLEMENTED, f"Method not found: {echo(path)}")
             conn.send(stream_id, _OK_HEADERS, b"", unknown)
             return
         if self._secret is not None:
@@ -397,7 +397,7 @@ class LeanServer:
             compressed = body[0]
             del body[: 5 + size]
             if compressed:
-                message, code, why = _decompressed(message, call.encoding)
+                message, code, why = decompressed(message, call.encoding)
                 if why:
                     self._end(call, code, why)
                     return
@@ -508,7 +508,7 @@ class LeanServer:
             call.task.cancel()
 
 
-def _decompressed(message: bytes, encoding: str) -> tuple[bytes, grpc.StatusCode, str]:
+def decompressed(message: bytes, encoding: str) -> tuple[bytes, grpc.StatusCode, str]:
     """`message` decompressed, never past the message limit, or the status
     and text that say what was wrong with it."""
     internal = grpc.StatusCode.INTERNAL

@@ -28,7 +28,7 @@ from lighthouse.rpc.frames import (
     frame,
 )
 from lighthouse.rpc.http2 import Connection
-from lighthouse.rpc.lean_server import MAX_MESSAGE_BYTES, _decompressed, _echo
+from lighthouse.rpc.lean_server import MAX_MESSAGE_BYTES, decompressed, echo
 from lighthouse.rpc.limits import LIMITS, Limits, ProcessBudget, TokenBucket
 
 REQUEST = [
@@ -275,17 +275,17 @@ def test_the_sweep_closes_connections_idle_past_the_timeout(loop):
 def test_a_gzip_bomb_decompresses_no_further_than_the_message_limit():
     bomb = zlib.compress(bytes(64 * MAX_MESSAGE_BYTES), 9)
     assert len(bomb) < MAX_MESSAGE_BYTES // 8
-    out, code, why = _decompressed(bomb, "deflate")
+    out, code, why = decompressed(bomb, "deflate")
     assert out == b"" and code.name == "RESOURCE_EXHAUSTED" and "larger than max" in why
     fine = zlib.compress(b"hello")
-    assert _decompressed(fine, "deflate")[0] == b"hello"
-    assert _decompressed(fine[:-3], "deflate")[1].name == "INTERNAL"
+    assert decompressed(fine, "deflate")[0] == b"hello"
+    assert decompressed(fine[:-3], "deflate")[1].name == "INTERNAL"
 
 
 def test_an_answer_echoes_no_more_than_a_bounded_part_of_the_request():
-    assert _echo("/svc/M") == "/svc/M"
+    assert echo("/svc/M") == "/svc/M"
     long = "/" + "x" * 100_000
-    assert len(_echo(long)) < LIMITS.max_echo + 40
+    assert len(echo(long)) < LIMITS.max_echo + 40
 
 
 def test_a_token_bucket_allows_its_burst_then_its_rate():

@@ -26,6 +26,7 @@ from lighthouse.rpc.frames import (
     END_HEADERS,
     END_STREAM,
     ENHANCE_YOUR_CALM,
+    ERROR_NAMES,
     FLOW_CONTROL_ERROR,
     FRAME_SIZE_ERROR,
     GOAWAY,
@@ -44,7 +45,6 @@ from lighthouse.rpc.frames import (
     literal,
 )
 from lighthouse.rpc.lean_client import (
-    _ERRORS,
     MAX_FRAME,
     MAX_HEADER_BLOCK,
     MAX_MESSAGE_BYTES,
@@ -254,7 +254,7 @@ def test_what_the_server_sends_is_bounded_and_checked(build, outcome):
             for call in (p.unary, p.stream):
                 error = call.done.exception()
                 assert isinstance(error, Unavailable), error
-                assert re.search(rf"\({_ERRORS[code]}\): .*{pattern}", str(error)), str(error)
+                assert re.search(rf"\({ERROR_NAMES[code]}\): .*{pattern}", str(error)), str(error)
             return
         assert not p.t.aborted and not goaways, p.unary.done
         if 1 in p.conn.calls:
