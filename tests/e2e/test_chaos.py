@@ -71,6 +71,34 @@ def test_a_killed_rank_is_restarted_by_torchrun_and_then_by_the_runner(children,
     assert starts == 3, "expected the first start, torchrun's restart and the runner's"
 
 
+@pytest.mark.timeout(200)
+def test_correlated_faults_heal_with_survivors_stalled_briefly_and_end_bit_identical(
+    children, tmp_path
+):
+    # Seed 1 draws each correlated kind once: a lighthouse kill while a
+    # restarted group heals, two groups at once, a rank in each of two groups,
+    # a second group killed as the survivors reconfigure without the first.
+    # About a minute here; the real bound (a heartbeat) is for long runs.
+    summary = run_chaos(
+        children, tmp_path,
+        ["--groups", "3", "--nproc-per-group", "2", "--steps", "60", "--faults", "4",
+         "--seed", "1", "--correlated"],
+        timeout=180,
+    )  # fmt: skip
+    kinds = ["kill_in_reconfigure", "kill_rank_pair", "kill_two_groups"]
+    assert fired(summary) == kinds + ["restart_lighthouse_in_heal"]
+    assert sorted(summary["by_kind"]) == sorted(kinds + ["restart_lighthouse_in_heal"])
+    assert all(k["count"] == 1 and k["stall_worst_s"] is not None
+               for k in summary["by_kind"].values())  # fmt: skip
+    worst = summary["worst_stall_outside_lighthouse_s"]
+    assert worst == max(summary["by_kind"][k]["stall_worst_s"] for k in kinds)
+    assert worst <= 10, f"survivors stalled {worst:.1f} s by a correlated fault"
+    for f in summary["faults"]:
+        victims = [g for g in (f["fault"]["group"], f["fault"]["second_group"]) if g is not None]
+        assert not set(victims) & set(f["survivors"]) and f["survivors"], f
+    assert len(summary["finals"]) == 3
+
+
 @pytest.mark.timeout(120)
 def test_interrupting_the_runner_kills_every_child_of_the_script_it_was_given(children, tmp_path):
     # A copy under another name: only --script can have started its workers.

@@ -18,6 +18,10 @@ from tools.chaos.checks import (
 )
 from tools.chaos.schedule import (
     ALL_KINDS,
+    BASIC_KINDS,
+    CORRELATED_KINDS,
+    TWO_GROUP_KINDS,
+    Fault,
     FaultKind,
     ScheduleConfig,
     make_schedule,
@@ -119,6 +123,114 @@ def test_kinds_parse_from_a_comma_list_and_unknown_names_are_refused():
     assert parse_kinds("kill_group, stop_group") == (K.KILL_GROUP, K.STOP_GROUP)
     with pytest.raises(ValueError, match="unknown fault kind 'nap'; use a comma list of"):
         parse_kinds("kill_group,nap")
+
+
+def test_a_seed_of_the_basic_kinds_draws_what_it_drew_before_the_correlated_kinds_came():
+    # Replays of older runs: these are the schedules the seeds gave then.
+    assert ALL_KINDS == BASIC_KINDS and config().kinds == BASIC_KINDS
+    assert make_schedule(config(num_faults=6, seed=0)) == [
+        Fault(13, K.STOP_GROUP, 1, None, 1.778),
+        Fault(32, K.KILL_GROUP, 1, None, 2.575),
+        Fault(37, K.KILL_RANK, 0, 0, 2.729),
+        Fault(48, K.RESTART_LIGHTHOUSE, None, None, 2.39),
+        Fault(60, K.KILL_RANK, 2, 1, 2.325),
+        Fault(73, K.KILL_GROUP, 1, None, 0.752),
+    ]
+    assert make_schedule(config(num_faults=6, seed=1))[3] == Fault(50, K.KILL_RANK, 0, 1, 2.406)
+
+
+# ---- correlated kinds ------------------------------------------------------------
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("num_groups, nproc", [(3, 1), (3, 2), (4, 2), (5, 3)])
+def test_correlated_kinds_pick_distinct_victims_and_never_every_group(seed, num_groups, nproc):
+    cfg = config(
+        seed=seed, num_groups=num_groups, nproc_per_group=nproc, num_faults=40,
+        num_steps=400, kinds=CORRELATED_KINDS,
+    )  # fmt: skip
+    for f in make_schedule(cfg):
+        assert all(0 <= g < num_groups for g in f.groups)
+        assert len(set(f.groups)) == len(f.groups), f"a group drawn twice: {f}"
+        assert len(f.groups) < num_groups, f"no survivor: {f}"
+        assert len(f.groups) == (2 if f.kind in TWO_GROUP_KINDS else 1)
+        assert (f.second_group is not None) == (f.kind in TWO_GROUP_KINDS)
+        assert set(f.ranks) == (set(f.groups) if f.kind == K.KILL_RANK_PAIR else set())
+        assert all(0 <= r < nproc for r in f.ranks.values())
+        assert f.hits_lighthouse == (f.kind == K.RESTART_LIGHTHOUSE_IN_HEAL)
+
+
+@pytest.mark.parametrize(
+    "fault, victims",
+    [
+        (Fault(20, K.KILL_TWO_GROUPS, 2, None, 1.0, second_group=0), "g2+g0"),
+        (Fault(20, K.KILL_IN_RECONFIGURE, 0, None, 1.0, second_group=1), "g0+g1"),
+        (Fault(20, K.KILL_RANK_PAIR, 1, 0, 1.0, second_group=2, second_rank=1), "g1/r0+g2/r1"),
+        (Fault(20, K.RESTART_LIGHTHOUSE_IN_HEAL, 1, None, 1.0), "g1+lighthouse"),
+        (Fault(20, K.RESTART_LIGHTHOUSE, None, None, 1.0), "lighthouse"),
+        (Fault(20, K.KILL_RANK, 2, 1, 1.0), "g2/r1"),
+    ],
+)
+def test_each_fault_names_its_victims_the_first_first(fault, victims):
+    assert fault.victims() == victims
+
+
+def test_correlated_schedules_are_seeded():
+    cfg = dict(kinds=CORRELATED_KINDS, num_faults=40, num_steps=400)
+    assert make_schedule(config(seed=3, **cfg)) == make_schedule(config(seed=3, **cfg))
+    assert make_schedule(config(seed=3, **cfg)) != make_schedule(config(seed=4, **cfg))
+
+
+@pytest.mark.parametrize(
+    "kinds, num_faults, expected",
+    [
+        (CORRELATED_KINDS, 4, {k: 1 for k in CORRELATED_KINDS}),
+        (CORRELATED_KINDS, 12, {k: 3 for k in CORRELATED_KINDS}),
+        ((K.KILL_GROUP, K.KILL_TWO_GROUPS), 4, {K.KILL_GROUP: 2, K.KILL_TWO_GROUPS: 2}),
+    ],
+)
+def test_correlated_kinds_are_cycled_like_the_others(kinds, num_faults, expected):
+    faults = make_schedule(config(kinds=kinds, num_faults=num_faults))
+    assert Counter(f.kind for f in faults) == expected
+
+
+def test_a_rank_pair_kill_in_single_rank_groups_is_a_two_group_kill():
+    cfg = config(nproc_per_group=1, kinds=(K.KILL_RANK_PAIR,), num_faults=3)
+    faults = make_schedule(cfg)
+    assert {f.kind for f in faults} == {K.KILL_TWO_GROUPS}
+    assert all(f.rank is None and f.second_rank is None for f in faults)
+
+
+@pytest.mark.parametrize("kind", sorted(TWO_GROUP_KINDS))
+@pytest.mark.parametrize("num_groups", [1, 2])
+def test_two_group_kinds_need_three_groups(kind, num_groups):
+    with pytest.raises(ValueError, match=rf"num_groups \({num_groups}\) must be at least 3 for "
+                       rf"{kind.value}: two groups go down at once"):  # fmt: skip
+        config(num_groups=num_groups, kinds=(K.KILL_GROUP, kind))
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {"num_groups": 3, "kinds": CORRELATED_KINDS},
+        {"num_groups": 2, "kinds": (K.RESTART_LIGHTHOUSE_IN_HEAL, K.KILL_GROUP)},
+        {"num_groups": 2, "kinds": CORRELATED_KINDS, "num_faults": 0},
+    ],
+)
+def test_correlated_configs_that_leave_a_survivor_are_accepted(overrides):
+    config(**overrides)
+
+
+def test_a_heal_needs_a_second_group_to_heal_from():
+    with pytest.raises(ValueError, match=r"num_groups \(1\) must be at least 2"):
+        config(num_groups=1, kinds=(K.RESTART_LIGHTHOUSE_IN_HEAL,))
+
+
+def test_correlated_kinds_parse_by_name():
+    text = "kill_two_groups,kill_in_reconfigure,kill_rank_pair,restart_lighthouse_in_heal"
+    assert parse_kinds(text) == CORRELATED_KINDS
+    with pytest.raises(ValueError, match="restart_lighthouse_in_heal"):
+        parse_kinds("kill_three_groups")
 
 
 # ---- checks --------------------------------------------------------------------

@@ -7,9 +7,12 @@ The groups are real torchrun jobs running a training script
 
 Faults (schedule.py): SIGKILL of a whole group, SIGKILL of one rank,
 SIGSTOP/SIGCONT of a group, SIGKILL and restart of the lighthouse on the same
-port. Faults may overlap: a group fault fires once another group is healthy
-to survive it, a lighthouse fault once every group is; each has healed when
-its victim has committed again. At the end it checks (checks.py, report.py)
+port; and, with --correlated, what a rack failing does: two groups at once, a
+second group as the survivors reconfigure without the first, a rank in each of
+two groups, the lighthouse while a restarted group heals. Faults may
+overlap: a group fault fires once another group is healthy to survive it, a
+lighthouse fault once every group is; each has healed when every victim has
+committed again. At the end it checks (checks.py, report.py)
 that the groups of the last quorum hold bit-identical state, that no step went
 backwards, that nothing hung and that every child process is gone, and prints
 goodput and a per-fault table of survivor stalls and rejoin times. Exits 1

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import socket
 import subprocess
 import sys
@@ -18,7 +19,7 @@ from pathlib import Path
 
 import psutil
 
-from tools.procs import kill_tree, spawn, tree
+from tools.procs import kill_tree, signal_tree, spawn, tree
 
 logger = logging.getLogger(__name__)
 
@@ -42,7 +43,10 @@ data_unit, data_epoch, sample_ids, which the exactly-once data check reads)
   {"event": "final", "step": N, "hash": STR, "quorum_id": N} at the end
 where hash digests the model and optimizer state (groups must agree on it).
 Workers are found for kill_rank by the script's file name in their command
-line and by RANK in their environment.
+line and by RANK in their environment. The correlated kinds also read the
+Manager's INFO lines from the group's output: kill_in_reconfigure strikes its
+second group at "reconfiguring for quorum N: replica rank R of S" (else after
+2 s), restart_lighthouse_in_heal at "healing from replica rank".
 
 environment: the runner reads none itself; its lighthouse and groups
 inherit it (e.g. TORCHFT_SECRET_FILE turns access control on for all), and
@@ -142,7 +146,7 @@ class Children:
              "--layers", "2", "--step-sleep", str(a.step_sleep), "--timeout-s", str(a.timeout_s),
              "--log-json", str(group.log),
              *(["--loader", a.loader] if a.loader else [])],
-            f"group{group.index}.log",
+            self.text_log(group).name,
             {"TORCHFT_LIGHTHOUSE": f"http://127.0.0.1:{self.port}",
              "REPLICA_GROUP_ID": str(group.index), "NUM_REPLICA_GROUPS": str(a.groups),
              "TORCHFT_TIMEOUT_SEC": str(a.timeout_s),
@@ -155,11 +159,25 @@ class Children:
 
     def kill_group(self, group: Group) -> list[psutil.Process]:
         """SIGKILLs the group's tree; returns the processes that survived it."""
-        assert group.proc is not None
-        alive = kill_tree(group.proc.pid)
-        group.proc.wait(timeout=10)
-        group.state = "dead"
-        return alive
+        return self.kill_groups([group])[0]
+
+    def kill_groups(self, groups: list[Group]) -> list[list[psutil.Process]]:
+        """SIGKILLs the groups' trees in one round, as a rack failing does,
+        then waits for each; returns, per group, the processes that survived."""
+        for group in groups:
+            assert group.proc is not None
+            signal_tree(group.proc.pid, signal.SIGKILL)
+        survived = []
+        for group in groups:
+            assert group.proc is not None
+            survived.append(kill_tree(group.proc.pid))  # again, and waits until gone
+            group.proc.wait(timeout=10)
+            group.state = "dead"
+        return survived
+
+    def text_log(self, group: Group) -> Path:
+        """The group's torchrun output: every rank's log lines (the Manager's among them)."""
+        return self.out / f"group{group.index}.log"
 
     def workers_of_rank(self, group: Group, rank: int) -> list[psutil.Process]:
         """The group's training processes of RANK `rank` (torchrun's are not)."""

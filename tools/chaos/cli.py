@@ -11,7 +11,14 @@ from pathlib import Path
 from tools.chaos.children import DEFAULT_SCRIPT, SCRIPT_CONTRACT, Children
 from tools.chaos.report import report
 from tools.chaos.runner import Runner
-from tools.chaos.schedule import ALL_KINDS, ScheduleConfig, make_schedule, parse_kinds
+from tools.chaos.schedule import (
+    BASIC_KINDS,
+    CORRELATED_KINDS,
+    FaultKind,
+    ScheduleConfig,
+    make_schedule,
+    parse_kinds,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -35,8 +42,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--nproc-per-group", type=int, default=2, help="ranks per replica group")
     p.add_argument("--steps", type=int, default=200, help="committed steps to train")
     p.add_argument("--faults", type=int, default=8, help="faults to inject")
-    p.add_argument("--kinds", default=",".join(k.value for k in ALL_KINDS),
-                   help="comma list of fault kinds, cycled in a seeded order")  # fmt: skip
+    kinds = p.add_mutually_exclusive_group()
+    kinds.add_argument(
+        "--kinds",
+        default=_names(BASIC_KINDS),
+        help="comma list of fault kinds, cycled in a seeded order (default: "
+        f"{_names(BASIC_KINDS)}; all: {_names(tuple(FaultKind))})",
+    )
+    kinds.add_argument(
+        "--correlated",
+        action="store_true",
+        help=f"correlated faults only, several victims in the same second: --kinds "
+        f"{_names(CORRELATED_KINDS)} (the two-group kinds need --groups 3 or more)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of the schedule and restart delays")
     p.add_argument("--out", default="demo_out/chaos", help="folder for logs and summary.json")
     p.add_argument("--min-delay-s", type=float, default=0.5, help="shortest down time")
@@ -70,19 +88,24 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not args.script.is_file():
         parser.error(f"--script {args.script} is not a file; pass the training script to run")
+    if args.correlated:
+        args.kinds = _names(CORRELATED_KINDS)
+    try:
+        config = ScheduleConfig(
+            num_groups=args.groups,
+            nproc_per_group=args.nproc_per_group,
+            num_steps=args.steps,
+            num_faults=args.faults,
+            seed=args.seed,
+            kinds=parse_kinds(args.kinds),
+            min_delay_s=args.min_delay_s,
+            max_delay_s=args.max_delay_s,
+            warmup_steps=args.warmup_steps,
+            tail_steps=args.tail_steps,
+        )
+    except ValueError as e:
+        parser.error(str(e))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s chaos %(message)s")
-    config = ScheduleConfig(
-        num_groups=args.groups,
-        nproc_per_group=args.nproc_per_group,
-        num_steps=args.steps,
-        num_faults=args.faults,
-        seed=args.seed,
-        kinds=parse_kinds(args.kinds),
-        min_delay_s=args.min_delay_s,
-        max_delay_s=args.max_delay_s,
-        warmup_steps=args.warmup_steps,
-        tail_steps=args.tail_steps,
-    )
     out = Path(args.out).resolve()
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -108,3 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         raise
     left = runner.children.kill_all()
     return report(runner, left)
+
+
+def _names(kinds: tuple[FaultKind, ...]) -> str:
+    return ",".join(k.value for k in kinds)

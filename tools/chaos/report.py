@@ -10,8 +10,8 @@ from dataclasses import asdict
 from pathlib import Path
 
 from tools.chaos import checks
-from tools.chaos.runner import Runner
-from tools.chaos.schedule import FaultKind
+from tools.chaos.runner import Outcome, Runner
+from tools.chaos.schedule import RANK_KINDS, FaultKind
 
 
 def report(runner: Runner, left: list[str]) -> int:
@@ -45,16 +45,13 @@ def report(runner: Runner, left: list[str]) -> int:
     final_step = runner.leading_step()
     gp = checks.goodput(records, a.groups, final_step)
 
-    print("\n fault | step | kind               | victim | down s | survivor stall s | rejoin s |")
+    print(
+        f"\n fault | step | {'kind':<26} | {'victims':<13} | down s | survivor stall s | rejoin s |"
+    )
     for o in sorted(runner.outcomes, key=lambda o: o.index):
         f = o.fault
-        victim = (
-            "lighthouse"
-            if f.group is None
-            else f"g{f.group}" + (f"/r{f.rank}" if f.rank is not None else "")
-        )
         print(
-            f" {o.index:>5} | {f.at_step:>4} | {f.kind.value:<18} | {victim:>6} "
+            f" {o.index:>5} | {f.at_step:>4} | {f.kind.value:<26} | {f.victims():<13} "
             f"| {f.delay_s:>6.2f} | {_fmt(o.stall_s):>16} | {_fmt(o.rejoin_s):>8} | {o.note}"
         )
     done = [o for o in runner.outcomes if o.fired_at is not None]
@@ -63,16 +60,20 @@ def report(runner: Runner, left: list[str]) -> int:
     print(f"\nfaults injected: {len(done)} of {len(runner.schedule)} scheduled (seed {a.seed})")
     print(f"survivor stall s: median {_med(stalls)}, worst {_fmt(max(stalls, default=None))}")
     print(f"rejoin s:         median {_med(rejoins)}, worst {_fmt(max(rejoins, default=None))}")
-    for kind in FaultKind:
-        of_kind = [o for o in done if o.fault.kind == kind]
-        if of_kind:
-            st = [o.stall_s for o in of_kind if o.stall_s is not None]
-            rj = [o.rejoin_s for o in of_kind if o.rejoin_s is not None]
-            print(
-                f"  {kind.value:<18} x{len(of_kind):<3} stall median {_med(st)} worst "
-                f"{_fmt(max(st, default=None))}, rejoin median {_med(rj)} worst "
-                f"{_fmt(max(rj, default=None))}"
-            )
+    by_kind = stalls_by_kind(done)
+    for kind, k in by_kind.items():
+        print(
+            f"  {kind:<26} x{k['count']:<3} stall median {_fmt(k['stall_median_s'])} worst "
+            f"{_fmt(k['stall_worst_s'])}, rejoin median {_fmt(k['rejoin_median_s'])} worst "
+            f"{_fmt(k['rejoin_worst_s'])}"
+        )
+    worst = worst_stall_outside_lighthouse(done)
+    print(
+        "worst survivor stall outside lighthouse restarts: "
+        + (f"{worst.stall_s:.2f} s (fault {worst.index}, {worst.fault.kind.value}, "
+           f"{worst.fault.victims()})" if worst is not None and worst.stall_s is not None
+           else "-")
+    )  # fmt: skip
     print(
         f"data: {checks.units_trained(runner.batches)} units (group batches) trained, each "
         "in exactly one committed step"
@@ -85,9 +86,9 @@ def report(runner: Runner, left: list[str]) -> int:
         f"{final_step} steps x {a.groups} groups"
     )
     for g in runner.groups:
-        f = g.final
-        print(f"group {g.index}: " + (f"step {f['step']} hash {f['hash']} quorum {f['quorum_id']}"
-                                      if f else "no final state"))  # fmt: skip
+        fin = g.final
+        state = f"step {fin['step']} hash {fin['hash']} quorum {fin['quorum_id']}" if fin else ""
+        print(f"group {g.index}: {state or 'no final state'}")
     if outside:
         print(f"groups {outside} ended outside the last quorum (trained alone at the end)")
     print("\nCHECKS PASSED" if not problems else "\nCHECKS FAILED:\n  " + "\n  ".join(problems))
@@ -103,6 +104,8 @@ def report(runner: Runner, left: list[str]) -> int:
         "problems": problems,
         "stall_median_s": statistics.median(stalls) if stalls else None,
         "rejoin_median_s": statistics.median(rejoins) if rejoins else None,
+        "by_kind": by_kind,
+        "worst_stall_outside_lighthouse_s": worst.stall_s if worst is not None else None,
     }
     (runner.out / "summary.json").write_text(json.dumps(summary, indent=1, default=str))
     print(f"logs and summary.json in {runner.out}")
@@ -127,11 +130,39 @@ def _suspicions(lighthouse_log: Path) -> list[checks.Suspicion]:
     return found
 
 
+def stalls_by_kind(outcomes: list[Outcome]) -> dict[str, dict[str, float | int | None]]:
+    """Per fault kind (in FaultKind's order, kinds that fired only): count,
+    median and worst survivor stall and rejoin time."""
+    by_kind: dict[str, dict[str, float | int | None]] = {}
+    for kind in FaultKind:
+        of_kind = [o for o in outcomes if o.fault.kind == kind]
+        if not of_kind:
+            continue
+        st = [o.stall_s for o in of_kind if o.stall_s is not None]
+        rj = [o.rejoin_s for o in of_kind if o.rejoin_s is not None]
+        by_kind[kind.value] = {
+            "count": len(of_kind),
+            "stall_median_s": statistics.median(st) if st else None,
+            "stall_worst_s": max(st, default=None),
+            "rejoin_median_s": statistics.median(rj) if rj else None,
+            "rejoin_worst_s": max(rj, default=None),
+        }
+    return by_kind
+
+
+def worst_stall_outside_lighthouse(outcomes: list[Outcome]) -> Outcome | None:
+    """The fault with the worst survivor stall among those that leave the
+    lighthouse up: a lighthouse restart stalls everyone by design."""
+    timed = [o for o in outcomes if o.stall_s is not None and not o.fault.hits_lighthouse]
+    return max(timed, key=lambda o: o.stall_s or 0.0, default=None)
+
+
 def _fault_windows(runner: Runner) -> list[checks.FaultWindow]:
     return [
-        checks.FaultWindow(o.fault.group, o.fired_at, o.settled_at or time.time())
+        checks.FaultWindow(g, o.fired_at, o.settled_at or time.time())
         for o in runner.outcomes
-        if o.fired_at is not None and o.fault.group is not None
+        if o.fired_at is not None
+        for g in o.fault.groups
     ]
 
 
@@ -147,19 +178,22 @@ def _time_outcomes(runner: Runner) -> None:
         for g in o.survivors:
             hit = min(
                 (x.fired_at for x in runner.outcomes
-                 if x.fault.group == g and x.fired_at is not None and x.fired_at > o.fired_at),
+                 if g in x.fault.groups and x.fired_at is not None and x.fired_at > o.fired_at),
                 default=float("inf"),
             )  # fmt: skip
             before = [r for r in records if r.t < hit]
             stalls.append(checks.survivor_stall_s(before, [g], o.fired_at, min(o.settled_at, hit)))
         o.stall_s = max(stalls, default=None)
-        survivors = list(o.survivors)
-        who = [o.fault.group] if o.fault.group is not None else survivors
         since = o.recovered_at if o.recovered_at is not None else o.fired_at
         fresh = records
-        if o.fault.kind == FaultKind.KILL_RANK:  # a step in flight at the kill may commit
-            fresh = [r for r in records if r.group not in who or r.incarnation > o.incarnation]
-        first = checks.first_commit_after(fresh, who, since)
+        if o.fault.kind in RANK_KINDS:  # a step in flight at the kill may commit
+            inc = o.incarnations
+            fresh = [r for r in records if r.group not in inc or r.incarnation > inc[r.group]]
+        if o.fault.groups:  # until every victim committed again
+            firsts = [checks.first_commit_after(fresh, [g], since) for g in o.fault.groups]
+            first = None if None in firsts else max(f for f in firsts if f is not None)
+        else:  # the lighthouse: until the job committed again
+            first = checks.first_commit_after(fresh, list(o.survivors), since)
         o.rejoin_s = first - since if first is not None else None
 
 

@@ -9,17 +9,37 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import re
 import signal
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import psutil
+
 from tools.chaos import checks
 from tools.chaos.children import Children, Group
-from tools.chaos.schedule import Fault, FaultKind
-from tools.procs import free_port, signal_tree
+from tools.chaos.schedule import RANK_KINDS, Fault, FaultKind
+from tools.procs import free_port, signal_tree, tree
 
 logger = logging.getLogger(__name__)
+
+RECONFIGURING = re.compile(r"reconfiguring for quorum (\d+): replica rank \d+ of \d+")
+"""The Manager's line (INFO, every rank) as it sets up the process group of a new quorum."""
+HEALING = "healing from replica rank"
+"""The Manager's line (healing.receive_state) as a group starts fetching the live state."""
+RECONFIGURE_WAIT_S = 2.0
+"""KILL_IN_RECONFIGURE kills its second group this long after the first when
+no survivor has logged the reconfiguration by then."""
+HEAL_WAIT_S = 30.0
+"""RESTART_LIGHTHOUSE_IN_HEAL kills the lighthouse this long after its
+victim's restart when the victim has neither logged its heal nor committed."""
+TREE_KILLS = frozenset(
+    {FaultKind.KILL_GROUP, FaultKind.KILL_TWO_GROUPS, FaultKind.KILL_IN_RECONFIGURE,
+     FaultKind.RESTART_LIGHTHOUSE_IN_HEAL}
+)  # fmt: skip
+"""Kinds that SIGKILL whole group trees; the runner restarts each victim."""
 
 
 @dataclass
@@ -29,15 +49,31 @@ class _Active:
     fault: Fault
     index: int
     fired_at: float
-    incarnation: int = 0
-    """The victim's incarnation when fired: a KILL_RANK settles only on a
+    incarnations: dict[int, int] = field(default_factory=dict)
+    """Each victim's incarnation when fired: a rank kill settles only on a
     commit by a later one (a step in flight at the kill may still commit)."""
     survivors: tuple[int, ...] = ()
-    """Groups healthy at the fault, other than the victim: their stall counts."""
+    """Groups healthy at the fault, other than the victims: their stall counts."""
     recovered_at: float | None = None
-    """When the victim could work again: restart, SIGCONT, lighthouse back."""
+    """When every victim could work again: restarts, SIGCONT, lighthouse back."""
     settled_at: float | None = None
     note: str = ""
+    killed_at: dict[int, float] = field(default_factory=dict)
+    """Victim group -> when its tree was SIGKILLed (the tree kinds)."""
+    watch: dict[int, int] = field(default_factory=dict)
+    """Group -> offset in its text log (group<i>.log) from which the runner
+    looks for the line that triggers the fault's second blow."""
+    quorum_before: int = -1
+    """KILL_IN_RECONFIGURE: the survivors' latest quorum id at the first kill."""
+    lighthouse_killed_at: float | None = None
+
+    def triggered(self) -> bool:
+        """The second blow of a two-step kind has been struck (or there is none)."""
+        if self.fault.kind == FaultKind.KILL_IN_RECONFIGURE:
+            return self.fault.second_group in self.killed_at
+        if self.fault.kind == FaultKind.RESTART_LIGHTHOUSE_IN_HEAL:
+            return self.lighthouse_killed_at is not None
+        return True
 
 
 @dataclass
@@ -47,7 +83,7 @@ class Outcome:
     index: int
     fault: Fault
     fired_at: float | None = None
-    incarnation: int = 0
+    incarnations: dict[int, int] = field(default_factory=dict)
     survivors: tuple[int, ...] = ()
     recovered_at: float | None = None
     settled_at: float | None = None
@@ -79,9 +115,15 @@ class Runner:
     """When the next fault's step was reached while it could not fire yet."""
 
     def kill_group(self, group: Group) -> None:
-        alive = self.children.kill_group(group)
-        if alive:
-            self.problems.append(f"group {group.index}: {len(alive)} processes survived SIGKILL")
+        self.kill_groups([group])
+
+    def kill_groups(self, groups: list[Group]) -> None:
+        """SIGKILLs the groups' trees at once (one signal round), then waits."""
+        for group, alive in zip(groups, self.children.kill_groups(groups)):
+            if alive:
+                self.problems.append(
+                    f"group {group.index}: {len(alive)} processes survived SIGKILL"
+                )
 
     # ---- logs ----------------------------------------------------------------
 
@@ -124,71 +166,163 @@ class Runner:
         """Runs, is not a fault's victim, and has committed since its launch."""
         if g.state != "running" or not g.started:
             return False
-        if any(a.fault.group == g.index for a in self.active):
+        if any(g.index in a.fault.groups for a in self.active):
             return False
         return checks.first_commit_after(self.records, [g.index], g.launched_at) is not None
 
     def can_fire(self, fault: Fault) -> bool:
-        """Faults overlap, but a group fault needs the lighthouse up and
-        another healthy group (a survivor); a lighthouse fault needs every
-        group healthy (a group starting without a lighthouse exits)."""
+        """Faults overlap, but a group fault needs the lighthouse up, its
+        victims healthy and another healthy group (a survivor); a lighthouse
+        fault needs every group healthy (a group starting without a
+        lighthouse exits), and nothing fires while one is being followed."""
         if self.children.lighthouse_down():
             return False
-        if any(a.fault.kind == FaultKind.RESTART_LIGHTHOUSE for a in self.active):
+        if any(a.fault.hits_lighthouse for a in self.active):
             return False
         healthy = [g.index for g in self.groups if self.healthy(g)]
-        if fault.group is None:
+        if fault.hits_lighthouse:
             return len(healthy) == len(self.groups)
-        return fault.group in healthy and len(healthy) >= 2
+        return all(v in healthy for v in fault.groups) and len(healthy) > len(fault.groups)
 
     def fire(self, fault: Fault, index: int) -> None:
         now = time.time()
-        victim = self.groups[fault.group] if fault.group is not None else None
-        survivors = tuple(g.index for g in self.groups if g is not victim and self.healthy(g))
-        act = _Active(fault, index, now, victim.incarnation if victim else 0, survivors)
+        victims = [self.groups[g] for g in fault.groups]
+        survivors = tuple(
+            g.index for g in self.groups if g.index not in fault.groups and self.healthy(g)
+        )
+        incarnations = {v.index: v.incarnation for v in victims}
+        act = _Active(fault, index, now, incarnations, survivors)
         self.active.append(act)
         logger.info("fault %d at step %d: %s", index, self.leading_step(), fault)
-        if fault.kind == FaultKind.KILL_GROUP:
-            assert victim is not None
-            self.kill_group(victim)
-            victim.restart_at = now + fault.delay_s
-        elif fault.kind == FaultKind.KILL_RANK:
-            assert victim is not None and victim.proc is not None and fault.rank is not None
-            workers = self.children.workers_of_rank(victim, fault.rank)
-            if not workers:
-                act.note = f"rank {fault.rank} not found"
-            for p in workers:
-                signal_tree(p.pid, signal.SIGKILL)
+        if fault.kind in (FaultKind.KILL_GROUP, FaultKind.KILL_TWO_GROUPS):
+            self.kill_groups(victims)
+            for v in victims:
+                act.killed_at[v.index], v.restart_at = now, now + fault.delay_s
+        elif fault.kind in (FaultKind.KILL_IN_RECONFIGURE, FaultKind.RESTART_LIGHTHOUSE_IN_HEAL):
+            first = victims[0]
+            if fault.kind == FaultKind.KILL_IN_RECONFIGURE:
+                # Whoever is left logs the quorum without the first victim;
+                # looked for from before the kill, so none can come unseen.
+                watched = [g for g in self.groups if g is not first and g.state == "running"]
+                act.watch = {g.index: _size(self.children.text_log(g)) for g in watched}
+                act.quorum_before = max(
+                    (r.quorum_id for r in self.records if r.group != first.index), default=-1
+                )
+            self.kill_group(first)
+            act.killed_at[first.index], first.restart_at = now, now + fault.delay_s
+            if fault.kind == FaultKind.RESTART_LIGHTHOUSE_IN_HEAL:
+                # Its restart appends to the same file: its heal lines come after this.
+                act.watch = {first.index: _size(self.children.text_log(first))}
+        elif fault.kind in RANK_KINDS:
+            workers = []
+            for g, rank in fault.ranks.items():
+                assert self.groups[g].proc is not None
+                found = self.children.workers_of_rank(self.groups[g], rank)
+                if not found:
+                    act.note += f"g{g}/r{rank} not found; "
+                workers += found
+            trees = [p for w in workers for p in tree(w.pid)]
+            for p in trees:  # every worker's tree in one round: at once
+                _kill(p)
             act.recovered_at = now  # torchrun restarts its workers, or dies (poll_groups)
         elif fault.kind == FaultKind.STOP_GROUP:
-            assert victim is not None and victim.proc is not None
+            victim = victims[0]
+            assert victim.proc is not None
             self.children.track()
             signal_tree(victim.proc.pid, signal.SIGSTOP)
             victim.state = "stopped"
         elif fault.kind == FaultKind.RESTART_LIGHTHOUSE:
             self.children.kill_lighthouse()
+            act.lighthouse_killed_at = now
+
+    def trigger(self, act: _Active) -> None:
+        """Strikes a two-step fault's second blow once its trigger line is in
+        the watched logs, or once the bounded wait for it is over."""
+        if act.triggered():
+            return
+        f, now = act.fault, time.time()
+        if f.kind == FaultKind.KILL_IN_RECONFIGURE:
+            assert f.second_group is not None
+            seen = self._watch(act, lambda line: _reconfigured_past(line, act.quorum_before))
+            waited = now - act.fired_at
+            if seen is None and waited < RECONFIGURE_WAIT_S:
+                return
+            second = self.groups[f.second_group]
+            act.note += f"g{second.index} killed {waited:.2f} s after g{f.group}, " + (
+                f"at {seen}; " if seen is not None else "no reconfigure line (bounded wait); "
+            )
+            logger.info("fault %d: killing group %d: %s", act.index, second.index, act.note)
+            if second.state == "running" and second.proc is not None:
+                self.kill_group(second)
+            else:
+                act.note += f"g{second.index} was {second.state}; "
+            act.killed_at[second.index], second.restart_at = now, now + f.delay_s
+        elif f.kind == FaultKind.RESTART_LIGHTHOUSE_IN_HEAL:
+            assert f.group is not None
+            victim = self.groups[f.group]
+            if victim.state != "running" or victim.launched_at < act.killed_at[f.group]:
+                return  # not restarted yet
+            healing = self._watch(act, lambda line: HEALING if HEALING in line else None)
+            committed = checks.first_commit_after(self.records, [f.group], victim.launched_at)
+            if healing is None and committed is None and now - victim.launched_at < HEAL_WAIT_S:
+                return
+            self.children.kill_lighthouse()
+            act.lighthouse_killed_at = time.time()
+            since = now - victim.launched_at
+            act.note += (
+                f"lighthouse killed {since:.2f} s after the restart, "
+                + ("as it healed; " if healing is not None
+                   else "after it committed (heal line missed); " if committed is not None
+                   else "no heal line (bounded wait); ")
+            )  # fmt: skip
+            logger.info("fault %d: %s", act.index, act.note)
+
+    def _watch(self, act: _Active, match: Callable[[str], str | None]) -> str | None:
+        """What `match` quotes of the first new line of the watched text logs
+        it matches (`g1: ...`), or None."""
+        for g, offset in act.watch.items():
+            lines, act.watch[g] = _new_lines(self.children.text_log(self.groups[g]), offset)
+            for line in lines:
+                quote = match(line)
+                if quote is not None:
+                    return f"g{g}: {quote}"
+        return None
 
     def advance(self, act: _Active) -> bool:
-        """Moves a fault on (SIGCONT, lighthouse restart); True once settled:
-        the victim (every group, for the lighthouse) committed again."""
+        """Moves a fault on (second blow, SIGCONT, lighthouse restart); True
+        once settled: every victim (every group, for the lighthouse) committed
+        again."""
         f, now = act.fault, time.time()
+        self.trigger(act)
         victim = self.groups[f.group] if f.group is not None else None
-        if act.recovered_at is None and now >= act.fired_at + f.delay_s:
-            if f.kind == FaultKind.STOP_GROUP:
+        if act.recovered_at is None and f.kind == FaultKind.STOP_GROUP:
+            if now >= act.fired_at + f.delay_s:
                 assert victim is not None and victim.proc is not None
                 signal_tree(victim.proc.pid, signal.SIGCONT)
                 victim.state = "running"
                 victim.progress_at = act.recovered_at = now
-            elif f.kind == FaultKind.RESTART_LIGHTHOUSE:
+        elif act.recovered_at is None and act.lighthouse_killed_at is not None:
+            if now >= act.lighthouse_killed_at + f.delay_s:
                 self.children.start_lighthouse()
                 act.recovered_at = time.time()
-        if f.kind == FaultKind.KILL_GROUP and act.recovered_at is None and victim is not None:
-            if victim.state == "running":
-                act.recovered_at = victim.launched_at
+        elif act.recovered_at is None and f.kind in TREE_KILLS and act.triggered():
+            if f.kind != FaultKind.RESTART_LIGHTHOUSE_IN_HEAL:
+                relaunched = [
+                    self.groups[g].launched_at
+                    for g in f.groups
+                    if self.groups[g].state == "running"
+                    and self.groups[g].launched_at >= act.killed_at[g]
+                ]
+                if len(relaunched) == len(f.groups):
+                    act.recovered_at = max(relaunched)
         if act.recovered_at is not None:
-            who = [victim.index] if victim is not None else [g.index for g in self.groups]
-            min_inc = act.incarnation + 1 if f.kind == FaultKind.KILL_RANK else -1
-            fresh = [r for r in self.records if r.incarnation >= min_inc or r.group not in who]
+            who = list(f.groups) if not f.hits_lighthouse else [g.index for g in self.groups]
+            fresh = self.records
+            if f.kind in RANK_KINDS:
+                fresh = [
+                    r for r in self.records
+                    if r.group not in act.incarnations or r.incarnation > act.incarnations[r.group]
+                ]  # fmt: skip
             if all(checks.first_commit_after(fresh, [g], act.recovered_at) for g in who):
                 act.settled_at = now
         if act.settled_at is None and now - act.fired_at > self.args.settle_timeout_s:
@@ -214,8 +348,8 @@ class Runner:
                     g.state, g.finished_at = "finished", now
                 elif rc is not None:
                     cause = next(
-                        (a for a in self.active if a.fault.group == g.index
-                         and a.fault.kind in (FaultKind.KILL_RANK, FaultKind.KILL_GROUP)),
+                        (a for a in self.active if g.index in a.fault.groups
+                         and a.fault.kind in RANK_KINDS | TREE_KILLS),
                         None,
                     )  # fmt: skip
                     if cause is None:
@@ -240,7 +374,7 @@ class Runner:
                     )
                     self.kill_group(g)
                     g.restart_at = now + 1.0
-        lighthouse_fault = any(a.fault.kind == FaultKind.RESTART_LIGHTHOUSE for a in self.active)
+        lighthouse_fault = any(a.lighthouse_killed_at is not None for a in self.active)
         if self.children.lighthouse is not None and self.children.lighthouse_down():
             if not lighthouse_fault:
                 self.problems.append("the lighthouse died unprovoked; restarting it")
@@ -322,7 +456,20 @@ class Runner:
                     "step %d, faults %d/%d, groups %s", self.leading_step(), self.next_fault,
                     len(self.schedule), " ".join(g.state for g in self.groups),
                 )  # fmt: skip
-            time.sleep(0.1)
+            self.pause(0.1)
+
+    def pause(self, seconds: float) -> None:
+        """Sleeps, but while a fault waits for its trigger line looks for it
+        every 20 ms, so the second blow lands within a few ms of the line."""
+        end = time.time() + seconds
+        while (left := end - time.time()) > 0:
+            waiting = [a for a in self.active if not a.triggered()]
+            if not waiting:
+                time.sleep(left)
+                return
+            for a in waiting:
+                self.trigger(a)
+            time.sleep(min(0.02, max(left, 0)))
 
 
 def _outcome(act: _Active, settled_at: float | None) -> Outcome:
@@ -330,12 +477,41 @@ def _outcome(act: _Active, settled_at: float | None) -> Outcome:
         index=act.index,
         fault=act.fault,
         fired_at=act.fired_at,
-        incarnation=act.incarnation,
+        incarnations=act.incarnations,
         survivors=act.survivors,
         recovered_at=act.recovered_at,
         settled_at=settled_at,
         note=act.note,
     )
+
+
+def _size(path: Path) -> int:
+    return path.stat().st_size if path.exists() else 0
+
+
+def _new_lines(path: Path, offset: int) -> tuple[list[str], int]:
+    """The whole lines written to `path` since `offset`, and the new offset."""
+    if not path.exists():
+        return [], offset
+    with open(path, "rb") as f:
+        f.seek(offset)
+        data = f.read()
+    end = data.rfind(b"\n") + 1  # a line being written stays for the next look
+    return data[:end].decode(errors="replace").splitlines(), offset + end
+
+
+def _reconfigured_past(line: str, quorum_id: int) -> str | None:
+    """`reconfiguring for quorum N` when the line is a Manager's reconfigure
+    line for a quorum N later than `quorum_id`, else None."""
+    m = RECONFIGURING.search(line)
+    return m.group(0) if m is not None and int(m.group(1)) > quorum_id else None
+
+
+def _kill(p: psutil.Process) -> None:
+    try:
+        p.send_signal(signal.SIGKILL)
+    except psutil.NoSuchProcess:
+        pass
 
 
 def batch_record(group: int, r: dict) -> checks.BatchRecord:
