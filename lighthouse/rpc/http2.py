@@ -83,7 +83,6 @@ _INDEXED = bytes(range(0x80, 0xFF))
 _CACHED_BLOCKS = 64
 _NEW_STREAM_WORK = 8
 """A new stream's share of `Limits.work_per_read`: a call, not just a frame."""
-_PSEUDO = frozenset((":method", ":scheme", ":path", ":authority"))
 _CONNECTION_SPECIFIC = frozenset(
     ("connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade")
 )
@@ -569,24 +568,30 @@ class Connection(StreamTable, asyncio.Protocol):
 
 _MALFORMED: list[tuple[str, str]] = []
 """Stands for a request header list RFC 9113 8.2-8.3 calls malformed."""
+_PSEUDO_BITS = {":method": 1, ":scheme": 2, ":path": 4, ":authority": 8}
+_GOOD_NAMES: set[str] = set()
+"""Regular field names already found well formed (short ones, at most 256):
+most of a request's fields are the same few names."""
 
 
 def _checked(fields: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """`fields` as a list, or _MALFORMED: an empty or upper-case name, a
-    pseudo-header unknown, repeated or after a regular one, a
-    connection-specific field, or a TE other than trailers."""
-    headers = list(fields)
-    regular = False
-    seen: set[str] = set()
-    for name, value in headers:
-        if not name or name != name.lower():
+    """`fields`, or _MALFORMED: an empty or upper-case name, a pseudo-header
+    unknown, repeated or after a regular one, a connection-specific field,
+    or a TE other than trailers."""
+    count, seen = len(fields), 0
+    i = 0
+    while i < count and fields[i][0][:1] == ":":
+        bit = _PSEUDO_BITS.get(fields[i][0], 0)
+        if not bit or seen & bit:
             return _MALFORMED
-        if name[0] == ":":
-            if regular or name not in _PSEUDO or name in seen:
+        seen |= bit
+        i += 1
+    for name, value in fields[i:]:
+        if name not in _GOOD_NAMES:
+            if not name or name != name.lower() or name[0] == ":" or name in _CONNECTION_SPECIFIC:
                 return _MALFORMED
-            seen.add(name)
-        else:
-            regular = True
-            if name in _CONNECTION_SPECIFIC or (name == "te" and value != "trailers"):
-                return _MALFORMED
-    return headers
+            if len(name) <= 64 and len(_GOOD_NAMES) < 256:
+                _GOOD_NAMES.add(name)
+        if name == "te" and value != "trailers":
+            return _MALFORMED
+    return fields
