@@ -24,6 +24,7 @@ from lighthouse.member_data import rank_heal_report
 from lighthouse.rpc.tls import TLSConfig
 from torchft_like.checkpointing import CheckpointTransport
 from torchft_like.checkpointing._http_fetch import GONE_AFTER_S
+from torchft_like.checkpointing.transport import capable
 from torchft_like.manager_client import ManagerClientProtocol
 from torchft_like.manager_config import ManagerConfig
 from torchft_like.recovery import QuorumResult, TransferPlan
@@ -82,7 +83,9 @@ def receive_state(
         metadata = metadata_of(result.recover_src_manager_address)
         # Other transports (torchft's signature) cannot say when a transfer
         # began: their heal's collectives wait for all of it.
-        begun: dict[str, Any] = {"on_begun": on_begun} if transport.reports_begun else {}
+        begun: dict[str, Any] = (
+            {"on_begun": on_begun} if capable(transport, "reports_begun") else {}
+        )
         state = transport.recv_checkpoint(
             result.recover_src_replica_rank, metadata, result.max_step, timeout, **begun
         )

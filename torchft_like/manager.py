@@ -38,6 +38,7 @@ from torchft_like._training_thread import TrainingThreadReads
 from torchft_like._user_state import UserState
 from torchft_like._work import completed_work, or_default
 from torchft_like.checkpointing import CheckpointTransport
+from torchft_like.checkpointing.transport import capable
 from torchft_like.collectives import InOrderCollectives
 from torchft_like.commit import check_retries, rank_vote
 from torchft_like.fingerprint import step_fingerprint
@@ -410,7 +411,8 @@ class Manager(ManagerViews):
             self._quorum_id = result.quorum_id
         self._gone.quorum_applied(result.quorum_id)
         transport = self._checkpoint_transport
-        plan = transfer_plan(result, self.config.heal_sources if transport.can_stripe else 1)
+        stripes = self.config.heal_sources if capable(transport, "can_stripe") else 1
+        plan = transfer_plan(result, stripes)
         if allow_heal and plan.serve_to:
             self._step_state.serving = True
             self._logger.info("serving state to replica ranks %s", list(plan.serve_to))

@@ -5,6 +5,7 @@ from __future__ import annotations
 import http.client
 import http.server
 import json
+import logging
 import pickle
 import socket
 import threading
@@ -19,6 +20,9 @@ import pytest
 import torch
 
 from torchft_like.checkpointing import HTTPTransport, _format, _http_fetch
+from torchft_like.checkpointing.transport import capable
+from torchft_like.healing import receive_state
+from torchft_like.recovery import QuorumResult, transfer_plan
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=5)
@@ -335,3 +339,49 @@ def test_a_port_in_use_is_a_clear_error(make):
 def test_bad_arguments_are_a_value_error(kwargs, message):
     with pytest.raises(ValueError, match=message):
         HTTPTransport(**{"timeout": T, **kwargs})
+
+
+class _Delegating:
+    """A user's wrapper written for torchft's four-argument recv_checkpoint,
+    forwarding every other attribute to the transport it wraps."""
+
+    def __init__(self, inner: HTTPTransport) -> None:
+        self.inner = inner
+        self.calls = 0
+
+    def __getattr__(self, name: str):
+        return getattr(self.inner, name)
+
+    def recv_checkpoint(self, src_rank, metadata, step, timeout):
+        self.calls += 1
+        return self.inner.recv_checkpoint(src_rank, metadata, step, timeout)
+
+
+def test_a_delegating_wrapper_heals_with_the_torchft_shaped_call(make):
+    source, wrapper = make(), _Delegating(make())
+    state = {"w": torch.arange(6.0)}
+    source.send_checkpoint([1], 5, state, T)
+    result = QuorumResult(
+        quorum_id=1,
+        replica_rank=1,
+        replica_world_size=2,
+        store_address="",
+        max_step=5,
+        max_replica_rank=None,
+        max_world_size=1,
+        heal=True,
+        recover_src_manager_address="manager:0",
+        recover_src_replica_rank=0,
+        recover_src_replica_ranks=(0,),
+        recover_src_manager_addresses=("manager:0",),
+    )
+    assert wrapper.reports_begun and wrapper.can_stripe  # what the attributes forward
+    assert not capable(wrapper, "reports_begun") and not capable(wrapper, "can_stripe")
+    plan = transfer_plan(result, 1)
+    log = logging.LoggerAdapter(logging.getLogger("test.heal"), {})
+    heal = receive_state(
+        wrapper, result, plan, T, lambda address: source.metadata(), lambda: None, log
+    )
+    assert wrapper.calls == 1
+    assert_identical(heal.state, state)
+    source.disallow_checkpoint()

@@ -36,6 +36,10 @@ class CheckpointTransport(ABC, Generic[T]):
     serving (and so will serve to the end); the Manager then lets the
     healer's collectives run while the state still arrives."""
 
+    # Both are read with `capable`, from the class: a user's wrapper that
+    # forwards attributes to a transport (`__getattr__`) would otherwise
+    # claim its transport's capabilities without the methods that have them.
+
     @abstractmethod
     def metadata(self) -> str:
         """How peers reach this transport; for HTTP its URL ``http://host:port``.
@@ -121,3 +125,10 @@ class CheckpointTransport(ABC, Generic[T]):
         Args:
             wait: block until background threads have stopped.
         """
+
+
+def capable(transport: object, capability: str) -> bool:
+    """Whether `transport`'s own class declares `capability` (`can_stripe`,
+    `reports_begun`); False for any other object, a delegating wrapper
+    included, which then gets the torchft-shaped calls."""
+    return bool(getattr(type(transport), capability, False))
