@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_kill_and_recover import steps, wait_until
+from tests.e2e.test_kill_and_recover import steps
 from tests.e2e.test_whole_job_restart import complete, final
 from tests.procs import PYTHON, wait_for_line
+from tests.waiting import wait_until
 from tools.procs import kill_tree, signal_tree
 
 pytestmark = pytest.mark.timeout(240)

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from tests.procs import PYTHON, wait_for_line
+from tests.waiting import wait_until
 from tools.procs import read_jsonl, signal_tree
 
 HEARTBEAT_TIMEOUT_MS = 1000
@@ -34,13 +35,6 @@ def start_lighthouse(children) -> str:
 
 def commits(path: Path) -> list[dict]:
     return [r for r in read_jsonl(path) if r["committed"]] if path.exists() else []
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.02)
 
 
 def stall_around(records: list[dict], fault_t: float) -> float:

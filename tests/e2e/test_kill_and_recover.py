@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from tests.procs import PYTHON, wait_for_line
+from tests.waiting import wait_until
 from tools.chaos.checks import data_exactly_once, units_trained
 from tools.chaos.runner import batch_record
 from tools.procs import kill_tree, read_jsonl, signal_tree
@@ -22,13 +23,6 @@ pytestmark = pytest.mark.timeout(150)
 
 def last_step(path: Path) -> int:
     return max((r["step"] for r in read_jsonl(path) if r["event"] == "step"), default=0)
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"timed out after {timeout} s waiting for {what}"
-        time.sleep(0.1)
 
 
 def start_lighthouse(

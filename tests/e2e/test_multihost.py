@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_kill_and_recover import finals, last_step, steps, stop_at, wait_until
+from tests.e2e.test_kill_and_recover import finals, last_step, steps, stop_at
 from tests.procs import PYTHON, REPO, Children, wait_for_line
+from tests.waiting import wait_until
 from tools.procs import kill_tree
 
 pytestmark = pytest.mark.timeout(240)

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_kill_and_recover import last_step, start_lighthouse, steps, wait_until
+from tests.e2e.test_kill_and_recover import last_step, start_lighthouse, steps
 from tests.procs import PYTHON
+from tests.waiting import wait_until
 from tools.procs import kill_tree, read_jsonl
 
 pytestmark = pytest.mark.timeout(180)

@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_kill_and_recover import steps, unit_samples, wait_until
+from tests.e2e.test_kill_and_recover import steps, unit_samples
 from tests.procs import PYTHON, wait_for_line
+from tests.waiting import wait_until
 from tools.procs import kill_tree, read_jsonl
 
 pytestmark = pytest.mark.timeout(240)

@@ -19,6 +19,7 @@ import torch.distributed as dist
 from torch.distributed import TCPStore
 
 from lighthouse import LighthouseServer
+from tests.waiting import wait_until
 from torchft_like._work import FutureWork
 from torchft_like.collectives import InOrderCollectives
 from torchft_like.gone_watch import GoneWatch, MemberGoneError
@@ -30,13 +31,6 @@ from torchft_like.process_group import ProcessGroupGloo
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=20)
-
-
-def wait_until(condition, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
 
 
 def test_the_live_member_hears_at_once_that_the_other_died_and_nothing_else():

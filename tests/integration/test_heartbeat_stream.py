@@ -22,6 +22,7 @@ from lighthouse import LighthouseClient, LighthouseServer, QuorumError, QuorumTi
 from lighthouse.client import AsyncLighthouseClient
 from lighthouse.quorum import QuorumMember
 from tests.procs import PYTHON, Children, wait_for_line
+from tests.waiting import wait_until_async
 from tools.procs import free_port, kill_tree
 from torchft_like.group_quorum import QuorumRequest
 from torchft_like.manager_client import LocalManagerClient
@@ -121,13 +122,13 @@ def test_a_heartbeat_after_the_stream_closed_makes_the_replica_healthy_again():
         seen = []
         try:
             assert await client.stream_heartbeat("r", timedelta(seconds=5))
-            await wait_until(lambda: server.status()["replicas"], "the first heartbeat")
+            await wait_until_async(lambda: server.status()["replicas"], 10, "the first heartbeat")
             seen.append(healthy())
             client.close_heartbeat_stream()  # as a lighthouse restart or a blip would
-            await wait_until(lambda: not healthy(), "the closed stream to be noticed")
+            await wait_until_async(lambda: not healthy(), 10, "the closed stream to be noticed")
             seen.append(healthy())
             assert await client.stream_heartbeat("r", timedelta(seconds=5))
-            await wait_until(healthy, "the reconnected stream's heartbeat")
+            await wait_until_async(healthy, 10, "the reconnected stream's heartbeat")
             seen.append(healthy())
         finally:
             await client.close()
@@ -137,14 +138,6 @@ def test_a_heartbeat_after_the_stream_closed_makes_the_replica_healthy_again():
         assert asyncio.run(scenario()) == [True, False, True]
     finally:
         server.shutdown()
-
-
-async def wait_until(predicate, what: str, timeout: float = 10) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.02)
 
 
 @pytest.fixture
@@ -250,10 +243,12 @@ def test_manager_server_heartbeats_reach_a_restarted_lighthouse_on_the_same_port
         return any(r["healthy"] for r in server.status()["replicas"])
 
     try:
-        asyncio.run(wait_until(lambda: healthy_on(lighthouse), "a heartbeat"))
+        asyncio.run(wait_until_async(lambda: healthy_on(lighthouse), 10, "a heartbeat"))
         lighthouse.shutdown()
         lighthouse = LighthouseServer(bind=f"127.0.0.1:{port}", min_replicas=1)
-        asyncio.run(wait_until(lambda: healthy_on(lighthouse), "a heartbeat after the restart", 20))
+        asyncio.run(
+            wait_until_async(lambda: healthy_on(lighthouse), 20, "a heartbeat after the restart")
+        )
     finally:
         manager.shutdown()
         lighthouse.shutdown()
@@ -322,7 +317,7 @@ def test_a_group_stepping_faster_than_its_heartbeats_sends_fewer_but_keeps_its_s
             now = streams()
             return bool(now) and not any(b is old for b in now for old in first)
 
-        asyncio.run(wait_until(replaced, "a new stream while stepping", 5))
+        asyncio.run(wait_until_async(replaced, 5, "a new stream while stepping"))
         assert stepper.is_alive()
     finally:
         stop.set()

@@ -19,6 +19,7 @@ from lighthouse import (
     LighthouseUnavailableError,
     QuorumTimeoutError,
 )
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=20)
@@ -189,13 +190,6 @@ def test_a_replica_that_leaves_lets_the_others_go_on_at_once(make_server):
     quorum = join_all(server.address(), ["a"])[0]
     assert quorum.replica_ids() == ("a",)
     assert time.monotonic() - start < 2  # not the 30 s heartbeat or join timeout
-
-
-def wait_until(condition, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.01)
 
 
 def test_a_healthy_job_logs_one_line_per_quorum_change_and_a_calm_status_mid_step(
