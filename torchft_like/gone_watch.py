@@ -6,7 +6,8 @@ though the lighthouse knows within about a heartbeat timeout. The
 lighthouse tells the quorum's live members (lighthouse.gone: a notice
 "quorum Q: members X gone" on rank 0's HeartbeatPaced stream). The
 ManagerServer keeps only notices about its group's latest quorum that name
-one of its members (`gone_in_quorum`) and hands them to rank 0's Manager in
+one of its members (`GroupNotices`: one that comes before the group has
+taken in its quorum waits for it) and hands them to rank 0's Manager in
 process; rank 0 publishes them in the group's TCPStore, where a watcher
 thread of each other rank is blocked on its next key. Each rank then breaks
 its step of quorum Q (`StepBreaks`): the allreduces in flight complete at
@@ -92,6 +93,35 @@ def gone_in_quorum(
         return ()
     members = set(latest[1])
     return tuple(sorted(rid for rid in gone if rid in members))
+
+
+class GroupNotices:
+    """Rank 0's ManagerServer side: which notices concern the group's latest
+    quorum. A notice can come before the group has taken in the quorum it
+    is about (the gone member's stream closed while the quorum's answer was
+    on its way): it is kept, a few, until that quorum is the group's.
+
+    `heard` and `applied` return the gone members to pass on now, or ()."""
+
+    def __init__(self, keep: int = KEEP_BROKEN) -> None:
+        self.latest: tuple[int, tuple[str, ...]] | None = None
+        self._early: dict[int, tuple[str, ...]] = {}
+        self._keep = keep
+
+    def heard(self, quorum_id: int, gone: tuple[str, ...]) -> tuple[str, ...]:
+        if self.latest is not None and quorum_id < self.latest[0]:
+            return ()  # about an older quorum: its step is over
+        if self.latest is None or quorum_id != self.latest[0]:
+            self._early[quorum_id] = self._early.get(quorum_id, ()) + gone
+            while len(self._early) > self._keep:
+                del self._early[next(iter(self._early))]
+            return ()
+        return gone_in_quorum(quorum_id, gone, self.latest)
+
+    def applied(self, quorum_id: int, members: tuple[str, ...]) -> tuple[str, ...]:
+        self.latest = (quorum_id, members)
+        early = self._early.pop(quorum_id, ())
+        return gone_in_quorum(quorum_id, early, self.latest) if early else ()
 
 
 class StepBreaks:

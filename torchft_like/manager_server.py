@@ -41,7 +41,7 @@ from lighthouse.rpc.tls import TLSConfig, scheme
 from torchft_like import wire
 from torchft_like._quorum_gate import QuorumGate
 from torchft_like._round import Round
-from torchft_like.gone_watch import gone_in_quorum
+from torchft_like.gone_watch import GroupNotices
 from torchft_like.group_quorum import QuorumRequest, merge_requests
 from torchft_like.manager_client import ManagerClient
 from torchft_like.recovery import QuorumResult, compute_quorum_result
@@ -127,8 +127,8 @@ class ManagerServer:
         self._local_collectives = local_collectives
         self._prev_quorum_ids: tuple[str, ...] = ()
         """The members of the last quorum this group took part in (lighthouse.compat)."""
-        self._group_quorum: tuple[int, tuple[str, ...]] | None = None
-        """The id and members of the latest quorum handed to our ranks."""
+        self._notices = GroupNotices()
+        """The latest quorum handed to our ranks, and gone notices about it."""
         self._gone_listeners: list[Callable[[int, tuple[str, ...]], None]] = []
         self._left_out_logged: set[str] = set()
         self._secret = secret
@@ -229,7 +229,9 @@ class ManagerServer:
             self._gate.issued(quorum)
             if not self._local_collectives:
                 quorum = self._compatible_members(quorum)
-                self._group_quorum = (quorum.quorum_id, quorum.replica_ids())
+                early = self._notices.applied(quorum.quorum_id, quorum.replica_ids())
+                if early:  # heard before this quorum was taken in
+                    self._tell_gone(quorum.quorum_id, early)
         except Exception as e:
             for f in rnd.futures.values():
                 if not f.done():
@@ -344,10 +346,13 @@ class ManagerServer:
         self._gone_listeners.append(listener)
 
     def _on_gone(self, quorum_id: int, gone: tuple[str, ...]) -> None:
-        ours = gone_in_quorum(quorum_id, gone, self._group_quorum)
+        ours = self._notices.heard(quorum_id, gone)
         if ours:
-            for listener in self._gone_listeners:
-                listener(quorum_id, ours)
+            self._tell_gone(quorum_id, ours)
+
+    def _tell_gone(self, quorum_id: int, gone: tuple[str, ...]) -> None:
+        for listener in self._gone_listeners:
+            listener(quorum_id, gone)
 
     # ---- commit vote -------------------------------------------------------
 

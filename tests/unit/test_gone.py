@@ -8,7 +8,7 @@ import pytest
 
 from lighthouse.gone import GoneNotice, GoneWatch, judge_gone
 from lighthouse.quorum import ArrivalStats, LighthouseConfig
-from torchft_like.gone_watch import StepBreaks, gone_in_quorum
+from torchft_like.gone_watch import GroupNotices, StepBreaks, gone_in_quorum
 
 CONFIG = LighthouseConfig(min_replicas=1, heartbeat_timeout_ms=1000)
 RHYTHM = ArrivalStats(mean_s=0.1, var_s2=0.0001, count=50)
@@ -143,3 +143,37 @@ def test_step_breaks(script, want):
 def test_step_breaks_remember_a_bounded_number_of_quorums():
     got = breaks([("notice", q, "c") for q in range(5)] + [("applied", 0), ("applied", 4)], keep=3)
     assert got[-2:] == [None, ("c",)]
+
+
+@pytest.mark.parametrize(
+    "script, want",
+    [
+        # The usual order: the quorum, then a notice about it.
+        ([("applied", 7, ("a", "b")), ("heard", 7, ("b",))], [(), ("b",)]),
+        # The notice first (the quorum's answer still on its way): kept, then passed on.
+        ([("heard", 7, ("b",)), ("applied", 7, ("a", "b"))], [(), ("b",)]),
+        # About another quorum, or naming no member of ours: nothing, now or later.
+        ([("applied", 7, ("a", "b")), ("heard", 6, ("b",)), ("heard", 7, ("z",))], [(), (), ()]),
+        ([("heard", 8, ("z",)), ("applied", 8, ("a", "b"))], [(), ()]),
+        # Kept only for a later quorum of ours: an early notice about 9 does not reach 8.
+        ([("heard", 9, ("b",)), ("applied", 8, ("a", "b")), ("applied", 9, ("a", "b"))],
+         [(), (), ("b",)]),
+    ],
+)  # fmt: skip
+def test_group_notices_pass_on_what_concerns_the_latest_quorum_even_if_early(script, want):
+    notices = GroupNotices(keep=4)
+    got = []
+    for event, quorum_id, ids in script:
+        if event == "applied":
+            got.append(notices.applied(quorum_id, ids))
+        else:
+            got.append(notices.heard(quorum_id, ids))
+    assert got == want
+
+
+def test_group_notices_keep_only_a_few_early_ones():
+    notices = GroupNotices(keep=2)
+    for quorum_id in (1, 2, 3):
+        notices.heard(quorum_id, ("b",))
+    assert notices.applied(1, ("a", "b")) == ()  # the oldest was let go
+    assert notices.applied(3, ("a", "b")) == ("b",)
