@@ -14,12 +14,9 @@ and tell those why.
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from typing import TYPE_CHECKING
 
 from lighthouse.member_data import LOCAL_RENDEZVOUS, is_local_rendezvous
-
-if TYPE_CHECKING:  # quorum.py imports this module
-    from lighthouse.quorum import QuorumMember
+from lighthouse.members import QuorumMember
 
 HANDLES = "handles"
 """Rendezvous through reconfigure handles carried in the quorum (torchft nightly)."""

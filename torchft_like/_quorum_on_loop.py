@@ -18,40 +18,37 @@ from collections.abc import Callable
 from concurrent.futures import Executor, Future
 from datetime import timedelta
 from functools import partial
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from lighthouse.rpc.errors import QuorumTimeoutError
 from torchft_like.manager_client import LocalManagerClient
 from torchft_like.recovery import QuorumResult
 
-if TYPE_CHECKING:
-    from torchft_like.manager import Manager
-
 ResultOf = Callable[[], QuorumResult]
 
 
 def ask_on_loop(
-    manager: Manager,
     client: LocalManagerClient,
-    allow_heal: bool,
+    request: Callable[[], Any],
     timeout: timedelta,
-    args: tuple[Any, ...],
+    settle: Callable[[float, ResultOf], None],
+    quorum_id: Callable[[], int],
+    executor: Executor,
 ) -> Future[None]:
-    """The step's quorum for `manager`, group rank 0, asked on its server's
-    loop; done once settled (Manager._settle_quorum) there or on its quorum
-    thread."""
+    """The step's quorum, asked on the group's server loop through `client`;
+    done once `settle(start, result_of)` has taken the answer: there when it
+    is `steady` for the group's current `quorum_id()`, else on `executor`."""
     start = time.monotonic()
-    settle = partial(manager._settle_quorum, allow_heal, start)
+    settle_now = partial(settle, start)
     try:
-        asked = client.quorum_future(manager._quorum_request(*args), timeout)
+        asked = client.quorum_future(request(), timeout)
     except Exception as e:  # settled as any failed quorum
-        return manager._executor.submit(settle, partial(_raise, e))
-    is_steady = partial(_steady_for, manager)
-    return settle_where_it_arrives(asked, is_steady, settle, manager._executor)
+        return executor.submit(settle_now, partial(_raise, e))
 
+    def is_steady(result: QuorumResult) -> bool:
+        return steady(result, quorum_id())
 
-def _steady_for(manager: Manager, result: QuorumResult) -> bool:
-    return steady(result, manager._quorum_id)
+    return settle_where_it_arrives(asked, is_steady, settle_now, executor)
 
 
 def steady(result: QuorumResult, quorum_id: int) -> bool:

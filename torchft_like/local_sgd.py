@@ -454,7 +454,7 @@ class DiLoCo(_InnerStepHooks):
                 f"{len(outer_optimizer)} outer optimizers for {n} model fragments: "
                 "pass one per fragment, or a single one"
             )
-        if manager._use_async_quorum:
+        if manager.config.use_async_quorum:
             raise ValueError(
                 "DiLoCo needs a Manager built with use_async_quorum=False, so that a "
                 "healing group has the live outer state before it takes its pseudo-gradient"

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
+from functools import partial
 from typing import Any
 
 import torch
@@ -294,7 +295,14 @@ class Manager(ManagerViews):
         args = (shrink_only, state_fingerprint, self._claims.take())
         timeout = timeout or self.config.quorum_timeout
         if isinstance(self._client, LocalManagerClient):
-            self._quorum_future = ask_on_loop(self, self._client, allow_heal, timeout, args)
+            self._quorum_future = ask_on_loop(
+                self._client,
+                partial(self._quorum_request, *args),
+                timeout,
+                partial(self._settle_quorum, allow_heal),
+                lambda: self._quorum_id,
+                self._executor,
+            )
         else:
             self._quorum_future = self._executor.submit(
                 self._async_quorum, allow_heal, timeout, args

@@ -8,10 +8,9 @@ asking for checkpoint metadata, go over gRPC (`ManagerClient`). Both honour
 
 from __future__ import annotations
 
-import asyncio
 from concurrent.futures import Future
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import grpc
 
@@ -25,9 +24,6 @@ from lighthouse.rpc.tls import TLSConfig, check_scheme
 from torchft_like import wire
 from torchft_like.group_quorum import QuorumRequest
 from torchft_like.recovery import QuorumResult
-
-if TYPE_CHECKING:
-    from torchft_like.manager_server import ManagerServer
 
 
 class ManagerClientProtocol(Protocol):
@@ -120,6 +116,21 @@ class ManagerClient:
         self._channel.close()
 
 
+class GroupServer(Protocol):
+    """What LocalManagerClient calls of its group's ManagerServer, in process."""
+
+    @property
+    def world_size(self) -> int: ...
+    def address(self) -> str: ...
+    def run(self, coro: Any, timeout_s: float) -> Any: ...
+    def submit(self, coro: Any) -> Future[Any]: ...
+    def quorum(self, request: QuorumRequest, timeout_s: float | None) -> Any: ...
+    def should_commit(self, group_rank: int, step: int, vote: bool, timeout_s: float) -> Any: ...
+    def vote_alone(self, group_rank: int, step: int, vote: bool) -> bool: ...
+    def checkpoint_metadata(self, rank: int) -> str: ...
+    def kill(self, msg: str) -> None: ...
+
+
 class LocalManagerClient:
     """ManagerClientProtocol for group rank 0, calling its ManagerServer in process.
 
@@ -127,7 +138,7 @@ class LocalManagerClient:
     takes two local RPCs off every step; errors are the same as over gRPC.
     """
 
-    def __init__(self, server: ManagerServer) -> None:
+    def __init__(self, server: GroupServer) -> None:
         self.addr = server.address()
         self._server = server
 
@@ -135,7 +146,7 @@ class LocalManagerClient:
         # The coroutine bounds itself; this bound only guards against a
         # stopped or stuck loop, which nothing else would wake us from.
         try:
-            return self._server._loop.run(coro, timeout=timeout.total_seconds() + 5)
+            return self._server.run(coro, timeout.total_seconds() + 5)
         except LoopStalledError as e:
             raise QuorumTimeoutError(f"manager server {self.addr}: {e}") from None
 
@@ -149,12 +160,13 @@ class LocalManagerClient:
         """`quorum`, handed to the server's loop without waiting: its future
         completes on the loop (see torchft_like._quorum_on_loop)."""
         coro = self._server.quorum(request, timeout.total_seconds())
-        return asyncio.run_coroutine_threadsafe(coro, self._server._loop.loop)
+        future: Future[QuorumResult] = self._server.submit(coro)
+        return future
 
     def should_commit(
         self, group_rank: int, step: int, should_commit: bool, timeout: timedelta
     ) -> bool:
-        if self._server._world_size == 1:
+        if self._server.world_size == 1:
             # A group of one rank: the vote is the decision. Skipping the hop
             # onto the loop and back saves two thread wake-ups every step.
             return self._server.vote_alone(group_rank, step, should_commit)

@@ -15,6 +15,7 @@ import math
 import os
 import time
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import replace
 from datetime import timedelta
 from typing import Any
@@ -179,6 +180,24 @@ class ManagerServer:
 
     def address(self) -> str:
         return self._address
+
+    @property
+    def world_size(self) -> int:
+        """Ranks in the group."""
+        return self._world_size
+
+    def run(self, coro: Any, timeout_s: float) -> Any:
+        """Runs `coro` on the server's loop and waits for it (in-process
+        callers, LocalManagerClient).
+
+        Raises:
+            LoopStalledError: the loop did not finish it within `timeout_s`.
+        """
+        return self._loop.run(coro, timeout=timeout_s)
+
+    def submit(self, coro: Any) -> Future[Any]:
+        """Hands `coro` to the server's loop without waiting."""
+        return asyncio.run_coroutine_threadsafe(coro, self._loop.loop)
 
     # ---- quorum --------------------------------------------------------------
 

@@ -108,11 +108,13 @@ def test_the_packages_import_no_tooling(path):
     assert not wrong, f"{path.relative_to(REPO)} imports {wrong}"
 
 
-@pytest.mark.parametrize("lazy", [False, True], ids=["at_import", "lazy_imports_included"])
-def test_no_module_of_the_packages_imports_itself_back_through_others(lazy):
+@pytest.mark.parametrize("counted", ["at_import", "lazy", "typing"])
+def test_no_module_of_the_packages_imports_itself_back_through_others(counted):
     """No cycle among the imports that run at import time, nor once the
     imports inside functions (a lazy re-export, a deferred heavy import) are
-    counted too: a lazy import back is a cycle that waits for its first call.
+    counted too: a lazy import back is a cycle that waits for its first call;
+    nor with the imports for type checking: a cycle hidden as a type-only
+    import hides a reach into the other module's insides.
     A package's __init__ and its modules are distinct nodes, as Python loads
     them: `torchft_like.process_group` re-exports `ft_init_device_mesh`
     lazily, and device_mesh imports `torchft_like.process_group.managed`."""
@@ -120,7 +122,11 @@ def test_no_module_of_the_packages_imports_itself_back_through_others(lazy):
     graph = {
         name: {
             n
-            for n in imports(path, module_level_only=not lazy, run_time_only=lazy)
+            for n in imports(
+                path,
+                module_level_only=counted == "at_import",
+                run_time_only=counted == "lazy",
+            )
             if n in files and n != name
         }
         for name, path in files.items()
@@ -144,3 +150,58 @@ def test_no_module_of_the_packages_imports_itself_back_through_others(lazy):
         if start not in state:
             visit(start, [start])
     assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+THIRD_PARTY_PRIVATE = frozenset(
+    (
+        "_exit",  # os._exit: a process that must end now, without cleanup
+        "_replace",  # a namedtuple's public method, spelled private
+        "_world",  # torch.distributed.distributed_c10d: how torch registers process groups
+        "_register_process_group",
+        "_unregister_process_group",
+        "_register_comm_hook",  # torch's DDP comm hook, as torch's own DDP registers it
+        "_remove_autograd_hooks",
+        "_set_static_graph",
+        "_Options",  # torch's ProcessGroupGloo options: timeout and devices
+        "_timeout",
+        "_devices",
+        "_load",  # torch.serialization._load: a stream torch.load cannot take
+        "_torchft_alias",  # a marker this project sets on its own function
+    )
+)
+"""Private names of other libraries the packages must use, and why."""
+
+
+def own_private_names(tree: ast.Module) -> set[str]:
+    """The `_names` a module defines: its functions, classes, attributes
+    assigned anywhere in it (`self._x = ...`), and module-level names."""
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+            names.add(node.attr)
+        elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            names.add(node.id)
+        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+            names.add(node.target.id)
+    return {n for n in names if n.startswith("_")}
+
+
+@pytest.mark.parametrize("path", python_files(*PACKAGES), ids=str)
+def test_no_module_reads_another_modules_private_members(path):
+    """`obj._name` for a `_name` this module does not define reaches into
+    another module's insides; give the thing a public shape instead."""
+    tree = ast.parse(path.read_text(), str(path))
+    own = own_private_names(tree)
+    reaches = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Attribute) or not node.attr.startswith("_"):
+            continue
+        if node.attr.startswith("__") or node.attr in own or node.attr in THIRD_PARTY_PRIVATE:
+            continue
+        value = node.value
+        if isinstance(value, ast.Name) and value.id in ("self", "cls"):
+            continue  # its own class's, or a base class's
+        reaches.append(f"line {node.lineno}: {ast.unparse(node)}")
+    assert not reaches, f"{path.relative_to(REPO)} reads private members: {reaches}"

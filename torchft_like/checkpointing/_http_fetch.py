@@ -119,7 +119,7 @@ class Fetch:
         tensor segment has the checksum the source sent for it."""
         verifier = None
         try:
-            first = self._open(0, num_chunks)
+            first = self.open_range(0, num_chunks)
             header = _format.decode_header(first[2])
             if header.step != self._step:
                 raise ValueError(f"the header is of step {header.step}")
@@ -147,15 +147,15 @@ class Fetch:
             sent: list[list[int]] = [[] for _ in ranges]
 
             def fill(i: int) -> None:
-                conn, response, raw = first if i == 0 else self._open(i, num_chunks)
+                conn, response, raw = first if i == 0 else self.open_range(i, num_chunks)
                 check(i, response, raw)
                 for piece in streams[i]:
                     self._prefaulter.claim(piece)  # type: ignore[union-attr]
                     index, lo, hi = piece
                     view = _format.memview(tensors[index])[lo:hi]
-                    self._read_into(conn, response, view)
+                    self.read_into(conn, response, view)
                     verifier.add((i, index), view)
-                trailer = self._read(conn, response, _checksum.ITEM.size * len(segments[i]))
+                trailer = self.read(conn, response, _checksum.ITEM.size * len(segments[i]))
                 sent[i] = [crc for (crc,) in _checksum.ITEM.iter_unpack(trailer)]
 
             if num_chunks == 1:
@@ -168,8 +168,7 @@ class Fetch:
                 self._prefaulter.stop()
             if verifier is not None:
                 verifier.stop()
-            for conn in self._conns:
-                conn.close()
+            self.close()
         for i, spec in enumerate(header.specs):
             if spec.device.startswith("cuda") and torch.cuda.is_available():
                 tensors[i] = tensors[i].to("cuda")
@@ -193,9 +192,16 @@ class Fetch:
                 f"sent {crc:08x}{more}; the state was not applied"
             )
 
-    def _open(
+    def close(self) -> None:
+        """Closes every connection this fetch opened."""
+        for conn in self._conns:
+            conn.close()
+
+    def open_range(
         self, chunk: int, of: int
     ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, bytes]:
+        """Asks for range `chunk` of `of` of the staged step: the connection,
+        its response and the state's header, once the source has begun."""
         if self._context is None:
             conn = http.client.HTTPConnection(self._host, self._port, timeout=self._remaining())
         else:
@@ -215,8 +221,8 @@ class Fetch:
             self._accepted += 1
             if self._accepted == of and self._on_begun is not None:
                 self._on_begun()
-        header_len = _format.decode_prefix(self._read(conn, response, _format.PREFIX.size))
-        return conn, response, self._read(conn, response, header_len)
+        header_len = _format.decode_prefix(self.read(conn, response, _format.PREFIX.size))
+        return conn, response, self.read(conn, response, header_len)
 
     def _in_parallel(self, fill: Callable[[int], None], num_chunks: int) -> None:
         with ThreadPoolExecutor(num_chunks, thread_name_prefix="checkpoint-recv") as pool:
@@ -230,14 +236,14 @@ class Fetch:
                         hang_up(conn.sock)
                 raise failed[0].exception()  # type: ignore[misc]
 
-    def _read(
+    def read(
         self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse, n: int
     ) -> bytes:
         out = bytearray(n)
-        self._read_into(conn, response, memoryview(out))
+        self.read_into(conn, response, memoryview(out))
         return bytes(out)
 
-    def _read_into(
+    def read_into(
         self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse, view: memoryview
     ) -> None:
         got = 0

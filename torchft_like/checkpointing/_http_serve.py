@@ -1,5 +1,5 @@
-"""The serving side of HTTPTransport: the staged state of one step, and the
-HTTP handler that streams it (our format whole or in checksummed chunks, or
+"""The serving side of HTTPTransport: the staged state of one step, the slot
+that serves it, and the HTTP handler that streams it (our format whole or in checksummed chunks, or
 torchft's) to a healing peer. See http_transport for the protocol."""
 
 from __future__ import annotations
@@ -8,18 +8,16 @@ import logging
 import re
 import socket
 import threading
+import time
 from datetime import timedelta
 from http.server import BaseHTTPRequestHandler
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from lighthouse.rpc import auth
 from lighthouse.rpc.http_server import QuietHTTPServer
 from torchft_like.checkpointing import _checksum, _format, _torchft_http
-from torchft_like.checkpointing._http_fetch import SLICE
-
-if TYPE_CHECKING:  # http_transport imports this module
-    from torchft_like.checkpointing.http_transport import HTTPTransport
+from torchft_like.checkpointing._http_fetch import NOT_SERVING, SLICE, WRONG_STEP, hang_up
 
 logger = logging.getLogger("torchft_like.checkpointing.http_transport")  # one name per transport
 
@@ -51,9 +49,94 @@ class Staged:
             return self._cpu_state
 
 
+class ServingSlot:
+    """The one step a source serves, and its transfers in flight: the
+    transport stages and withdraws a step, the server's handlers begin and
+    end transfers of it. Thread-safe."""
+
+    def __init__(self, timeout: timedelta) -> None:
+        self._timeout = timeout
+        self._cond = threading.Condition()
+        self._staged: Staged | None = None
+        self._active: set[socket.socket] = set()
+        self._closed = False
+
+    def stage(self, staged: Staged) -> None:
+        with self._cond:
+            self._staged = staged
+            self._cond.notify_all()  # torchft requests wait for their step
+
+    def withdraw(self) -> None:
+        """No step is served from now; waits for the transfers in flight
+        (the staged step's timeout), then hangs up on what is left."""
+        with self._cond:
+            staged, self._staged = self._staged, None
+            bound = (staged.timeout if staged else self._timeout).total_seconds()
+            deadline = time.monotonic() + bound
+            while self._active and (remaining := deadline - time.monotonic()) > 0:
+                self._cond.wait(remaining)
+            if self._active:
+                logger.warning(
+                    "cutting off %d state transfers still running after %.1f s, "
+                    "so that the optimizer may write the weights",
+                    len(self._active),
+                    bound,
+                )
+                for conn in self._active:
+                    hang_up(conn)
+
+    def begin(
+        self, step: int, conn: socket.socket, wait: bool = False
+    ) -> tuple[Staged | None, int, str]:
+        """Registers a transfer of `step`, or says why not (a status code and
+        its text). `wait`: first wait (up to the timeout) for `step` to be
+        staged, as torchft's receivers expect of a server."""
+        with self._cond:
+            deadline = time.monotonic() + self._timeout.total_seconds()
+            while (
+                wait
+                and not self._closed
+                and (self._staged is None or self._staged.step < step)
+                and (remaining := deadline - time.monotonic()) > 0
+            ):
+                self._cond.wait(remaining)
+            staged = self._staged
+            if staged is None:
+                return None, NOT_SERVING, "not serving: no state is staged on this replica now"
+            if staged.step < step:  # this source has not reached its quorum's step yet
+                return None, NOT_SERVING, f"not serving step {step} yet: serving {staged.step}"
+            if staged.step != step:  # it moved past the step: can never serve it
+                return (
+                    None,
+                    WRONG_STEP,
+                    (
+                        f"wrong step: serving {staged.step} but got step={step}; a receiver "
+                        "asks for the step its quorum names, and only that step is served"
+                    ),
+                )
+            self._active.add(conn)
+            return staged, 200, ""
+
+    def end(self, conn: socket.socket) -> None:
+        with self._cond:
+            self._active.discard(conn)
+            self._cond.notify_all()
+
+    def close(self) -> bool:
+        """Serves nothing more; False if it was closed already."""
+        with self._cond:
+            if self._closed:
+                return False
+            self._closed = True
+            self._staged = None
+            self._cond.notify_all()
+            return True
+
+
 class Server(QuietHTTPServer):
     service = "checkpoint server"
-    transport: HTTPTransport  # its _begin and _end hand a staged step over
+    slot: ServingSlot
+    secret: str | None
     refusals: auth.RefusalLog
 
 
@@ -73,7 +156,7 @@ class Handler(BaseHTTPRequestHandler):
     server: Server
 
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        why = auth.http_refusal(self.headers, self.server.transport.secret, "checkpoint server")
+        why = auth.http_refusal(self.headers, self.server.secret, "checkpoint server")
         if why is not None:
             self.server.refusals.refused(self.client_address[0], "a checkpoint GET", why)
             return self._refuse(401, why, auth.WWW_AUTHENTICATE)
@@ -95,7 +178,7 @@ class Handler(BaseHTTPRequestHandler):
             chunk, of = parse_chunk(url.query)
         except ValueError as e:
             return self._refuse(400, str(e))
-        staged, code, message = self.server.transport._begin(int(match[1]), self.connection)
+        staged, code, message = self.server.slot.begin(int(match[1]), self.connection)
         if staged is None:
             return self._refuse(code, message)
         try:
@@ -105,7 +188,7 @@ class Handler(BaseHTTPRequestHandler):
             logger.warning("transfer of step %d to %s ended early: %s", staged.step,
                            self.client_address[0], e)  # fmt: skip
         finally:
-            self.server.transport._end(self.connection)
+            self.server.slot.end(self.connection)
 
     def _serve_torchft(self, step: int, key: str) -> None:
         """torchft's scheme: the whole state of `step`, torch's streaming format."""
@@ -116,8 +199,8 @@ class Handler(BaseHTTPRequestHandler):
                 f"whole only, at {_torchft_http.OWN_PATH}{{step}}/{_torchft_http.KEY} "
                 "(torchft's HTTPTransport with num_chunks=0, its Manager's default)",
             )
-        transport = self.server.transport
-        staged, code, message = transport._begin(step, self.connection, wait=True)
+        slot = self.server.slot
+        staged, code, message = slot.begin(step, self.connection, wait=True)
         if staged is None:
             return self._refuse(code, message)
         try:
@@ -136,7 +219,7 @@ class Handler(BaseHTTPRequestHandler):
             logger.error("cannot send step %d to %s in torchft's format: %s: %s", staged.step,
                          self.client_address[0], type(e).__name__, e)  # fmt: skip
         finally:
-            transport._end(self.connection)
+            slot.end(self.connection)
 
     def _not_allowed(self) -> None:
         body = f"method {self.command} not allowed; only GET is served".encode()

@@ -364,8 +364,7 @@ class StripedFetch:
                 prefaulter.stop()
             for fetch in self._fetches:
                 fetch.abort()
-                for conn in fetch._conns:
-                    conn.close()
+                fetch.close()
         tensors = self._tensors
         for i, spec in enumerate(header.specs):
             if spec.device.startswith("cuda") and torch.cuda.is_available():
@@ -390,7 +389,7 @@ class StripedFetch:
             if r is None:
                 continue
             try:
-                return s, r, fetch._open(r, self.stripes.num_ranges)
+                return s, r, fetch.open_range(r, self.stripes.num_ranges)
             except NotReady as e:  # maybe staged later: the next attempt asks again
                 self._not_ready = e
                 self.stripes.give_back(r, s)
@@ -459,7 +458,7 @@ class StripedFetch:
             self.stripes.finish(r, s)
 
     def _fill(self, s: int, fetch: _SourceFetch, r: int, first: Any) -> None:
-        conn, response, raw = first or fetch._open(r, self.stripes.num_ranges)
+        conn, response, raw = first or fetch.open_range(r, self.stripes.num_ranges)
         try:
             if raw != self._header_raw:
                 why = layout_difference(self._header_raw, raw)
@@ -476,12 +475,12 @@ class StripedFetch:
                 self._prefaulter.claim(piece)
                 index, lo, hi = piece
                 view = _format.memview(self._tensors[index])[lo:hi]
-                fetch._read_into(conn, response, view)
+                fetch.read_into(conn, response, view)
                 crcs[index] = self._update(view, crcs.get(index, 0))  # releases the GIL
                 if self._progress is not None:
                     self._progress(s, hi - lo)
             segments = self._segments[r]
-            trailer = fetch._read(conn, response, _checksum.ITEM.size * len(segments))
+            trailer = fetch.read(conn, response, _checksum.ITEM.size * len(segments))
             sent = [crc for (crc,) in _checksum.ITEM.iter_unpack(trailer)]
             for (index, offset, length), crc in zip(segments, sent):
                 got = crcs.get(index, 0)

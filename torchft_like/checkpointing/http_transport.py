@@ -59,8 +59,6 @@ from lighthouse.rpc.tls import FIX, TLSConfig, check_scheme, is_refusal, scheme
 from torchft_like.checkpointing import _striped, _torchft_http
 from torchft_like.checkpointing._http_fetch import (
     GONE_AFTER_S,
-    NOT_SERVING,
-    WRONG_STEP,
     ChecksumMismatch,
     DeadlinePassed,
     Fetch,
@@ -70,10 +68,16 @@ from torchft_like.checkpointing._http_fetch import (
     FetchTLSError,
     NotReady,
     Refused,
-    hang_up,
     refused,
 )
-from torchft_like.checkpointing._http_serve import MAX_CHUNKS, Handler, Server, Server6, Staged
+from torchft_like.checkpointing._http_serve import (
+    MAX_CHUNKS,
+    Handler,
+    Server,
+    Server6,
+    ServingSlot,
+    Staged,
+)
 from torchft_like.checkpointing.transport import CheckpointTransport
 
 logger = logging.getLogger(__name__)
@@ -143,10 +147,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         self.secret = secret
         self.tls = tls
         self._client_context = tls.client_context() if tls is not None else None
-        self._cond = threading.Condition()
-        self._staged: Staged | None = None
-        self._active: set[socket.socket] = set()
-        self._closed = False
+        self._slot = ServingSlot(timeout)
         self.last_stripe_report: _striped.StripeReport | None = None
         """Who sent what in the last `recv_checkpoint_striped`."""
         host = hostname or socket.gethostname()
@@ -161,7 +162,8 @@ class HTTPTransport(CheckpointTransport[Any]):
                 f"{port} of {listen!r}: {why}; pass port=0 to pick a free one, or "
                 f"set {BIND_HOST_ENV} (bind_host) to an address of this machine"
             ) from e  # fmt: skip
-        self._server.transport = self
+        self._server.slot = self._slot
+        self._server.secret = secret
         if tls is not None:
             self._server.ssl_context = tls.server_context()
         self._server.refusals = auth.RefusalLog()
@@ -190,66 +192,13 @@ class HTTPTransport(CheckpointTransport[Any]):
         how long `disallow_checkpoint` waits for this step's transfers.
         """
         staged = Staged(step, state_dict, timeout)
-        with self._cond:
-            self._staged = staged
-            self._cond.notify_all()  # torchft requests wait for their step
+        self._slot.stage(staged)
         logger.debug("serving step %d (%d tensors) to replica ranks %s", step, len(staged.nbytes),
                      dst_ranks)  # fmt: skip
 
     def disallow_checkpoint(self) -> None:
         """See base class."""
-        with self._cond:
-            staged, self._staged = self._staged, None
-            bound = (staged.timeout if staged else self._timeout).total_seconds()
-            deadline = time.monotonic() + bound
-            while self._active and (remaining := deadline - time.monotonic()) > 0:
-                self._cond.wait(remaining)
-            if self._active:
-                logger.warning(
-                    "cutting off %d state transfers still running after %.1f s, "
-                    "so that the optimizer may write the weights",
-                    len(self._active),
-                    bound,
-                )
-                for conn in self._active:
-                    hang_up(conn)
-
-    def _begin(
-        self, step: int, conn: socket.socket, wait: bool = False
-    ) -> tuple[Staged | None, int, str]:
-        """Registers a transfer of `step`, or says why not. `wait`: first
-        wait (up to the timeout) for `step` to be staged, as torchft's
-        receivers expect of a server."""
-        with self._cond:
-            deadline = time.monotonic() + self._timeout.total_seconds()
-            while (
-                wait
-                and not self._closed
-                and (self._staged is None or self._staged.step < step)
-                and (remaining := deadline - time.monotonic()) > 0
-            ):
-                self._cond.wait(remaining)
-            staged = self._staged
-            if staged is None:
-                return None, NOT_SERVING, "not serving: no state is staged on this replica now"
-            if staged.step < step:  # this source has not reached its quorum's step yet
-                return None, NOT_SERVING, f"not serving step {step} yet: serving {staged.step}"
-            if staged.step != step:  # it moved past the step: can never serve it
-                return (
-                    None,
-                    WRONG_STEP,
-                    (
-                        f"wrong step: serving {staged.step} but got step={step}; a receiver "
-                        "asks for the step its quorum names, and only that step is served"
-                    ),
-                )
-            self._active.add(conn)
-            return staged, 200, ""
-
-    def _end(self, conn: socket.socket) -> None:
-        with self._cond:
-            self._active.discard(conn)
-            self._cond.notify_all()
+        self._slot.withdraw()
 
     def _serve(self) -> None:
         try:
@@ -481,12 +430,8 @@ class HTTPTransport(CheckpointTransport[Any]):
 
     def shutdown(self, wait: bool = True) -> None:
         """See base class. Transfers in flight are not waited for."""
-        with self._cond:
-            if self._closed:
-                return
-            self._closed = True
-            self._staged = None
-            self._cond.notify_all()
+        if not self._slot.close():
+            return
         if wait:
             self._stop()
         else:
