@@ -54,8 +54,19 @@ def on_all_ranks(members: Sequence[Any], fn: Callable[[int, Any], Any]) -> list[
 
 
 def configure_all(store: dist.TCPStore, members: Sequence[Any], quorum_id: int) -> None:
-    addr = f"127.0.0.1:{store.port}/torchft/{quorum_id}/0"
-    on_all_ranks(members, lambda i, pg: pg.configure(addr, f"replica_{i}", i, len(members)))
+    """Every member joins quorum `quorum_id`. A join that timed out (a 2 s
+    group whose other member the loaded machine started late) is tried once
+    more under another prefix: the rendezvous is not what these tests check."""
+    for attempt in range(2):
+        addr = f"127.0.0.1:{store.port}/torchft/{quorum_id}/{attempt}"
+        try:
+            on_all_ranks(
+                members, lambda i, pg, a=addr: pg.configure(a, f"replica_{i}", i, len(members))
+            )
+            return
+        except dist.DistStoreError:
+            if attempt:
+                raise
 
 
 def allreduce_on_all(members: Sequence[Any], op: ReduceOp) -> list[list[torch.Tensor]]:
