@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import hpack
 
+from lighthouse.rpc.frames import encode_int
 from lighthouse.rpc.proto import torchft_pb2 as pb
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"
@@ -60,27 +61,17 @@ def frame(kind: int, flags: int, stream_id: int, payload: bytes = b"") -> bytes:
     return _HEADER.pack(n >> 16, n & 0xFFFF, kind, flags, stream_id) + payload
 
 
-def hpack_int(value: int, prefix_bits: int, first: int = 0) -> bytes:
-    """An HPACK integer (RFC 7541 5.1), `first` holding the first byte's high bits."""
-    limit = (1 << prefix_bits) - 1
-    if value < limit:
-        return bytes([first | value])
-    out = bytearray([first | limit])
-    value -= limit
-    while value >= 128:
-        out.append(value & 0x7F | 0x80)
-        value >>= 7
-    out.append(value)
-    return bytes(out)
-
-
 def literal(name: str | bytes, value: str | bytes) -> bytes:
     """A header field as a literal without indexing and without Huffman (RFC 7541 6.2.2): it
     costs the server exactly its size, whatever the server's table holds."""
     raw_name = name.encode() if isinstance(name, str) else name
     raw_value = value.encode() if isinstance(value, str) else value
     return (
-        b"\x00" + hpack_int(len(raw_name), 7) + raw_name + hpack_int(len(raw_value), 7) + raw_value
+        b"\x00"
+        + encode_int(len(raw_name), 7)
+        + raw_name
+        + encode_int(len(raw_value), 7)
+        + raw_value
     )
 
 

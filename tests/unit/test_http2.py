@@ -24,6 +24,7 @@ from lighthouse.rpc.frames import (
 )
 from lighthouse.rpc.http2 import Connection
 from lighthouse.rpc.limits import LIMITS
+from tests.unit.h2_fakes import FakeTransport
 
 REQUEST = [
     (":method", "POST"),
@@ -32,42 +33,6 @@ REQUEST = [
     (":authority", "x"),
     ("content-type", "application/grpc"),
 ]
-
-
-class _Transport:
-    def __init__(self) -> None:
-        self.out = bytearray()
-        self.closed = False
-
-    def write(self, data: bytes) -> None:
-        self.out += data
-
-    def get_extra_info(self, name: str) -> object:
-        return ("127.0.0.1", 5) if name == "peername" else None
-
-    def close(self) -> None:
-        self.closed = True
-
-    abort = close
-
-    def set_write_buffer_limits(self, high: int, low: int) -> None:
-        pass
-
-    def pause_reading(self) -> None:
-        pass
-
-    resume_reading = pause_reading
-
-    def frames(self) -> list[tuple[int, int, int, bytes]]:
-        """The frames written since the last call."""
-        out, pos = [], 0
-        while pos < len(self.out):
-            hi, lo, kind, flags, sid = struct.unpack_from(">BHBBI", self.out, pos)
-            length = hi << 16 | lo
-            out.append((kind, flags, sid, bytes(self.out[pos + 9 : pos + 9 + length])))
-            pos += 9 + length
-        self.out.clear()
-        return out
 
 
 class _Handler:
@@ -91,7 +56,7 @@ def conn():
     asyncio.set_event_loop(loop)
     handler = _Handler()
     c = Connection(handler)
-    t = _Transport()
+    t = FakeTransport()
     c.connection_made(t)
     c.data_received(http2.PREFACE + frame(SETTINGS, 0, 0, b""))
     c.handler, c.t, c.enc = handler, t, hpack.Encoder()
@@ -136,7 +101,7 @@ def test_protocol_errors_close_with_goaway_and_pings_are_echoed(payload, closed)
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     try:
-        c, t = Connection(_Handler()), _Transport()
+        c, t = Connection(_Handler()), FakeTransport()
         c.connection_made(t)
         c.data_received((b"" if payload.startswith(b"GET") else http2.PREFACE) + payload)
         frames = t.frames()

@@ -30,6 +30,7 @@ from lighthouse.rpc.frames import (
 from lighthouse.rpc.http2 import Connection
 from lighthouse.rpc.lean_server import MAX_MESSAGE_BYTES, decompressed, echo
 from lighthouse.rpc.limits import LIMITS, Limits, ProcessBudget, TokenBucket
+from tests.unit.h2_fakes import FakeTransport
 
 REQUEST = [
     (":method", "POST"),
@@ -38,43 +39,6 @@ REQUEST = [
     (":authority", "x"),
     ("content-type", "application/grpc"),
 ]
-
-
-class _Transport:
-    def __init__(self) -> None:
-        self.out = bytearray()
-        self.closed = False
-        self.reading = True
-
-    def write(self, data: bytes) -> None:
-        self.out += data
-
-    def get_extra_info(self, name: str) -> object:
-        return ("127.0.0.1", 5) if name == "peername" else None
-
-    def close(self) -> None:
-        self.closed = True
-
-    abort = close
-
-    def set_write_buffer_limits(self, high: int, low: int) -> None:
-        pass
-
-    def pause_reading(self) -> None:
-        self.reading = False
-
-    def resume_reading(self) -> None:
-        self.reading = True
-
-    def frames(self) -> list[tuple[int, int, int, bytes]]:
-        out, pos = [], 0
-        while pos < len(self.out):
-            hi, lo, kind, flags, sid = struct.unpack_from(">BHBBI", self.out, pos)
-            length = hi << 16 | lo
-            out.append((kind, flags, sid, bytes(self.out[pos + 9 : pos + 9 + length])))
-            pos += 9 + length
-        self.out.clear()
-        return out
 
 
 class _Handler:
@@ -102,7 +66,7 @@ def loop():
 
 
 def _connect(limits: Limits = LIMITS, budget: ProcessBudget | None = None):
-    handler, t = _Handler(), _Transport()
+    handler, t = _Handler(), FakeTransport()
     conn = Connection(handler, limits=limits, budget=budget)
     conn.connection_made(t)
     conn.data_received(frames.PREFACE + frame(SETTINGS, 0, 0, b""))
@@ -110,7 +74,7 @@ def _connect(limits: Limits = LIMITS, budget: ProcessBudget | None = None):
     return conn, t, handler
 
 
-def _goaway(t: _Transport) -> int | None:
+def _goaway(t: FakeTransport) -> int | None:
     """The error code of the GOAWAY written, if any."""
     for kind, _, _, payload in t.frames():
         if kind == GOAWAY:

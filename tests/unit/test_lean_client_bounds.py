@@ -54,53 +54,11 @@ from lighthouse.rpc.lean_client import (
     ClientConnection,
     Unavailable,
 )
+from tests.unit.h2_fakes import FakeTransport
 
 RESPONSE = literal(":status", "200") + literal("content-type", "application/grpc")
 OK = literal("grpc-status", "0")
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED
-
-
-class _Transport:
-    """Records writes; with `reads=False`, a peer that takes none of them."""
-
-    def __init__(self, protocol: ClientConnection, reads: bool = True) -> None:
-        self.protocol, self.reads = protocol, reads
-        self.out = bytearray()
-        self.aborted = False
-        self.high = 64 * 1024
-        self.unsent = 0
-
-    def write(self, data: bytes) -> None:
-        self.out += data
-        if not self.reads:
-            self.unsent += len(data)
-            if self.unsent - len(data) <= self.high < self.unsent:  # as asyncio's
-                self.protocol.pause_writing()
-
-    def set_write_buffer_limits(self, high: int, low: int | None = None) -> None:
-        self.high = high
-
-    def get_write_buffer_size(self) -> int:
-        return self.unsent
-
-    def get_extra_info(self, name: str) -> object:
-        return None
-
-    def abort(self) -> None:
-        self.aborted = True
-
-    close = abort
-
-    def frames(self) -> list[tuple[int, int, int, bytes]]:
-        """The frames written since the last call."""
-        out, pos = [], 0
-        while pos < len(self.out):
-            hi, lo, kind, flags, sid = struct.unpack_from(">BHBBI", self.out, pos)
-            length = hi << 16 | lo
-            out.append((kind, flags, sid, bytes(self.out[pos + 9 : pos + 9 + length])))
-            pos += 9 + length
-        self.out.clear()
-        return out
 
 
 def message(body: bytes, declared: int | None = None) -> bytes:
@@ -139,7 +97,7 @@ class Peer:
 
     def __init__(self, reads: bool = True) -> None:
         self.conn = ClientConnection()
-        self.t = _Transport(self.conn, reads)
+        self.t = FakeTransport(self.conn, reads)
         self.conn.connection_made(self.t)
         self.conn.data_received(frame(SETTINGS, 0, 0, b"") + frame(SETTINGS, ACK, 0, b""))
         _, self.unary = self.conn.start(b"", b"request")

@@ -1,0 +1,64 @@
+"""The far end of an HTTP/2 connection under test, without a socket: an
+asyncio transport that records what the protocol writes."""
+
+from __future__ import annotations
+
+import struct
+from typing import Any
+
+
+class FakeTransport:
+    """Records writes. With `reads=False` it is a peer that takes none of
+    them: past `high` unsent bytes the protocol's `pause_writing` is called,
+    as asyncio's transports do."""
+
+    def __init__(self, protocol: Any = None, reads: bool = True) -> None:
+        self.protocol, self.reads = protocol, reads
+        self.out = bytearray()
+        self.closed = False
+        self.reading = True
+        self.high = 64 * 1024
+        self.unsent = 0
+
+    @property
+    def aborted(self) -> bool:
+        return self.closed
+
+    def write(self, data: bytes) -> None:
+        self.out += data
+        if not self.reads:
+            self.unsent += len(data)
+            if self.unsent - len(data) <= self.high < self.unsent:
+                self.protocol.pause_writing()
+
+    def get_extra_info(self, name: str) -> object:
+        return ("127.0.0.1", 5) if name == "peername" else None
+
+    def close(self) -> None:
+        self.closed = True
+
+    abort = close
+
+    def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
+        if high is not None:
+            self.high = high
+
+    def get_write_buffer_size(self) -> int:
+        return self.unsent
+
+    def pause_reading(self) -> None:
+        self.reading = False
+
+    def resume_reading(self) -> None:
+        self.reading = True
+
+    def frames(self) -> list[tuple[int, int, int, bytes]]:
+        """The frames written since the last call: (type, flags, stream, payload)."""
+        out, pos = [], 0
+        while pos < len(self.out):
+            hi, lo, kind, flags, sid = struct.unpack_from(">BHBBI", self.out, pos)
+            length = hi << 16 | lo
+            out.append((kind, flags, sid, bytes(self.out[pos + 9 : pos + 9 + length])))
+            pos += 9 + length
+        self.out.clear()
+        return out
