@@ -21,25 +21,29 @@ from functools import partial
 from typing import Any
 
 from lighthouse.rpc.errors import QuorumTimeoutError
-from torchft_like.manager_client import LocalManagerClient
+from torchft_like.manager_client import LocalManagerClient, ManagerClientProtocol
 from torchft_like.recovery import QuorumResult
 
 ResultOf = Callable[[], QuorumResult]
 
 
-def ask_on_loop(
-    client: LocalManagerClient,
+def ask_quorum(
+    client: ManagerClientProtocol,
     request: Callable[[], Any],
     timeout: timedelta,
     settle: Callable[[float, ResultOf], None],
     quorum_id: Callable[[], int],
     executor: Executor,
 ) -> Future[None]:
-    """The step's quorum, asked on the group's server loop through `client`;
-    done once `settle(start, result_of)` has taken the answer: there when it
-    is `steady` for the group's current `quorum_id()`, else on `executor`."""
+    """The step's quorum, done once `settle(start, result_of)` has taken the
+    answer. Group rank 0 (a LocalManagerClient) asks on its server's loop,
+    and a `steady` answer for the group's current `quorum_id()` is settled
+    there; any other answer, and every other rank's gRPC call, on
+    `executor` (the quorum thread)."""
     start = time.monotonic()
     settle_now = partial(settle, start)
+    if not isinstance(client, LocalManagerClient):
+        return executor.submit(settle_now, lambda: client.quorum(request(), timeout))
     try:
         asked = client.quorum_future(request(), timeout)
     except Exception as e:  # settled as any failed quorum

@@ -255,6 +255,25 @@ class GoneWatch:
         if now is not None:
             self._abort(quorum_id, now)
 
+    def join(self, quorum_id: int, store: str, replica_id: str, rank: int, size: int) -> None:
+        """Configures the process group for quorum `quorum_id` unless a member
+        of it is gone, before or during the setup (`unless_gone`): then the
+        group it was joining is aborted, and never installed.
+
+        Raises:
+            MemberGoneError: a member of the quorum is gone.
+        """
+        try:
+            self.unless_gone(
+                quorum_id,
+                lambda: self._pg.configure(store, replica_id, rank, size),
+                "process group setup",
+            )
+        except MemberGoneError:
+            if hasattr(self._pg, "abort"):
+                self._pg.abort()
+            raise
+
     def unless_gone(self, quorum_id: int, work: Callable[[], None], what: str) -> None:
         """Runs `work`, a blocking part of quorum `quorum_id`'s setup (the
         process group joining it: store connects, rendezvous), and returns

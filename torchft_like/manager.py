@@ -32,7 +32,7 @@ from lighthouse.rpc.tls import TLSConfig
 from torchft_like import healing, parent_watch
 from torchft_like._batch_claims import BatchClaims
 from torchft_like._manager_views import ManagerViews
-from torchft_like._quorum_on_loop import ask_on_loop
+from torchft_like._quorum_on_loop import ask_quorum
 from torchft_like._state_gate import StateReadGate
 from torchft_like._step_state import StepState
 from torchft_like._training_thread import TrainingThreadReads
@@ -45,7 +45,7 @@ from torchft_like.commit import check_retries, rank_vote
 from torchft_like.fingerprint import step_fingerprint
 from torchft_like.gone_watch import GoneWatch, MemberGoneError
 from torchft_like.group_quorum import QuorumRequest
-from torchft_like.manager_client import LocalManagerClient, ManagerClient, ManagerClientProtocol
+from torchft_like.manager_client import ManagerClient, ManagerClientProtocol
 from torchft_like.manager_config import WorldSizeMode, resolve_config
 from torchft_like.metrics import ManagerMetrics
 from torchft_like.rank_startup import (
@@ -294,19 +294,14 @@ class Manager(ManagerViews):
         self._collectives_ready.clear()
         args = (shrink_only, state_fingerprint, self._claims.take())
         timeout = timeout or self.config.quorum_timeout
-        if isinstance(self._client, LocalManagerClient):
-            self._quorum_future = ask_on_loop(
-                self._client,
-                partial(self._quorum_request, *args),
-                timeout,
-                partial(self._settle_quorum, allow_heal),
-                lambda: self._quorum_id,
-                self._executor,
-            )
-        else:
-            self._quorum_future = self._executor.submit(
-                self._async_quorum, allow_heal, timeout, args
-            )
+        self._quorum_future = ask_quorum(
+            self._client,
+            partial(self._quorum_request, *args),
+            timeout,
+            partial(self._settle_quorum, allow_heal),
+            lambda: self._quorum_id,
+            self._executor,
+        )
         self._quorum_future.add_done_callback(lambda _: self._training_thread.wake())
         # A replica of a fresh job (every replica at step 0) may receive the
         # initial weights (init_sync): applying them before the forward pass
@@ -353,11 +348,6 @@ class Manager(ManagerViews):
             heal_report=self._heal_report,
             batch_slot=batch_slot,
         )
-
-    def _async_quorum(self, allow_heal: bool, timeout: timedelta, args: tuple[Any, ...]) -> None:
-        """On the quorum thread: ask our group's server over gRPC, apply."""
-        ask = lambda: self._client.quorum(self._quorum_request(*args), timeout)  # noqa: E731
-        self._settle_quorum(allow_heal, time.monotonic(), ask)
 
     def _settle_quorum(
         self, allow_heal: bool, start: float, result_of: Callable[[], QuorumResult]
@@ -406,16 +396,7 @@ class Manager(ManagerViews):
                 store,
             )
             rank, size = result.replica_rank, result.replica_world_size
-            try:
-                self._gone.unless_gone(
-                    result.quorum_id,
-                    lambda: self._pg.configure(store, self.replica_id, rank, size),
-                    "process group setup",
-                )
-            except MemberGoneError:
-                if hasattr(self._pg, "abort"):
-                    self._pg.abort()  # what it joins is not installed when it ends
-                raise
+            self._gone.join(result.quorum_id, store, self.replica_id, rank, size)
             self._quorum_id = result.quorum_id
         self._gone.quorum_applied(result.quorum_id)
         transport = self._checkpoint_transport

@@ -20,12 +20,10 @@ from dataclasses import replace
 from datetime import timedelta
 from typing import Any
 
-from grpc import aio
-
 from lighthouse.client import AsyncLighthouseClient
 from lighthouse.compat import refusals, training_members
 from lighthouse.quorum import Quorum, QuorumMember
-from lighthouse.rpc import auth, errors, serve
+from lighthouse.rpc import auth, serve
 from lighthouse.rpc.address import advertised_host, join_host_port, parse_bind
 from lighthouse.rpc.errors import (
     DuplicateGroupError,
@@ -36,15 +34,14 @@ from lighthouse.rpc.errors import (
     QuorumTimeoutError,
 )
 from lighthouse.rpc.loop import BackgroundLoop, reply_budget_s, wait_for_future
-from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.rpc.tls import TLSConfig, scheme
-from torchft_like import wire
 from torchft_like._quorum_gate import QuorumGate
 from torchft_like._round import Round
 from torchft_like.gone_watch import GroupNotices
 from torchft_like.group_quorum import QuorumRequest, merge_requests
 from torchft_like.manager_client import ManagerClient
+from torchft_like.manager_servicer import ManagerServicer
 from torchft_like.recovery import QuorumResult, compute_quorum_result
 
 __all__ = ["ManagerClient", "ManagerServer"]
@@ -165,7 +162,7 @@ class ManagerServer:
         self._lighthouse.on_gone = self._on_gone
         self._server = serve.new_server(
             pb_grpc.add_ManagerServiceServicer_to_server,
-            _ManagerServicer(self),
+            ManagerServicer(self),
             self._secret,
             "manager server",
         )
@@ -571,53 +568,6 @@ class ManagerServer:
                 logger.info("[%s] could not tell the lighthouse we leave: %s", self.replica_id, e)
         await self._server.stop(grace=None)
         await self._lighthouse.close()
-
-
-class _ManagerServicer:
-    """ManagerService, registered by its method names. Thin: converts, calls
-    the server, converts back, maps errors (lighthouse.rpc.errors)."""
-
-    def __init__(self, server: ManagerServer) -> None:
-        self._s = server
-
-    async def Quorum(
-        self, request: pb.ManagerQuorumRequest, context: aio.ServicerContext[Any, Any]
-    ) -> pb.ManagerQuorumResponse:
-        try:
-            req = wire.quorum_request_from_proto(request)
-            result = await self._s.quorum(req, reply_budget_s(context.time_remaining()))
-        except Exception as e:
-            await errors.abort(context, e)
-        return wire.result_to_proto(result)
-
-    async def ShouldCommit(
-        self, request: pb.ShouldCommitRequest, context: aio.ServicerContext[Any, Any]
-    ) -> pb.ShouldCommitResponse:
-        try:
-            group_rank, step, vote = wire.should_commit_request_from_proto(request)
-            budget_s = reply_budget_s(context.time_remaining())
-            decision = await self._s.should_commit(group_rank, step, vote, budget_s)
-        except Exception as e:
-            await errors.abort(context, e)
-        return pb.ShouldCommitResponse(should_commit=decision)
-
-    async def CheckpointMetadata(
-        self, request: pb.CheckpointMetadataRequest, context: aio.ServicerContext[Any, Any]
-    ) -> pb.CheckpointMetadataResponse:
-        try:
-            metadata = self._s.checkpoint_metadata(request.rank)
-        except Exception as e:
-            await errors.abort(context, e)
-        return pb.CheckpointMetadataResponse(checkpoint_metadata=metadata)
-
-    async def Kill(
-        self, request: pb.KillRequest, context: aio.ServicerContext[Any, Any]
-    ) -> pb.KillResponse:
-        try:
-            self._s.remote_kill(request.msg, context.peer())
-        except Exception as e:
-            await errors.abort(context, e)
-        return pb.KillResponse()
 
 
 def _settle(future: asyncio.Future[None]) -> None:

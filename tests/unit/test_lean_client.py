@@ -18,8 +18,9 @@ from lighthouse import LighthouseServer
 from lighthouse.client import AsyncLighthouseClient
 from lighthouse.quorum import QuorumMember
 from lighthouse.rpc import auth, lean_client
+from lighthouse.rpc.client_connection import ClientConnection
 from lighthouse.rpc.frames import literal
-from lighthouse.rpc.lean_client import CallFailed, ClientConnection, LeanChannel, Unavailable
+from lighthouse.rpc.lean_client import CallFailed, LeanChannel, Unavailable
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from tests.unit.test_lean_server import SECRET, serving
 

@@ -1,4 +1,4 @@
-"""lighthouse.rpc.lean_client.ClientConnection against a server that breaks the rules or
+"""lighthouse.rpc.client_connection.ClientConnection against a server that breaks the rules or
 sends too much: a connection fed bytes through a fake transport, its writes parsed (no
 sockets). Each row: what the server sends while a unary call (stream 1) and a streaming
 call (stream 3) are open, and the outcome: ("aborted", code, pattern) the connection
@@ -17,6 +17,16 @@ from collections.abc import Callable
 import grpc
 import pytest
 
+from lighthouse.rpc.client_connection import (
+    MAX_FRAME,
+    MAX_HEADER_BLOCK,
+    MAX_MESSAGE_BYTES,
+    MAX_WRITE_BUFFER,
+    RECV_WINDOW,
+    CallFailed,
+    ClientConnection,
+    Unavailable,
+)
 from lighthouse.rpc.frames import (
     ACK,
     CANCEL,
@@ -43,16 +53,6 @@ from lighthouse.rpc.frames import (
     encode_int,
     frame,
     literal,
-)
-from lighthouse.rpc.lean_client import (
-    MAX_FRAME,
-    MAX_HEADER_BLOCK,
-    MAX_MESSAGE_BYTES,
-    MAX_WRITE_BUFFER,
-    RECV_WINDOW,
-    CallFailed,
-    ClientConnection,
-    Unavailable,
 )
 from tests.unit.h2_fakes import FakeTransport
 

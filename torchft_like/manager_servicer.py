@@ -1,0 +1,75 @@
+"""The gRPC face of a group's ManagerServer: ManagerService's four calls,
+each turned into the server's own call and its errors into statuses
+(lighthouse.rpc.errors). Peers and other ranks call it; rank 0 calls the
+server in process (manager_client.LocalManagerClient)."""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from grpc import aio
+
+from lighthouse.rpc import errors
+from lighthouse.rpc.loop import reply_budget_s
+from lighthouse.rpc.proto import torchft_pb2 as pb
+from torchft_like import wire
+from torchft_like.group_quorum import QuorumRequest
+from torchft_like.recovery import QuorumResult
+
+
+class GroupCalls(Protocol):
+    """What the servicer asks of the ManagerServer."""
+
+    async def quorum(self, request: QuorumRequest, timeout_s: float | None) -> QuorumResult: ...
+    async def should_commit(
+        self, group_rank: int, step: int, vote: bool, timeout_s: float | None = None
+    ) -> bool: ...
+    def checkpoint_metadata(self, rank: int) -> str: ...
+    def remote_kill(self, msg: str, peer: str) -> None: ...
+
+
+class ManagerServicer:
+    """ManagerService, registered by its method names. Thin: converts, calls
+    the server, converts back, maps errors (lighthouse.rpc.errors)."""
+
+    def __init__(self, server: GroupCalls) -> None:
+        self._s = server
+
+    async def Quorum(
+        self, request: pb.ManagerQuorumRequest, context: aio.ServicerContext[Any, Any]
+    ) -> pb.ManagerQuorumResponse:
+        try:
+            req = wire.quorum_request_from_proto(request)
+            result = await self._s.quorum(req, reply_budget_s(context.time_remaining()))
+        except Exception as e:
+            await errors.abort(context, e)
+        return wire.result_to_proto(result)
+
+    async def ShouldCommit(
+        self, request: pb.ShouldCommitRequest, context: aio.ServicerContext[Any, Any]
+    ) -> pb.ShouldCommitResponse:
+        try:
+            group_rank, step, vote = wire.should_commit_request_from_proto(request)
+            budget_s = reply_budget_s(context.time_remaining())
+            decision = await self._s.should_commit(group_rank, step, vote, budget_s)
+        except Exception as e:
+            await errors.abort(context, e)
+        return pb.ShouldCommitResponse(should_commit=decision)
+
+    async def CheckpointMetadata(
+        self, request: pb.CheckpointMetadataRequest, context: aio.ServicerContext[Any, Any]
+    ) -> pb.CheckpointMetadataResponse:
+        try:
+            metadata = self._s.checkpoint_metadata(request.rank)
+        except Exception as e:
+            await errors.abort(context, e)
+        return pb.CheckpointMetadataResponse(checkpoint_metadata=metadata)
+
+    async def Kill(
+        self, request: pb.KillRequest, context: aio.ServicerContext[Any, Any]
+    ) -> pb.KillResponse:
+        try:
+            self._s.remote_kill(request.msg, context.peer())
+        except Exception as e:
+            await errors.abort(context, e)
+        return pb.KillResponse()
