@@ -155,8 +155,12 @@ def test_a_notice_ends_a_rank_s_process_group_setup_for_that_quorum_at_once():
         # A notice heard before the setup begins ends it before it starts.
         with pytest.raises(MemberGoneError):
             watch.unless_gone(8, lambda: time.sleep(60), "process group setup")
-        # The abandoned join ends at its own timeout and installs nothing.
-        time.sleep(4)
+        # The abandoned join ends at its own timeout (3 s) and installs nothing.
+        wait_until(
+            lambda: not any(t.name == "torchft_process_group_setup" for t in threading.enumerate()),
+            10,
+            "the abandoned join to time out",
+        )
         with pytest.raises(RuntimeError, match="aborted"):
             pg.allreduce([torch.ones(1)], dist.AllreduceOptions()).wait()
         # A setup no notice concerns returns, or raises its own error.

@@ -62,3 +62,37 @@ class FakeTransport:
             pos += 9 + length
         self.out.clear()
         return out
+
+
+REQUEST = [
+    (":method", "POST"),
+    (":scheme", "http"),
+    (":path", "/svc/M"),
+    (":authority", "x"),
+    ("content-type", "application/grpc"),
+]
+"""A gRPC request's header list."""
+
+
+class RecordingHandler:
+    """A server connection's StreamHandler that records each stream event."""
+
+    def __init__(self) -> None:
+        self.events: list[tuple[Any, ...]] = []
+
+    def on_headers(self, conn: Any, stream_id: int, headers: list[tuple[str, str]]) -> None:
+        self.events.append(("headers", stream_id, dict(headers)))
+
+    def on_data(self, conn: Any, stream_id: int, data: bytes, end: bool) -> None:
+        self.events.append(("data", stream_id, data, end))
+
+    def on_closed(self, conn: Any, stream_id: int) -> None:
+        self.events.append(("closed", stream_id))
+
+    @property
+    def opened(self) -> list[int]:
+        return [e[1] for e in self.events if e[0] == "headers"]
+
+    @property
+    def closed(self) -> list[int]:
+        return [e[1] for e in self.events if e[0] == "closed"]

@@ -24,29 +24,7 @@ from lighthouse.rpc.frames import (
 )
 from lighthouse.rpc.http2 import Connection
 from lighthouse.rpc.limits import LIMITS
-from tests.unit.h2_fakes import FakeTransport
-
-REQUEST = [
-    (":method", "POST"),
-    (":scheme", "http"),
-    (":path", "/svc/M"),
-    (":authority", "x"),
-    ("content-type", "application/grpc"),
-]
-
-
-class _Handler:
-    def __init__(self) -> None:
-        self.events: list[tuple] = []
-
-    def on_headers(self, conn, stream_id, headers):
-        self.events.append(("headers", stream_id, dict(headers)))
-
-    def on_data(self, conn, stream_id, data, end):
-        self.events.append(("data", stream_id, data, end))
-
-    def on_closed(self, conn, stream_id):
-        self.events.append(("closed", stream_id))
+from tests.unit.h2_fakes import REQUEST, FakeTransport, RecordingHandler
 
 
 @pytest.fixture
@@ -54,7 +32,7 @@ def conn():
     """A connection past the preface and the client's (empty) SETTINGS."""
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
-    handler = _Handler()
+    handler = RecordingHandler()
     c = Connection(handler)
     t = FakeTransport()
     c.connection_made(t)
@@ -101,7 +79,7 @@ def test_protocol_errors_close_with_goaway_and_pings_are_echoed(payload, closed)
     loop = asyncio.new_event_loop()
     asyncio.set_event_loop(loop)
     try:
-        c, t = Connection(_Handler()), FakeTransport()
+        c, t = Connection(RecordingHandler()), FakeTransport()
         c.connection_made(t)
         c.data_received((b"" if payload.startswith(b"GET") else http2.PREFACE) + payload)
         frames = t.frames()

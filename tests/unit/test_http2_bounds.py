@@ -30,30 +30,7 @@ from lighthouse.rpc.frames import (
 from lighthouse.rpc.http2 import Connection
 from lighthouse.rpc.lean_server import MAX_MESSAGE_BYTES, decompressed, echo
 from lighthouse.rpc.limits import LIMITS, Limits, ProcessBudget, TokenBucket
-from tests.unit.h2_fakes import FakeTransport
-
-REQUEST = [
-    (":method", "POST"),
-    (":scheme", "http"),
-    (":path", "/svc/M"),
-    (":authority", "x"),
-    ("content-type", "application/grpc"),
-]
-
-
-class _Handler:
-    def __init__(self) -> None:
-        self.opened: list[int] = []
-        self.closed: list[int] = []
-
-    def on_headers(self, conn, stream_id, headers):
-        self.opened.append(stream_id)
-
-    def on_data(self, conn, stream_id, data, end):
-        pass
-
-    def on_closed(self, conn, stream_id):
-        self.closed.append(stream_id)
+from tests.unit.h2_fakes import REQUEST, FakeTransport, RecordingHandler
 
 
 @pytest.fixture
@@ -66,7 +43,7 @@ def loop():
 
 
 def _connect(limits: Limits = LIMITS, budget: ProcessBudget | None = None):
-    handler, t = _Handler(), FakeTransport()
+    handler, t = RecordingHandler(), FakeTransport()
     conn = Connection(handler, limits=limits, budget=budget)
     conn.connection_made(t)
     conn.data_received(frames.PREFACE + frame(SETTINGS, 0, 0, b""))

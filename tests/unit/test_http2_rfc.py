@@ -17,8 +17,7 @@ import pytest
 
 from lighthouse.rpc.frames import PREFACE, frame
 from lighthouse.rpc.http2 import Connection
-from tests.unit.h2_fakes import FakeTransport
-from tests.unit.test_http2 import REQUEST, _Handler
+from tests.unit.h2_fakes import REQUEST, FakeTransport, RecordingHandler
 
 # RFC 9113's numbers (sections 6, 7 and 11), spelled out here, not taken from the code under test.
 DATA, HEADERS, PRIORITY, RST_STREAM, SETTINGS, PUSH_PROMISE, PING, GOAWAY = range(8)
@@ -52,7 +51,7 @@ class Peer:
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop, self.errors = loop, list[dict]()
         loop.set_exception_handler(lambda _, context: self.errors.append(context))
-        self.handler, self.t, self.enc = _Handler(), FakeTransport(), hpack.Encoder()
+        self.handler, self.t, self.enc = RecordingHandler(), FakeTransport(), hpack.Encoder()
         self.conn = Connection(self.handler)
         self.opened: set[int] = set()
         """Streams the row opened with a valid request: the handler may know them."""
