@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import logging
 import os
@@ -36,6 +35,8 @@ from torchft import (  # noqa: E402
     Optimizer,
     ProcessGroupGloo,
 )
+
+from torchft_like.manager.fingerprint import fingerprint  # noqa: E402
 
 parser = argparse.ArgumentParser(allow_abbrev=False)
 parser.add_argument("--steps", type=int, default=500)
@@ -128,14 +129,10 @@ manager._checkpoint_transport.recv_checkpoint = timed_recv  # type: ignore[metho
 
 
 def state_hash() -> str:
-    digest = hashlib.sha256()
-    tensors = list(model.state_dict().items())
-    for index, state in sorted(inner_optimizer.state_dict()["state"].items()):
-        tensors += [(f"optim.{index}.{k}", v) for k, v in sorted(state.items())]
-    for key, value in tensors:
-        digest.update(key.encode())
-        digest.update(value.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]
+    """Fingerprint of the model and optimizer state: equal only if bit-identical."""
+    return fingerprint(
+        {"model": model.state_dict(), "optim": inner_optimizer.state_dict()["state"]}
+    )
 
 
 def emit(record: dict) -> None:

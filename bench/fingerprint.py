@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from bench._report import add_common_args, report, results_file
-from torchft_like.fingerprint import fingerprint
+from torchft_like.manager.fingerprint import fingerprint
 
 
 def main() -> None:

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import hashlib
 import json
 import logging
 import os
@@ -56,6 +55,7 @@ from torchft_like import (  # noqa: E402
 )
 from torchft_like.checkpointing.durable import DurableCheckpointer  # noqa: E402
 from torchft_like.checkpointing.pg_transport import PGTransport  # noqa: E402
+from torchft_like.manager.fingerprint import fingerprint  # noqa: E402
 from torchft_like.standby import take_replica_group, wait_for_replica_group  # noqa: E402
 
 # --- arguments --------------------------------------------------------------
@@ -325,15 +325,10 @@ log.info("ready in %.2f s (replica %s)", ready_time - START_TIME, manager.replic
 
 
 def state_hash() -> str:
-    """Hash of the model and optimizer state: equal only if bit-identical."""
-    digest = hashlib.sha256()
-    tensors = list(model.state_dict().items())
-    for index, state in sorted(inner_optimizer.state_dict()["state"].items()):
-        tensors += [(f"optim.{index}.{k}", v) for k, v in sorted(state.items())]
-    for key, value in tensors:
-        digest.update(key.encode())
-        digest.update(value.detach().cpu().reshape(-1).view(torch.uint8).numpy().tobytes())
-    return digest.hexdigest()[:16]
+    """Fingerprint of the model and optimizer state: equal only if bit-identical."""
+    return fingerprint(
+        {"model": model.state_dict(), "optim": inner_optimizer.state_dict()["state"]}
+    )
 
 
 def emit(record: dict) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import hashlib
 import json
 import logging
 import math
@@ -40,6 +39,7 @@ from torch import nn  # noqa: E402
 from torchft_like import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo  # noqa: E402
 from torchft_like.collectives import quantized_nbytes, ring_allreduce_nbytes  # noqa: E402
 from torchft_like.local_sgd import DiLoCo, LocalSGD  # noqa: E402
+from torchft_like.manager.fingerprint import fingerprint  # noqa: E402
 
 # --- arguments --------------------------------------------------------------
 
@@ -260,26 +260,20 @@ log.info("%s, %d parameters, %d committed syncs to go", args.algo, num_params, t
 
 
 def state_hash() -> str:
-    """Hash of what every group must share after a sync: the global
+    """Fingerprint of what every group must share after a sync: the global
     parameters and the outer optimizer (DiLoCo), else the model, and the
     Manager's step. Inner optimizer states are each group's own."""
-    digest = hashlib.sha256(str(manager.current_step()).encode())
-    if args.algo == "diloco":
-        user = manager.full_state_dict()["user"]
-        tensors = []
-        for i in range(len(fragments)):
-            frag = user[f"StreamingDiLoCoFragment_{i}"]
-            tensors += sorted(frag["original_parameters"].items())
-            for index, st in sorted(frag["outer_optimizer"]["state"].items()):
-                tensors += [(f"outer{i}.{index}.{k}", v) for k, v in sorted(st.items())]
-    else:
-        tensors = sorted(model.state_dict().items())
-    for key, value in tensors:
-        digest.update(key.encode())
-        digest.update(
-            torch.as_tensor(value).detach().reshape(-1).view(torch.uint8).numpy().tobytes()
-        )
-    return digest.hexdigest()[:16]
+    if args.algo != "diloco":
+        return fingerprint({"step": manager.current_step(), "model": model.state_dict()})
+    user = manager.full_state_dict()["user"]
+    shared = [
+        {
+            k: user[f"StreamingDiLoCoFragment_{i}"][k]
+            for k in ("original_parameters", "outer_optimizer")
+        }
+        for i in range(len(fragments))
+    ]
+    return fingerprint({"step": manager.current_step(), "fragments": shared})
 
 
 # --- training loop ----------------------------------------------------------

@@ -22,13 +22,7 @@ from lighthouse import wire
 from lighthouse.quorum import Quorum, QuorumMember
 from lighthouse.rpc import auth, lean_client
 from lighthouse.rpc.address import url_to_target
-from lighthouse.rpc.channel import (
-    aio_channel,
-    blocking_channel,
-    check_reachable,
-    tls_refusal,
-    unreachable,
-)
+from lighthouse.rpc.channel import BlockingCalls, aio_channel, tls_refusal, unreachable
 from lighthouse.rpc.errors import (
     FreshStartRefusedError,
     QuorumError,
@@ -81,19 +75,9 @@ class LighthouseClient:
         tls: TLSConfig | None = None,
     ) -> None:
         self.addr = addr
-        self._connect_timeout = connect_timeout
-        self._tls = tls
-        self._target = lighthouse_target(addr, tls)
-        self._channel = blocking_channel(self._target, secret, tls)
-        self._stub = pb_grpc.LighthouseServiceStub(self._channel)
-        self._connected = False
-
-    def _ensure_connected(self) -> None:
-        if not self._connected:
-            check_reachable(
-                self._target, f"lighthouse {self.addr}", self._connect_timeout, self._tls
-            )
-            self._connected = True
+        target = lighthouse_target(addr, tls)
+        self._calls = BlockingCalls(target, f"lighthouse {addr}", connect_timeout, secret, tls)
+        self._stub = pb_grpc.LighthouseServiceStub(self._calls.channel)
 
     def quorum(
         self,
@@ -126,15 +110,8 @@ class LighthouseClient:
             data=wire.encode_data(data),
             commit_failures=commit_failures,
         )
-        self._ensure_connected()
-        try:
-            response = self._stub.Quorum(
-                pb.LighthouseQuorumRequest(requester=wire.member_to_proto(member)),
-                timeout=timeout.total_seconds(),
-            )
-        except grpc.RpcError as e:
-            self._connected = e.code() != grpc.StatusCode.UNAVAILABLE
-            raise from_rpc_error(e, f"lighthouse {self.addr}", "Quorum") from None
+        request = pb.LighthouseQuorumRequest(requester=wire.member_to_proto(member))
+        response = self._calls.call(self._stub.Quorum, request, timeout.total_seconds(), "Quorum")
         quorum = wire.quorum_from_proto(response.quorum)
         # pytorch/torchft's client hands out `data` decoded; our servers keep
         # the text (AsyncLighthouseClient), which they only forward or parse.
@@ -145,27 +122,15 @@ class LighthouseClient:
         return dataclasses.replace(quorum, participants=members)
 
     def heartbeat(self, replica_id: str, timeout: timedelta = timedelta(seconds=5)) -> None:
-        self._ensure_connected()
-        try:
-            self._stub.Heartbeat(
-                pb.LighthouseHeartbeatRequest(replica_id=replica_id),
-                timeout=timeout.total_seconds(),
-            )
-        except grpc.RpcError as e:
-            self._connected = e.code() != grpc.StatusCode.UNAVAILABLE
-            raise from_rpc_error(e, f"lighthouse {self.addr}", "Heartbeat") from None
+        request = pb.LighthouseHeartbeatRequest(replica_id=replica_id)
+        self._calls.call(self._stub.Heartbeat, request, timeout.total_seconds(), "Heartbeat")
 
     def leave(self, replica_id: str, timeout: timedelta = timedelta(seconds=5)) -> None:
         """Tells the lighthouse we stop on purpose. A lighthouse that does not
         know Leave (pytorch/torchft's) is fine: our heartbeats just expire."""
-        self._ensure_connected()
-        try:
-            self._stub.Leave(
-                pb.LighthouseLeaveRequest(replica_id=replica_id), timeout=timeout.total_seconds()
-            )
-        except grpc.RpcError as e:
-            if e.code() != grpc.StatusCode.UNIMPLEMENTED:
-                raise from_rpc_error(e, f"lighthouse {self.addr}", "Leave") from None
+        request = pb.LighthouseLeaveRequest(replica_id=replica_id)
+        unimplemented = (grpc.StatusCode.UNIMPLEMENTED,)
+        self._calls.call(self._stub.Leave, request, timeout.total_seconds(), "Leave", unimplemented)
 
     def take_replica_group(
         self,
@@ -186,8 +151,11 @@ class LighthouseClient:
             ValueError, PermissionError: the lighthouse refused the request.
         """
         deadline = None if timeout is None else time.monotonic() + timeout.total_seconds()
-        retried = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                   grpc.StatusCode.ABORTED)  # fmt: skip
+        retried = (
+            grpc.StatusCode.UNAVAILABLE,
+            grpc.StatusCode.DEADLINE_EXCEEDED,
+            grpc.StatusCode.ABORTED,
+        )
         while True:
             left_s = poll.total_seconds()
             if deadline is not None:
@@ -216,7 +184,7 @@ class LighthouseClient:
                 return str(response.replica_group)
 
     def close(self) -> None:
-        self._channel.close()
+        self._calls.close()
 
 
 class AsyncLighthouseClient:

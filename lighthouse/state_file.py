@@ -193,7 +193,10 @@ def log_start(state: StateFile | None, allow_fresh_start: bool) -> None:
         r = state.restored
         logger.info(
             "state file %s: high-water mark step %d, last quorum %d of %d members",
-            state.path, r.high_water_step, r.quorum_id, len(r.members),
-        )  # fmt: skip
+            state.path,
+            r.high_water_step,
+            r.quorum_id,
+            len(r.members),
+        )
     if allow_fresh_start:
         logger.warning("--allow-fresh-start: groups all at step 0 may start the job over")

@@ -65,7 +65,7 @@ from torch.distributed import TCPStore
 
 from lighthouse.rpc.loop import set_batch_policy
 from torchft_like.collectives import InOrderCollectives
-from torchft_like.manager_config import ManagerConfig
+from torchft_like.manager.config import ManagerConfig
 
 logger = logging.getLogger(__name__)
 
@@ -204,9 +204,12 @@ class GoneWatch:
             manager_server.add_gone_listener(self._heard_in_server)
         elif config.world_size > 1:
             watch_store = TCPStore(
-                config.store_addr, config.store_port, is_master=False, wait_for_workers=False,
+                config.store_addr,
+                config.store_port,
+                is_master=False,
+                wait_for_workers=False,
                 timeout=timedelta(days=1),
-            )  # fmt: skip
+            )
             self._watcher = threading.Thread(
                 target=self._watch, args=(watch_store,), name="torchft_gone_watch", daemon=True
             )
@@ -335,9 +338,11 @@ class GoneWatch:
         """Rank 0, on the ManagerServer's loop: off it at once (publishing and
         settling futures run DDP's callbacks, which must not hold the loop)."""
         threading.Thread(
-            target=self._publish_and_notice, args=(quorum_id, gone), daemon=True,
+            target=self._publish_and_notice,
+            args=(quorum_id, gone),
+            daemon=True,
             name="torchft_gone_notice",
-        ).start()  # fmt: skip
+        ).start()
 
     def _publish_and_notice(self, quorum_id: int, gone: tuple[str, ...]) -> None:
         if self._world_size > 1:

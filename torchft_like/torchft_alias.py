@@ -75,7 +75,7 @@ MISSING_NAMES = {
             "ProcessGroupBabyXCCL",
         ),
         _NO_NCCL,
-    ),  # fmt: skip
+    ),
     "torchft_like.device_mesh": {
         "ManagedDeviceMesh": "ft_init_device_mesh returns a real torch DeviceMesh instead",
         "extend_device_mesh": "build the mesh with ft_init_device_mesh",

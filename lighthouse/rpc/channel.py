@@ -5,13 +5,14 @@ from __future__ import annotations
 import socket
 import time
 from datetime import timedelta
+from typing import Any
 
 import grpc
 from grpc import aio
 
 from lighthouse.rpc import auth
 from lighthouse.rpc.address import parse_bind
-from lighthouse.rpc.errors import LighthouseUnavailableError
+from lighthouse.rpc.errors import LighthouseUnavailableError, from_rpc_error
 from lighthouse.rpc.tls import FIX, TLSConfig, probe
 
 CHANNEL_OPTIONS = [
@@ -108,3 +109,60 @@ def check_reachable(
         refused = tls_refusal(target, what, tls, max(deadline - time.monotonic(), 1.0))
         if refused is not None:
             raise refused
+
+
+class BlockingCalls:
+    """Blocking calls to one gRPC server, as both of our blocking clients
+    make them (LighthouseClient, ManagerClient): the server is checked
+    reachable (`check_reachable`) before the first call and again after one
+    found it unavailable, and a failed call raises our error naming `peer`.
+
+    Args:
+        target: `host:port`.
+        peer: how errors name the server, e.g. "lighthouse http://h:29510".
+    """
+
+    def __init__(
+        self,
+        target: str,
+        peer: str,
+        connect_timeout: timedelta,
+        secret: str | None,
+        tls: TLSConfig | None,
+    ) -> None:
+        self.peer = peer
+        self.channel = blocking_channel(target, secret, tls)
+        """For the caller's stub."""
+        self._target = target
+        self._connect_timeout = connect_timeout
+        self._tls = tls
+        self._connected = False
+
+    def call(
+        self,
+        method: Any,
+        request: Any,
+        timeout_s: float,
+        what: str,
+        tolerated: tuple[grpc.StatusCode, ...] = (),
+    ) -> Any:
+        """`method(request)` within `timeout_s`; None for a `tolerated` status.
+
+        Raises:
+            LighthouseUnavailableError, QuorumError, ValueError, ...: the
+                call failed (lighthouse.rpc.errors.from_rpc_error names `what`).
+        """
+        if not self._connected:
+            check_reachable(self._target, self.peer, self._connect_timeout, self._tls)
+            self._connected = True
+        try:
+            return method(request, timeout=timeout_s)
+        except grpc.RpcError as e:
+            code = e.code()
+            self._connected = code != grpc.StatusCode.UNAVAILABLE
+            if code in tolerated:
+                return None
+            raise from_rpc_error(e, self.peer, what) from None
+
+    def close(self) -> None:
+        self.channel.close()

@@ -116,9 +116,20 @@ class _Call:
     """One call: its stream, its handler and the `ServicerContext` it is given."""
 
     __slots__ = (
-        "conn", "stream_id", "handler", "method", "deadline", "metadata",
-        "body", "requests", "task", "headers_sent", "done", "timer", "encoding",
-    )  # fmt: skip
+        "conn",
+        "stream_id",
+        "handler",
+        "method",
+        "deadline",
+        "metadata",
+        "body",
+        "requests",
+        "task",
+        "headers_sent",
+        "done",
+        "timer",
+        "encoding",
+    )
 
     def __init__(self, conn: Connection, stream_id: int, handler: Any, method: str) -> None:
         self.conn = conn
@@ -462,8 +473,9 @@ class LeanServer:
         if call.deadline is not None:
             call.timer = asyncio.get_running_loop().call_at(
                 asyncio.get_running_loop().time() + (call.time_remaining() or 0.0),
-                self._overdue, call,
-            )  # fmt: skip
+                self._overdue,
+                call,
+            )
 
     def _settle(self, call: _Call, task: asyncio.Task[Any]) -> None:
         """A handler that waited has ended: answers with its result or error."""

@@ -1,5 +1,5 @@
 """A small read-only HTTP server of Prometheus metrics (GET /metrics), for
-the replica groups' Managers (torchft_like.metrics); the lighthouse serves
+the replica groups' Managers (torchft_like.manager.metrics); the lighthouse serves
 its own on its status page."""
 
 from __future__ import annotations

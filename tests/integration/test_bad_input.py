@@ -33,9 +33,9 @@ from lighthouse import (
 )
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from torchft_like.checkpointing import HTTPTransport
-from torchft_like.group_quorum import QuorumRequest
-from torchft_like.manager_client import ManagerClient
-from torchft_like.manager_server import ManagerServer
+from torchft_like.manager.client import ManagerClient
+from torchft_like.manager.group_request import QuorumRequest
+from torchft_like.manager.server import ManagerServer
 
 pytestmark = [
     pytest.mark.timeout(60),

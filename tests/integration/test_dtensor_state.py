@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tenso
 
 from tools.procs import free_port
 from torchft_like.checkpointing import HTTPTransport, _format
-from torchft_like.fingerprint import fingerprint
+from torchft_like.manager.fingerprint import fingerprint
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=10)

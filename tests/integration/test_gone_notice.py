@@ -23,10 +23,10 @@ from tests.waiting import wait_until
 from torchft_like._work import FutureWork
 from torchft_like.collectives import InOrderCollectives
 from torchft_like.gone_watch import GoneWatch, MemberGoneError
-from torchft_like.group_quorum import QuorumRequest
-from torchft_like.manager_client import LocalManagerClient
-from torchft_like.manager_config import resolve_config
-from torchft_like.manager_server import ManagerServer
+from torchft_like.manager.client import LocalManagerClient
+from torchft_like.manager.config import resolve_config
+from torchft_like.manager.group_request import QuorumRequest
+from torchft_like.manager.server import ManagerServer
 from torchft_like.process_group import ProcessGroupGloo
 
 pytestmark = pytest.mark.timeout(60)
@@ -54,9 +54,10 @@ def test_the_live_member_hears_at_once_that_the_other_died_and_nothing_else():
                 pool.submit(LocalManagerClient(s).quorum, QuorumRequest(0, 0), T) for s in servers
             ]
             quorum_id = asks[0].result().quorum_id
-        # A notice about another quorum, or naming no member of ours, is dropped.
-        servers[0]._on_gone(quorum_id - 1, ("g1:x",))
-        servers[0]._on_gone(quorum_id, ("z:y",))
+        # A notice (as the lighthouse client hands it over) about another
+        # quorum, or naming no member of ours, is dropped.
+        servers[0].session.client.on_gone(quorum_id - 1, ("g1:x",))
+        servers[0].session.client.on_gone(quorum_id, ("z:y",))
         assert heard == []
         start = time.monotonic()
         servers[1].shutdown(leave=False)  # its stream closes, as when its process dies

@@ -16,7 +16,7 @@ from lighthouse.client import AsyncLighthouseClient
 from lighthouse.pacing import advised_interval_ms
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
-from torchft_like.manager_server import ManagerServer
+from torchft_like.manager.server import ManagerServer
 
 pytestmark = pytest.mark.timeout(60)
 TIMEOUT = timedelta(seconds=5)

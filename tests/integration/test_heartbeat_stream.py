@@ -24,9 +24,9 @@ from lighthouse.quorum import QuorumMember
 from tests.procs import PYTHON, Children, wait_for_line
 from tests.waiting import wait_until_async
 from tools.procs import free_port, kill_tree
-from torchft_like.group_quorum import QuorumRequest
-from torchft_like.manager_client import LocalManagerClient
-from torchft_like.manager_server import ManagerServer
+from torchft_like.manager.client import LocalManagerClient
+from torchft_like.manager.group_request import QuorumRequest
+from torchft_like.manager.server import ManagerServer
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -36,7 +36,7 @@ DOOMED = """
 import os, sys, time
 from datetime import timedelta
 from lighthouse import LighthouseClient
-from torchft_like.manager_server import ManagerServer
+from torchft_like.manager.server import ManagerServer
 addr = sys.argv[1]
 server = ManagerServer(replica_id="doomed", lighthouse_addr=addr, hostname="127.0.0.1",
                        bind="127.0.0.1:0", store_addr="doomed-store:1", world_size=1)
@@ -194,7 +194,7 @@ def test_manager_server_falls_back_to_unary_heartbeats_on_the_reference_lighthou
     reference_lighthouse, caplog
 ):
     address, log = reference_lighthouse
-    caplog.set_level(logging.INFO, logger="torchft_like.manager_server")
+    caplog.set_level(logging.INFO, logger="torchft_like.manager.session")
     observer = LighthouseClient(address)
     manager = ManagerServer(
         replica_id="fallback",
@@ -269,16 +269,16 @@ def test_a_group_stepping_faster_than_its_heartbeats_sends_fewer_but_keeps_its_s
         world_size=1,
     )
     sent = []
-    stream_heartbeat = manager._lighthouse.stream_heartbeat
+    stream_heartbeat = manager.session.client.stream_heartbeat
 
     async def counted(*args):
         sent.append(time.monotonic())
         return await stream_heartbeat(*args)
 
     async def end_stream() -> None:
-        manager._lighthouse.close_heartbeat_stream()
+        manager.session.client.close_heartbeat_stream()
 
-    manager._lighthouse.stream_heartbeat = counted
+    manager.session.client.stream_heartbeat = counted
     stop = threading.Event()
 
     def step() -> None:
@@ -309,7 +309,7 @@ def test_a_group_stepping_faster_than_its_heartbeats_sends_fewer_but_keeps_its_s
         assert len(sent) - begun <= idle // 2, (idle, len(sent) - begun)
         first = streams()
         assert first and stepper.is_alive()
-        manager._loop.run(end_stream(), timeout=5)
+        manager.run(end_stream(), 5)
 
         # The reopen may land between two polls, so wait for the stream to be
         # replaced rather than for a moment with none.

@@ -21,7 +21,7 @@ import torch
 
 from torchft_like.checkpointing import HTTPTransport, _format, _http_fetch
 from torchft_like.checkpointing.transport import capable
-from torchft_like.healing import receive_state
+from torchft_like.manager.healing import receive_state
 from torchft_like.recovery import QuorumResult, transfer_plan
 
 pytestmark = pytest.mark.timeout(60)

@@ -24,9 +24,9 @@ from torch.distributed import TCPStore
 
 from lighthouse import LighthouseServer
 from torchft_like import Manager, ProcessGroupGloo
-from torchft_like.group_quorum import QuorumRequest
-from torchft_like.manager_client import ManagerClient
-from torchft_like.manager_server import ManagerServer
+from torchft_like.manager.client import ManagerClient
+from torchft_like.manager.group_request import QuorumRequest
+from torchft_like.manager.server import ManagerServer
 
 pytestmark = pytest.mark.timeout(120)
 T = timedelta(seconds=10)

@@ -15,9 +15,9 @@ import pytest
 from lighthouse import FreshStartRefusedError, LighthouseServer
 from tests.procs import PYTHON, wait_for_line
 from tools.procs import kill_tree
-from torchft_like.group_quorum import QuorumRequest
-from torchft_like.manager_client import ManagerClient
-from torchft_like.manager_server import ManagerServer
+from torchft_like.manager.client import ManagerClient
+from torchft_like.manager.group_request import QuorumRequest
+from torchft_like.manager.server import ManagerServer
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=20)

@@ -14,7 +14,7 @@ from torch.distributed import TCPStore
 
 from lighthouse import LighthouseServer
 from torchft_like import Manager, Optimizer, ProcessGroupGloo
-from torchft_like._state_gate import StateReadGate
+from torchft_like.manager.state_gate import StateReadGate
 
 pytestmark = pytest.mark.timeout(90)
 T = timedelta(seconds=10)

@@ -1,5 +1,5 @@
 """A process that asked to exit with its parent does, within a second of the
-parent's SIGKILL (torchft_like.parent_watch), with real processes."""
+parent's SIGKILL (torchft_like.manager.parent_watch), with real processes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from tests.procs import PYTHON
 # when it is ready. Only the library's torch-free module is imported.
 CHILD = (
     "import logging, sys, time; logging.basicConfig(level=logging.INFO); "
-    "from torchft_like.parent_watch import exit_with_parent; exit_with_parent(); "
+    "from torchft_like.manager.parent_watch import exit_with_parent; exit_with_parent(); "
     "print('watching', flush=True); time.sleep(60)"
 )
 PARENT = (
@@ -59,7 +59,7 @@ def test_the_watch_does_not_wake_while_the_parent_lives():
     """It waits on a pidfd of the parent, not on a timer: no context switch at all."""
     import threading
 
-    from torchft_like.parent_watch import exit_with_parent
+    from torchft_like.manager.parent_watch import exit_with_parent
 
     orphaned = []
     exit_with_parent(on_orphaned=lambda old, new: orphaned.append((old, new)))

@@ -26,9 +26,9 @@ from tests.certs import Certs, make_certs
 from tests.integration.test_manager import assert_identical, run_groups
 from torchft_like.checkpointing import HTTPTransport
 from torchft_like.checkpointing._http_fetch import Fetch, FetchTLSError
-from torchft_like.group_quorum import QuorumRequest
-from torchft_like.manager_client import ManagerClient
-from torchft_like.manager_server import ManagerServer
+from torchft_like.manager.client import ManagerClient
+from torchft_like.manager.group_request import QuorumRequest
+from torchft_like.manager.server import ManagerServer
 
 pytestmark = pytest.mark.timeout(90)
 T = timedelta(seconds=10)

@@ -9,7 +9,7 @@ from datetime import timedelta
 import pytest
 
 from lighthouse import DuplicateGroupError, LighthouseClient, LighthouseServer
-from torchft_like.manager_server import ManagerServer
+from torchft_like.manager.server import ManagerServer
 
 pytestmark = pytest.mark.timeout(60)
 

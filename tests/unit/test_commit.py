@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from torchft_like.commit import check_retries, rank_vote
+from torchft_like.manager.commit import check_retries, rank_vote
 from torchft_like.recovery import QuorumResult, participation
 
 

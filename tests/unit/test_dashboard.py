@@ -16,7 +16,7 @@ from lighthouse.history import quorum_entry, why_absent, why_joined
 from lighthouse.member_data import HealReport
 from lighthouse.progress import MAX_CHARTED, Progress, add_point, goodput, step_rate
 from lighthouse.quorum import ArrivalStats, LighthouseConfig, QuorumMember
-from torchft_like.metrics import metrics_port_from_env
+from torchft_like.manager.metrics import metrics_port_from_env
 
 CONFIG = LighthouseConfig(min_replicas=1, heartbeat_timeout_ms=5000, suspect_min_ms=700)
 STEADY = ArrivalStats(mean_s=0.1, var_s2=0.0001, count=50)

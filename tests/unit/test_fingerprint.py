@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from torchft_like.fingerprint import fingerprint
+from torchft_like.manager.fingerprint import fingerprint
 
 
 def trained_state(seed: int = 0) -> dict:

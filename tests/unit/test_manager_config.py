@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from torchft_like.manager_config import ManagerConfig, ManagerConfigError, resolve_config
+from torchft_like.manager.config import ManagerConfig, ManagerConfigError, resolve_config
 
 TORCHRUN = {"MASTER_ADDR": "vm", "MASTER_PORT": "29500", "RANK": "0", "WORLD_SIZE": "2"}
 LIGHTHOUSE = {"TORCHFT_LIGHTHOUSE": "http://lighthouse:29510"}

@@ -11,7 +11,7 @@ from dataclasses import replace
 import pytest
 
 from lighthouse.rpc.errors import QuorumError, QuorumTimeoutError
-from torchft_like._quorum_on_loop import settle_where_it_arrives, steady
+from torchft_like.manager.asking import settle_where_it_arrives, steady
 from torchft_like.recovery import QuorumResult
 
 RESULT = QuorumResult(

@@ -394,7 +394,7 @@ def test_member_fingerprint_reads_only_well_formed_entries_of_the_same_step(
 
 def test_the_striped_sources_survive_the_wire_and_an_older_server_sends_none():
     from lighthouse.rpc.proto import torchft_pb2 as pb
-    from torchft_like import wire
+    from torchft_like.manager import wire
 
     steps = {"a": 7, "b": 7, "c": 7, "d": 1}
     for me in steps:

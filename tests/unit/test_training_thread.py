@@ -6,7 +6,8 @@ import threading
 
 import pytest
 
-from torchft_like._training_thread import TrainingThreadReads
+from torchft_like.manager import threads
+from torchft_like.manager.training_thread import TrainingThreadReads
 
 
 def in_thread(reads: TrainingThreadReads, fn) -> dict:
@@ -15,6 +16,7 @@ def in_thread(reads: TrainingThreadReads, fn) -> dict:
     out: dict = {"done": reads.event()}
 
     def run() -> None:
+        threads.take(threads.QUORUM)
         try:
             out["value"] = fn()
         except BaseException as e:
@@ -53,7 +55,15 @@ def test_the_readers_error_reaches_the_quorum_thread():
 
 def test_a_read_nobody_serves_times_out_naming_why_and_is_withdrawn():
     reads, ran = TrainingThreadReads(), []
-    with pytest.raises(TimeoutError, match="training thread made no Manager call within 0.1 s"):
-        reads.read(lambda: ran.append(1), 0.1)
+    out = in_thread(reads, lambda: reads.read(lambda: ran.append(1), 0.1))
+    out["thread"].join(10)
+    assert isinstance(out["error"], TimeoutError)
+    assert "training thread made no Manager call within 0.1 s" in str(out["error"])
     reads.wait(lambda: True)  # a later wait does not run the withdrawn read
     assert ran == []
+
+
+def test_a_read_asked_by_the_training_thread_itself_is_refused_naming_both_threads():
+    """It would wait for itself until the timeout: refused at once instead."""
+    with pytest.raises(RuntimeError, match="runs on the quorum thread, not on the training"):
+        TrainingThreadReads().read(lambda: None, 10)

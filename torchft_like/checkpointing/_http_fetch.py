@@ -424,8 +424,10 @@ def _populate(address: int, nbytes: int) -> bool:
     except (OSError, AttributeError) as e:  # no libc.madvise (not Linux)
         code = getattr(e, "errno", None) or errno.ENOSYS
     _Prefaulter.use_madvise = False
-    logger.info("madvise(MADV_POPULATE_WRITE) failed (%s); touching pages instead",
-                errno.errorcode.get(code, code))  # fmt: skip
+    logger.info(
+        "madvise(MADV_POPULATE_WRITE) failed (%s); touching pages instead",
+        errno.errorcode.get(code, code),
+    )
     return False
 
 

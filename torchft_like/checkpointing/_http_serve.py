@@ -185,8 +185,9 @@ class Handler(BaseHTTPRequestHandler):
             self._send_state(staged, chunk, of)
         except OSError as e:
             self.close_connection = True
-            logger.warning("transfer of step %d to %s ended early: %s", staged.step,
-                           self.client_address[0], e)  # fmt: skip
+            logger.warning(
+                "transfer of step %d to %s ended early: %s", staged.step, self.client_address[0], e
+            )
         finally:
             self.server.slot.end(self.connection)
 
@@ -212,12 +213,21 @@ class Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             _torchft_http.encode(state, self.wfile)
         except OSError as e:
-            logger.warning("transfer of step %d to %s (torchft's format) ended early: %s",
-                           staged.step, self.client_address[0], e)  # fmt: skip
+            logger.warning(
+                "transfer of step %d to %s (torchft's format) ended early: %s",
+                staged.step,
+                self.client_address[0],
+                e,
+            )
         except Exception as e:  # e.g. a value torch.save cannot pickle: the body stops short
             self.close_connection = True
-            logger.error("cannot send step %d to %s in torchft's format: %s: %s", staged.step,
-                         self.client_address[0], type(e).__name__, e)  # fmt: skip
+            logger.error(
+                "cannot send step %d to %s in torchft's format: %s: %s",
+                staged.step,
+                self.client_address[0],
+                type(e).__name__,
+                e,
+            )
         finally:
             slot.end(self.connection)
 

@@ -235,8 +235,15 @@ class _SourceFetch(Fetch):
     """Fetch's connection handling for one source, with a stall bound: a
     read that waits longer than `stall_s` fails that source, not the fetch."""
 
-    def __init__(self, source: Source, step: int, deadline: float, stall_s: float,
-                 secret: str | None, context: ssl.SSLContext | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        source: Source,
+        step: int,
+        deadline: float,
+        stall_s: float,
+        secret: str | None,
+        context: ssl.SSLContext | None,
+    ) -> None:
         super().__init__(source.host, source.port, step, deadline, secret, context)
         self._stall_s = stall_s
 
@@ -376,7 +383,7 @@ class StripedFetch:
             errors={
                 self.sources[s].label: f"{type(e).__name__}: {e}"
                 for s, e in self.stripes.errors.items()
-            },  # fmt: skip
+            },
             refetched=self.stripes.refetched,
         )
         return _format.unflatten(header.tree, tensors), sum(nbytes), report
@@ -500,5 +507,8 @@ class StripedFetch:
     def _log_failure(self, s: int, r: int | None, e: BaseException) -> None:
         logger.warning(
             "striped healing: dropping %s (range %s): %s: %s; its ranges go to the other sources",
-            self.sources[s].label, r, type(e).__name__, e,
-        )  # fmt: skip
+            self.sources[s].label,
+            r,
+            type(e).__name__,
+            e,
+        )

@@ -122,8 +122,9 @@ def decode(stream: Any, where: str) -> Any:
     location = None if torch.cuda.is_available() else "cpu"
     try:
         if reader.peek(len(ZIP_MAGIC)) == ZIP_MAGIC:
-            return torch.load(io.BytesIO(reader.read_rest()), map_location=location,
-                              weights_only=True)  # fmt: skip
+            return torch.load(
+                io.BytesIO(reader.read_rest()), map_location=location, weights_only=True
+            )
         state = _load_streaming(reader, location)
         if reader.peek(1):
             raise ValueError("bytes follow the last record")

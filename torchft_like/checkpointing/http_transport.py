@@ -158,10 +158,11 @@ class HTTPTransport(CheckpointTransport[Any]):
         except (OSError, UnicodeError) as e:
             why = e.strerror if isinstance(e, OSError) and e.strerror else str(e)
             raise OSError(
-                getattr(e, "errno", None), f"checkpoint server cannot listen on port "
+                getattr(e, "errno", None),
+                f"checkpoint server cannot listen on port "
                 f"{port} of {listen!r}: {why}; pass port=0 to pick a free one, or "
-                f"set {BIND_HOST_ENV} (bind_host) to an address of this machine"
-            ) from e  # fmt: skip
+                f"set {BIND_HOST_ENV} (bind_host) to an address of this machine",
+            ) from e
         self._server.slot = self._slot
         self._server.secret = secret
         if tls is not None:
@@ -193,8 +194,9 @@ class HTTPTransport(CheckpointTransport[Any]):
         """
         staged = Staged(step, state_dict, timeout)
         self._slot.stage(staged)
-        logger.debug("serving step %d (%d tensors) to replica ranks %s", step, len(staged.nbytes),
-                     dst_ranks)  # fmt: skip
+        logger.debug(
+            "serving step %d (%d tensors) to replica ranks %s", step, len(staged.nbytes), dst_ranks
+        )
 
     def disallow_checkpoint(self) -> None:
         """See base class."""
@@ -266,10 +268,16 @@ class HTTPTransport(CheckpointTransport[Any]):
         started = time.monotonic()
         state, nbytes = self._retrying(attempt, step, metadata, where, requested, timeout)
         took = time.monotonic() - started
-        logger.info("received step %d from %s: %.1f MB in %.2f s (%.0f MB/s, %d streams%s)",
-                    step, metadata, nbytes / 1e6, took, nbytes / 1e6 / max(took, 1e-9),
-                    1 if torchft else self._num_chunks,
-                    ", torchft's format" if torchft else "")  # fmt: skip
+        logger.info(
+            "received step %d from %s: %.1f MB in %.2f s (%.0f MB/s, %d streams%s)",
+            step,
+            metadata,
+            nbytes / 1e6,
+            took,
+            nbytes / 1e6 / max(took, 1e-9),
+            1 if torchft else self._num_chunks,
+            ", torchft's format" if torchft else "",
+        )
         return state
 
     def recv_checkpoint_striped(
@@ -328,10 +336,15 @@ class HTTPTransport(CheckpointTransport[Any]):
 
         def attempt(deadline: float) -> tuple[Any, int]:
             fetch = _striped.StripedFetch(
-                peers, step, deadline, self.secret, self._client_context,
-                ranges_per_source=ranges_per_source, streams_per_source=self._num_chunks,
+                peers,
+                step,
+                deadline,
+                self.secret,
+                self._client_context,
+                ranges_per_source=ranges_per_source,
+                streams_per_source=self._num_chunks,
                 stall_s=stall_timeout.total_seconds(),
-            )  # fmt: skip
+            )
             state, nbytes, report = fetch.run()
             reports.append(report)
             return state, nbytes
@@ -340,9 +353,15 @@ class HTTPTransport(CheckpointTransport[Any]):
         state, nbytes = self._retrying(attempt, step, unique[0][0], where, where, timeout)
         took = time.monotonic() - started
         self.last_stripe_report = reports[-1]
-        logger.info("received step %d striped from %d replicas: %.1f MB in %.2f s (%.0f MB/s; %s)",
-                    step, len(peers), nbytes / 1e6, took, nbytes / 1e6 / max(took, 1e-9),
-                    reports[-1].summary())  # fmt: skip
+        logger.info(
+            "received step %d striped from %d replicas: %.1f MB in %.2f s (%.0f MB/s; %s)",
+            step,
+            len(peers),
+            nbytes / 1e6,
+            took,
+            nbytes / 1e6 / max(took, 1e-9),
+            reports[-1].summary(),
+        )
         return state
 
     def _check_metadata(self, metadata: str) -> SplitResult:
@@ -392,9 +411,12 @@ class HTTPTransport(CheckpointTransport[Any]):
                 last = str(e)
             except Refused as e:
                 raise FetchRefused(
-                    requested, e.status,
-                    f"could not fetch {where}: {e}", None, None,  # type: ignore[arg-type]
-                ) from None  # fmt: skip
+                    requested,
+                    e.status,
+                    f"could not fetch {where}: {e}",
+                    None,  # type: ignore[arg-type]
+                    None,
+                ) from None
             except ssl.SSLError as e:
                 if not is_refusal(e):  # e.g. a hang-up mid-transfer: worth retrying
                     last = f"{type(e).__name__}: {e}"

@@ -371,16 +371,20 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
         return self._run([("allreduce_coalesced", [tensors, options])], tensors)
 
     def allgather(
-        self, output_tensors: list[list[torch.Tensor]], input_tensor: list[torch.Tensor],
+        self,
+        output_tensors: list[list[torch.Tensor]],
+        input_tensor: list[torch.Tensor],
         opts: Any = None,
-    ) -> dist.Work:  # fmt: skip
+    ) -> dist.Work:
         args = [output_tensors, input_tensor, _opts("AllgatherOptions")]
         return self._run([("allgather", args)], output_tensors)
 
     def allgather_into_tensor_coalesced(
-        self, output_tensors: list[torch.Tensor], input_tensors: list[torch.Tensor],
+        self,
+        output_tensors: list[torch.Tensor],
+        input_tensors: list[torch.Tensor],
         opts: Any = None,
-    ) -> dist.Work:  # fmt: skip
+    ) -> dist.Work:
         calls = [
             ("_allgather_base", [o, i, _opts("AllgatherOptions")])
             for o, i in zip(output_tensors, input_tensors, strict=True)
@@ -388,11 +392,20 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
         return self._run(calls, output_tensors)
 
     def alltoall_base(
-        self, output_buffer: torch.Tensor, input_buffer: torch.Tensor,
-        output_split_sizes: list[int], input_split_sizes: list[int], opts: Any = None,
-    ) -> dist.Work:  # fmt: skip
-        args = [output_buffer, input_buffer, list(output_split_sizes),
-                list(input_split_sizes), _opts("AllToAllOptions")]  # fmt: skip
+        self,
+        output_buffer: torch.Tensor,
+        input_buffer: torch.Tensor,
+        output_split_sizes: list[int],
+        input_split_sizes: list[int],
+        opts: Any = None,
+    ) -> dist.Work:
+        args = [
+            output_buffer,
+            input_buffer,
+            list(output_split_sizes),
+            list(input_split_sizes),
+            _opts("AllToAllOptions"),
+        ]
         return self._run([("alltoall_base", args)], output_buffer)
 
     def broadcast(self, tensor_list: list[torch.Tensor], opts: Any = None) -> dist.Work:

@@ -21,7 +21,7 @@ from lighthouse.rpc.errors import QuorumError
 from lighthouse.rpc.lean_client import CallFailed, LeanChannel, Unavailable
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
-from tests.unit.test_lean_server import SECRET, serving
+from tests.integration.test_lean_server import SECRET, serving
 
 
 @pytest.fixture(params=["lean", "grpcio"])

@@ -24,10 +24,10 @@ from lighthouse.rpc.address import join_host_port, loopback_advertisement_warnin
 from lighthouse.rpc.metrics_server import MetricsServer
 from lighthouse.rpc.tls import TLSConfig
 from torchft_like.checkpointing import CheckpointTransport, HTTPTransport
-from torchft_like.manager_client import LocalManagerClient, ManagerClientProtocol
-from torchft_like.manager_config import ManagerConfig
-from torchft_like.manager_server import ManagerServer
-from torchft_like.metrics import ManagerMetrics
+from torchft_like.manager.client import LocalManagerClient, ManagerClientProtocol
+from torchft_like.manager.config import ManagerConfig
+from torchft_like.manager.metrics import ManagerMetrics
+from torchft_like.manager.server import ManagerServer
 from torchft_like.process_group import ProcessGroupDummy
 
 MANAGER_ADDR_KEY = "manager_addr"
@@ -63,8 +63,8 @@ def start_rank_servers(
     """Starts this rank's servers; `checkpoint_transport` None: an HTTPTransport.
 
     `make_client` is passed in by the caller (the Manager passes the
-    ManagerClient its module sees) so that tests patching
-    `torchft_like.manager.ManagerClient` still reach it.
+    package's `torchft_like.manager.ManagerClient`) so that tests patching
+    that name still reach it.
 
     Raises:
         Exception: the store, a server or the lighthouse could not be reached

@@ -12,17 +12,15 @@ from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any, Protocol
 
-import grpc
-
 from lighthouse.rpc.address import url_to_target
-from lighthouse.rpc.channel import blocking_channel, check_reachable
-from lighthouse.rpc.errors import QuorumTimeoutError, from_rpc_error
+from lighthouse.rpc.channel import BlockingCalls
+from lighthouse.rpc.errors import QuorumTimeoutError
 from lighthouse.rpc.loop import LoopStalledError
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.rpc.tls import TLSConfig, check_scheme
-from torchft_like import wire
-from torchft_like.group_quorum import QuorumRequest
+from torchft_like.manager import wire
+from torchft_like.manager.group_request import QuorumRequest
 from torchft_like.recovery import QuorumResult
 
 
@@ -74,24 +72,14 @@ class ManagerClient:
         tls: TLSConfig | None = None,
     ) -> None:
         self.addr = addr
-        self._connect_timeout = connect_timeout
-        self._tls = tls
         check_scheme(addr, tls, "manager server address")
-        self._target = url_to_target(addr, "manager server address")
-        self._channel = blocking_channel(self._target, secret, tls)
-        self._stub = pb_grpc.ManagerServiceStub(self._channel)
-        self._connected = False
+        target = url_to_target(addr, "manager server address")
+        peer = f"manager server {addr}"
+        self._calls = BlockingCalls(target, peer, connect_timeout, secret, tls)
+        self._stub = pb_grpc.ManagerServiceStub(self._calls.channel)
 
     def _call(self, method: Any, request: Any, timeout: timedelta, what: str) -> Any:
-        if not self._connected:
-            peer = f"manager server {self.addr}"
-            check_reachable(self._target, peer, self._connect_timeout, self._tls)
-            self._connected = True
-        try:
-            return method(request, timeout=timeout.total_seconds())
-        except grpc.RpcError as e:
-            self._connected = e.code() != grpc.StatusCode.UNAVAILABLE
-            raise from_rpc_error(e, f"manager server {self.addr}", what) from None
+        return self._calls.call(method, request, timeout.total_seconds(), what)
 
     def quorum(self, request: QuorumRequest, timeout: timedelta) -> QuorumResult:
         message = wire.quorum_request_to_proto(request)
@@ -113,7 +101,7 @@ class ManagerClient:
         self._call(self._stub.Kill, pb.KillRequest(msg=msg), timeout, "Kill")
 
     def close(self) -> None:
-        self._channel.close()
+        self._calls.close()
 
 
 class GroupServer(Protocol):
@@ -158,7 +146,7 @@ class LocalManagerClient:
 
     def quorum_future(self, request: QuorumRequest, timeout: timedelta) -> Future[QuorumResult]:
         """`quorum`, handed to the server's loop without waiting: its future
-        completes on the loop (see torchft_like._quorum_on_loop)."""
+        completes on the loop (see torchft_like.manager.asking)."""
         coro = self._server.quorum(request, timeout.total_seconds())
         future: Future[QuorumResult] = self._server.submit(coro)
         return future

@@ -12,8 +12,8 @@ from grpc import aio
 from lighthouse.rpc import errors
 from lighthouse.rpc.loop import reply_budget_s
 from lighthouse.rpc.proto import torchft_pb2 as pb
-from torchft_like import wire
-from torchft_like.group_quorum import QuorumRequest
+from torchft_like.manager import wire
+from torchft_like.manager.group_request import QuorumRequest
 from torchft_like.recovery import QuorumResult
 
 

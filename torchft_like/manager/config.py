@@ -26,7 +26,7 @@ from lighthouse.client import LIGHTHOUSE_ENV, lighthouse_target
 from lighthouse.rpc.address import BIND_HOST_ENV, HOSTNAME_ENV
 from lighthouse.rpc.auth import secret_from_env
 from lighthouse.rpc.tls import TLSConfig, tls_from_env
-from torchft_like.metrics import metrics_port_from_env
+from torchft_like.manager.metrics import metrics_port_from_env
 from torchft_like.recovery import heal_sources_from_env
 
 MANAGER_PORT_ENV = "TORCHFT_MANAGER_PORT"
@@ -134,11 +134,11 @@ class ManagerConfig:
     exit_with_parent: bool = True
     """End this process within about 0.1 s of its parent (torchrun) dying, so
     that `kill -9` of torchrun is a group death rather than an orphan that
-    trains on (torchft_like.parent_watch)."""
+    trains on (torchft_like.manager.parent_watch)."""
     metrics_port: int | None = None
     """Serve this rank's Prometheus metrics at http://{host}:{port}/metrics,
     0 for a free port (logged). TORCHFT_METRICS_PORT's N serves local rank r
-    on N + r (torchft_like.metrics). None: off; `Manager.metrics` holds them
+    on N + r (torchft_like.manager.metrics). None: off; `Manager.metrics` holds them
     either way."""
     heal_sources: int | None = None
     """At most this many up-to-date peers a healing rank fetches its state

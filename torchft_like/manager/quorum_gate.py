@@ -1,6 +1,6 @@
 """The ManagerServer's door to its quorum round: who gets in, and when the round may go on.
 
-Applies torchft_like.quorum_admission's verdicts to the live round (refuse,
+Applies torchft_like.manager.admission's verdicts to the live round (refuse,
 take the place of an untrusted call, hold a round that is complete only
 thanks to untrusted calls) and keeps what the verdicts need: each rank's
 registered checkpoint metadata and the group's last quorum's max step.
@@ -16,9 +16,9 @@ from collections.abc import Callable, Coroutine
 from typing import Any
 
 from lighthouse.quorum import Quorum
-from torchft_like._round import Round
-from torchft_like.group_quorum import QuorumRequest
-from torchft_like.quorum_admission import UNTRUSTED_HOLD_S, admit
+from torchft_like.manager.admission import UNTRUSTED_HOLD_S, admit
+from torchft_like.manager.gathering import Round
+from torchft_like.manager.group_request import QuorumRequest
 
 logger = logging.getLogger(__name__)
 
@@ -103,8 +103,10 @@ class QuorumGate:
             logger.warning(
                 "[%s] group ranks %s: their calls' checkpoint metadata is not what they "
                 "registered; taken after %.0f s with no other caller (a rank restarted alone?)",
-                self.replica_id, sorted(rnd.untrusted), UNTRUSTED_HOLD_S,
-            )  # fmt: skip
+                self.replica_id,
+                sorted(rnd.untrusted),
+                UNTRUSTED_HOLD_S,
+            )
         for rank, call in rnd.calls.items():
             self.metadata[rank] = call.checkpoint_metadata
 

@@ -25,8 +25,8 @@ from lighthouse.rpc.tls import TLSConfig
 from torchft_like.checkpointing import CheckpointTransport
 from torchft_like.checkpointing._http_fetch import GONE_AFTER_S
 from torchft_like.checkpointing.transport import capable
-from torchft_like.manager_client import ManagerClientProtocol
-from torchft_like.manager_config import ManagerConfig
+from torchft_like.manager.client import ManagerClientProtocol
+from torchft_like.manager.config import ManagerConfig
 from torchft_like.recovery import QuorumResult, TransferPlan
 
 
@@ -135,8 +135,9 @@ def _source_metadata(
             found.append((rank, future.result()))
         except Exception as e:
             errors.append(e)
-            log.warning("healing without replica rank %d (%s): %s: %s",
-                        rank, address, type(e).__name__, e)  # fmt: skip
+            log.warning(
+                "healing without replica rank %d (%s): %s: %s", rank, address, type(e).__name__, e
+            )
     if not found:
         raise errors[0]
     return found

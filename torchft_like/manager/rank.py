@@ -6,8 +6,8 @@ pass; `allreduce()` averages over the replicas of the quorum; `should_commit()`
 (from Optimizer.step) applies a healed state if any, then votes. Errors in
 the step path are data: the first one is recorded, later collectives of the
 step become no-ops and the group votes no. Arguments and environment are
-resolved in torchft_like.manager_config; a healing state is received in
-torchft_like.healing.
+resolved in torchft_like.manager.config; a healing state is received in
+torchft_like.manager.healing.
 """
 
 from __future__ import annotations
@@ -26,39 +26,44 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+import torchft_like.manager as package
 from lighthouse.rpc.errors import DuplicateGroupError, IncompatibleGroupError, QuorumError
-from lighthouse.rpc.loop import set_batch_policy
 from lighthouse.rpc.tls import TLSConfig
-from torchft_like import healing, parent_watch
-from torchft_like._batch_claims import BatchClaims
-from torchft_like._manager_views import ManagerViews
-from torchft_like._quorum_on_loop import ask_quorum
-from torchft_like._state_gate import StateReadGate
-from torchft_like._step_state import StepState
-from torchft_like._training_thread import TrainingThreadReads
-from torchft_like._user_state import UserState
 from torchft_like._work import completed_work, or_default
 from torchft_like.checkpointing import CheckpointTransport
 from torchft_like.checkpointing.transport import capable
 from torchft_like.collectives import InOrderCollectives
-from torchft_like.commit import check_retries, rank_vote
-from torchft_like.fingerprint import step_fingerprint
 from torchft_like.gone_watch import GoneWatch, MemberGoneError
-from torchft_like.group_quorum import QuorumRequest
-from torchft_like.manager_client import ManagerClient, ManagerClientProtocol
-from torchft_like.manager_config import WorldSizeMode, resolve_config
-from torchft_like.metrics import ManagerMetrics
-from torchft_like.rank_startup import (
+from torchft_like.manager import healing, parent_watch, threads
+from torchft_like.manager.asking import ask_quorum
+from torchft_like.manager.batch_claims import BatchClaims
+from torchft_like.manager.client import ManagerClientProtocol
+from torchft_like.manager.commit import check_retries, rank_vote
+from torchft_like.manager.config import WorldSizeMode, resolve_config
+from torchft_like.manager.fingerprint import step_fingerprint
+from torchft_like.manager.group_request import QuorumRequest
+from torchft_like.manager.metrics import ManagerMetrics
+from torchft_like.manager.startup import (
     MANAGER_ADDR_KEY,
     REPLICA_ID_KEY,
     check_transport,
     start_rank_servers,
 )
+from torchft_like.manager.state_gate import StateReadGate
+from torchft_like.manager.step_state import StepState
+from torchft_like.manager.training_thread import TrainingThreadReads
+from torchft_like.manager.user_state import UserState
 from torchft_like.recovery import BatchSlot, QuorumResult, participation, transfer_plan
 
-logger = logging.getLogger(__name__)
+logger = logging.getLogger("torchft_like.manager")
 
 __all__ = ["MANAGER_ADDR_KEY", "REPLICA_ID_KEY", "Manager", "WorldSizeMode"]
+
+
+_NOT_CONFIG = frozenset(
+    ("self", "pg", "load_state_dict", "state_dict", "checkpoint_transport", "fingerprint_fn")
+)
+"""The Manager's arguments that are objects, not ManagerConfig fields."""
 
 
 class _ManagerLogger(logging.LoggerAdapter):
@@ -67,7 +72,7 @@ class _ManagerLogger(logging.LoggerAdapter):
         return f"[{m.replica_id}/{m._group_rank} step={m._step}] {msg}", kwargs
 
 
-class Manager(ManagerViews):
+class Manager:
     """Quorum, fault-tolerant allreduce, commit vote and live healing for one rank.
 
     Argument names follow pytorch/torchft's Manager. Every argument but the
@@ -130,20 +135,11 @@ class Manager(ManagerViews):
         metrics_port: int | None = None,
         heal_sources: int | None = None,
     ) -> None:
-        config = resolve_config(
-            min_replica_size=min_replica_size, use_async_quorum=use_async_quorum,
-            timeout=timeout, quorum_timeout=quorum_timeout, connect_timeout=connect_timeout,
-            rank=rank, world_size=world_size, world_size_mode=world_size_mode,
-            store_addr=store_addr, store_port=store_port, lighthouse_addr=lighthouse_addr,
-            replica_id=replica_id, port=port, hostname=hostname,
-            heartbeat_interval=heartbeat_interval, init_sync=init_sync,
-            max_retries=max_retries, quorum_retries=quorum_retries,
-            fingerprint_interval=fingerprint_interval, secret=secret, tls=tls,
-            exit_with_parent=exit_with_parent, metrics_port=metrics_port,
-            heal_sources=heal_sources, environ=os.environ,
-        )  # fmt: skip
+        # First, while the locals are the arguments: all but the objects configure.
+        arguments = {k: v for k, v in locals().items() if k not in _NOT_CONFIG}
+        config = resolve_config(environ=os.environ, **arguments)
         self.config = config
-        """Every argument and variable, resolved (torchft_like.manager_config)."""
+        """Every argument and variable, resolved (torchft_like.manager.config)."""
         check_transport(checkpoint_transport, config.secret, config.tls)
         if config.exit_with_parent:
             parent_watch.exit_with_parent()
@@ -186,7 +182,7 @@ class Manager(ManagerViews):
         self._executor = ThreadPoolExecutor(
             max_workers=1,
             thread_name_prefix="torchft_quorum",
-            initializer=set_batch_policy,
+            initializer=threads.start_quorum_thread,
             initargs=(config.control_sched == "batch",),
         )
         self._lock = threading.Lock()
@@ -194,10 +190,10 @@ class Manager(ManagerViews):
         self.replica_id = config.replica_id
         self._logger = _ManagerLogger(logger, {"manager": self})
         self.metrics = ManagerMetrics(self.replica_id, self._group_rank)
-        """This rank's Prometheus metrics (torchft_like.metrics)."""
+        """This rank's Prometheus metrics (torchft_like.manager.metrics)."""
 
         started = start_rank_servers(
-            config, pg, checkpoint_transport, self.metrics, ManagerClient, self._logger
+            config, pg, checkpoint_transport, self.metrics, package.ManagerClient, self._logger
         )
         self._store = started.store
         self._checkpoint_transport = started.checkpoint_transport
@@ -205,8 +201,15 @@ class Manager(ManagerViews):
         self.replica_id = started.replica_id
         self._client: ManagerClientProtocol = started.client
         self._metrics_server = started.metrics_server
-        self._gone = GoneWatch(config, self._store, self.replica_id, self._manager_server,
-                               self._collectives, pg, self._logger)  # fmt: skip
+        self._gone = GoneWatch(
+            config,
+            self._store,
+            self.replica_id,
+            self._manager_server,
+            self._collectives,
+            pg,
+            self._logger,
+        )
         self._logger.info("manager ready, server %s", started.manager_address)
 
     # ---- state -------------------------------------------------------------
@@ -276,6 +279,7 @@ class Manager(ManagerViews):
         self, allow_heal: bool = True, shrink_only: bool = False, timeout: timedelta | None = None
     ) -> None:
         """Begins the step: asks for a quorum, in the background when async."""
+        threads.check(threads.TRAINING, what="Manager.start_quorum")
         if self._quorum_future is not None:
             self.wait_quorum()
         if self._fatal is not None:
@@ -324,6 +328,7 @@ class Manager(ManagerViews):
 
     def wait_quorum(self) -> None:
         """Blocks until the quorum of this step is known and healing state received."""
+        threads.check(threads.TRAINING, what="Manager.wait_quorum")
         assert self._quorum_future is not None, "call start_quorum() first"
         self._training_thread.wait(self._quorum_future.done)
         self._quorum_future.result()
@@ -387,6 +392,7 @@ class Manager(ManagerViews):
             allow_heal = False
         self.metrics.record_quorum(result.quorum_id, self._num_participants)
         if result.quorum_id != self._quorum_id:
+            threads.check(threads.QUORUM, what="configuring the process group")
             store = f"{result.store_address}/torchft/{result.quorum_id}/{self._group_rank}"
             self._logger.info(
                 "reconfiguring for quorum %d: replica rank %d of %d, store %s",
@@ -414,10 +420,16 @@ class Manager(ManagerViews):
             self._collectives_ready.set()
         if allow_heal and result.heal:
             self._healing = self._step_state.healed = True
+            threads.check(threads.QUORUM, what="receiving a healing state")
             heal = healing.receive_state(
-                transport, result, plan, self._timeout, self._metadata_of,
-                self._collectives_ready.set, self._logger,
-            )  # fmt: skip
+                transport,
+                result,
+                plan,
+                self._timeout,
+                self._metadata_of,
+                self._collectives_ready.set,
+                self._logger,
+            )
             self._step_state.pending_state_dict = heal.state
             self._step_state.timings["heal_recv_s"] = heal.seconds
             self._heal_report = heal.report
@@ -425,7 +437,7 @@ class Manager(ManagerViews):
 
     def _metadata_of(self, manager_address: str) -> str:
         return healing.ask_metadata(
-            ManagerClient, manager_address, self._group_rank, self.config, self._timeout
+            package.ManagerClient, manager_address, self._group_rank, self.config, self._timeout
         )
 
     def _apply_pending_state_dict(self) -> None:
@@ -526,6 +538,7 @@ class Manager(ManagerViews):
             DuplicateGroupError: the lighthouse refused this group because
                 another live group has the same name; retrying cannot help.
         """
+        threads.check(threads.TRAINING, what="Manager.should_commit")
         self.wait_quorum()
         if self._fatal is not None:
             raise self._fatal
@@ -574,11 +587,64 @@ class Manager(ManagerViews):
             check_retries(self._commit_failures, self.config.max_retries, self._errored)
         return decision
 
+    # ---- what the training loop reads -------------------------------------
+
+    def current_step(self) -> int:
+        return self._step
+
+    def batches_committed(self) -> int:
+        """Units of data (one group's batch each) trained by committed steps:
+        the participants of each committed step, summed; StepBatches' cursor."""
+        return self._batches_committed
+
+    def num_participants(self) -> int:
+        """Replicas that count in this step's collectives; 0 before the
+        first quorum (torchtitan's checkpointer asks after every step)."""
+        if self._quorum_future is None:
+            return 0
+        self._wait_collectives_ready()
+        return self._num_participants
+
+    def participating_rank(self) -> int | None:
+        """Our rank among this step's participants; None when we do not
+        count (healing) or before the first quorum."""
+        if self._quorum_future is None:
+            return None
+        self._wait_collectives_ready()
+        return self._participating_rank
+
+    def is_participating(self) -> bool:
+        return self.participating_rank() is not None
+
+    def quorum_id(self) -> int:
+        return self._quorum_id
+
+    def did_heal(self) -> bool:
+        """Whether this step's quorum made us copy the state from a peer."""
+        return self._step_state.healed
+
+    def is_serving_state(self) -> bool:
+        """Whether this step's quorum made us serve our state to a healing
+        peer. The transfer reads the live tensors until should_commit, so a
+        caller that writes them before (DiLoCo's inner steps while a sync is
+        in flight) waits for the peer first."""
+        self.wait_quorum()
+        return self._step_state.serving
+
+    def metrics_address(self) -> str | None:
+        """`http://host:port/metrics` of this rank's metrics, or None when not served."""
+        return self._metrics_server.address() if self._metrics_server else None
+
+    def timings(self) -> dict[str, float]:
+        """Seconds spent on this step's quorum (`quorum_s`), and on receiving a
+        healing state (`heal_recv_s`) when there was one."""
+        return dict(self._step_state.timings)
+
     # ---- data ---------------------------------------------------------------
 
     def claim_batch_slot(self) -> BatchSlot:
         """Our participating rank next step, forecast from the last quorum,
-        claimed in the next quorum request (torchft_like._batch_claims):
+        claimed in the next quorum request (torchft_like.manager.batch_claims):
         StepBatches trains unit `batches_committed() + slot`."""
         participating = (self._num_participants, self._participating_rank)
         return self._claims.claim(self._commit_failures == 0, participating)

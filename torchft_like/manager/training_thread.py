@@ -16,6 +16,8 @@ from collections.abc import Callable
 from concurrent.futures import Future
 from typing import Any
 
+from torchft_like.manager import threads
+
 
 class TrainingThreadReads:
     def __init__(self) -> None:
@@ -46,6 +48,7 @@ class TrainingThreadReads:
                 within `timeout_s`; the request is withdrawn.
             Exception: whatever `fn` raised.
         """
+        threads.check(threads.QUORUM, what="a read on the training thread")
         future: Future[Any] = Future()
         with self._lock:
             self._request = (fn, future)

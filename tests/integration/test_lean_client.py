@@ -22,7 +22,7 @@ from lighthouse.rpc.client_connection import ClientConnection
 from lighthouse.rpc.frames import literal
 from lighthouse.rpc.lean_client import CallFailed, LeanChannel, Unavailable
 from lighthouse.rpc.proto import torchft_pb2 as pb
-from tests.unit.test_lean_server import SECRET, serving
+from tests.integration.test_lean_server import SECRET, serving
 
 HEARTBEAT = "/torchft.LighthouseService/Heartbeat"
 QUORUM = "/torchft.LighthouseService/Quorum"

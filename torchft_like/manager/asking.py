@@ -21,7 +21,7 @@ from functools import partial
 from typing import Any
 
 from lighthouse.rpc.errors import QuorumTimeoutError
-from torchft_like.manager_client import LocalManagerClient, ManagerClientProtocol
+from torchft_like.manager.client import LocalManagerClient, ManagerClientProtocol
 from torchft_like.recovery import QuorumResult
 
 ResultOf = Callable[[], QuorumResult]

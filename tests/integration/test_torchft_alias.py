@@ -73,7 +73,7 @@ def test_with_the_variable_every_torchft_path_is_torchft_likes_module():
                         torchft.Optimizer is torchft_like.Optimizer,
                         ProcessGroupBabyGloo is torchft_like.process_group.ProcessGroupBabyGloo],
             "own_spec": torchft_like.__spec__.name,
-            "logger": torchft.manager.logger.name,
+            "logger": torchft.manager.rank.logger.name,
             "errors": errors,
         }}))
     """, TORCHFT_LIKE_AS_TORCHFT="1")  # fmt: skip
