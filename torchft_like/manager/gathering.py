@@ -1,8 +1,8 @@
 """One gathering of a replica group's ranks: a quorum request or a commit vote.
 
-Apart from manager_server.py because it is the bookkeeping both gatherings
-share (who called, who gave up, the earliest deadline, who to name when it
-stalls), independent of gRPC and of the lighthouse.
+The bookkeeping both of the server's gatherings share (who called, who gave
+up, the earliest deadline, who to name when it stalls), independent of gRPC
+and of the lighthouse.
 """
 
 from __future__ import annotations

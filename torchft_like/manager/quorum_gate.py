@@ -4,7 +4,7 @@ Applies torchft_like.manager.admission's verdicts to the live round (refuse,
 take the place of an untrusted call, hold a round that is complete only
 thanks to untrusted calls) and keeps what the verdicts need: each rank's
 registered checkpoint metadata and the group's last quorum's max step.
-Apart from manager_server.py to keep that module small.
+The server holds the round's waiting; the gate holds who may wait in it.
 """
 
 from __future__ import annotations
