@@ -102,14 +102,19 @@ def main() -> None:
     lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
     store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    flags = {
+        "--world-size": args.world_size,
+        "--lighthouse": lighthouse.address(),
+        "--store-port": store.port,
+        "--warmup": args.warmup,
+        "--steps": args.steps,
+    }
+    argv = [sys.executable, "-m", "bench.files_per_step"]
+    argv += [str(x) for flag, value in flags.items() for x in (flag, value)]
     procs = [
         subprocess.Popen(
-            [sys.executable, "-m", "bench.files_per_step", "--rank", str(r),
-             "--world-size", str(args.world_size), "--lighthouse", lighthouse.address(),
-             "--store-port", str(store.port), "--warmup", str(args.warmup),
-             "--steps", str(args.steps)],
-            cwd=REPO, env=env, stdout=subprocess.PIPE, text=True,
-        )  # fmt: skip
+            [*argv, "--rank", str(r)], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True
+        )
         for r in range(args.world_size)
     ]
     try:
