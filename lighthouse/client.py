@@ -34,6 +34,7 @@ from lighthouse.rpc.loop import wait_within
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.rpc.tls import TLSConfig, check_scheme
+from lighthouse.views import QuorumResult
 
 logger = logging.getLogger(__name__)
 
@@ -249,11 +250,24 @@ class AsyncLighthouseClient:
         answers a held call with after a few seconds) is logged at once and
         asked again until `timeout`: the group waits for a peer to heal from.
         """
+        quorum, _ = await self.quorum_view(member, timeout, None)
+        return quorum
+
+    async def quorum_view(
+        self, member: QuorumMember, timeout: timedelta, init_sync: bool | None
+    ) -> tuple[Quorum, tuple[QuorumResult, ...]]:
+        """`quorum`, asking (unless `init_sync` is None) for the group's view:
+        each of its `member.world_size` group ranks' share, in rank order,
+        and the quorum without its members. A lighthouse that does not know
+        views (pytorch/torchft's) answers with the members and no views."""
         deadline = time.monotonic() + timeout.total_seconds()
+        request = pb.LighthouseQuorumRequest(requester=wire.member_to_proto(member))
+        if init_sync is not None:
+            request.view.init_sync = init_sync
         logged = False
         while True:
             try:
-                return await self._quorum_once(member, deadline)
+                response = await self._quorum_once(request, deadline)
             except FreshStartRefusedError as e:
                 if not logged:
                     logged = True
@@ -261,9 +275,13 @@ class AsyncLighthouseClient:
                 if deadline - time.monotonic() < 2 * FRESH_START_RETRY_S:
                     raise
                 await asyncio.sleep(FRESH_START_RETRY_S)
+                continue
+            views = tuple(wire.result_from_proto(v) for v in response.views)
+            return wire.quorum_from_proto(response.quorum), views
 
-    async def _quorum_once(self, member: QuorumMember, deadline: float) -> Quorum:
-        request = pb.LighthouseQuorumRequest(requester=wire.member_to_proto(member))
+    async def _quorum_once(
+        self, request: pb.LighthouseQuorumRequest, deadline: float
+    ) -> pb.LighthouseQuorumResponse:
         if self._lean is not None:
             try:
                 answer = await self._lean.unary(
@@ -271,7 +289,7 @@ class AsyncLighthouseClient:
                     request.SerializeToString(),
                     max(deadline - time.monotonic(), 0.001),
                 )
-                return wire.quorum_from_proto(pb.LighthouseQuorumResponse.FromString(answer).quorum)
+                return pb.LighthouseQuorumResponse.FromString(answer)
             except lean_client.CallFailed as e:
                 raise error_of(
                     e.code, f"Quorum at lighthouse {self.addr} failed: {e.details}"
@@ -280,12 +298,12 @@ class AsyncLighthouseClient:
                 pass  # grpcio's channel waits for the lighthouse, or says why not
         await self._ensure_connected(timedelta(seconds=max(deadline - time.monotonic(), 0.001)))
         try:
-            response = await self._stub.Quorum(
+            response: pb.LighthouseQuorumResponse = await self._stub.Quorum(
                 request, timeout=max(deadline - time.monotonic(), 0.001)
             )
         except grpc.RpcError as e:
             raise from_rpc_error(e, f"lighthouse {self.addr}", "Quorum") from None
-        return wire.quorum_from_proto(response.quorum)
+        return response
 
     async def heartbeat(self, replica_id: str, timeout: timedelta) -> None:
         await self._ensure_connected()

@@ -85,6 +85,7 @@ class GoneWatch:
     def __init__(self) -> None:
         self.quorum_id: int | None = None
         self.members: tuple[str, ...] = ()
+        self._member_set: frozenset[str] = frozenset()
         self.gone: dict[str, str] = {}
         """Member -> why it was judged gone (kept until the next quorum)."""
         self._told_back: dict[str, int] = {}
@@ -93,6 +94,7 @@ class GoneWatch:
     def issued(self, quorum_id: int, members: Iterable[str]) -> None:
         self.quorum_id = quorum_id
         self.members = tuple(members)
+        self._member_set = frozenset(self.members)
         self.gone = {}
         self._told_back = {}
 
@@ -104,16 +106,19 @@ class GoneWatch:
     def judge(
         self,
         now: float,
+        candidates: Iterable[str],
         heartbeats: Mapping[str, float],
         streams_closed: Mapping[str, float],
         arrivals: Mapping[str, ArrivalStats],
         config: LighthouseConfig,
     ) -> GoneNotice | None:
-        """The notice to send now (judge_gone over the members), or None
-        when no member is newly gone."""
+        """The notice to send now (judge_gone over the members among
+        `candidates`: the others are known live), or None when no member is
+        newly gone."""
         if self.quorum_id is None:
             return None
-        judged = judge_gone(now, self.members, heartbeats, streams_closed, arrivals, config)
+        members = [rid for rid in candidates if rid in self._member_set]
+        judged = judge_gone(now, members, heartbeats, streams_closed, arrivals, config)
         return self.judged(judged)
 
     def judged(self, judged: Mapping[str, str]) -> GoneNotice | None:
@@ -121,7 +126,7 @@ class GoneWatch:
         be gone, or None when no new member is gone."""
         if self.quorum_id is None:
             return None
-        new = {rid: why for rid, why in judged.items() if rid in self.members}
+        new = {rid: why for rid, why in judged.items() if rid in self._member_set}
         if new.keys() <= self.gone.keys():
             return None
         self.gone.update(new)

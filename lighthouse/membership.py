@@ -37,6 +37,7 @@ from lighthouse.effects import (
 )
 from lighthouse.gone import Gone, GoneWatch
 from lighthouse.history import why_absent
+from lighthouse.lateness import Lateness
 from lighthouse.pacing import advised_interval_ms, suspect_floor_ms
 from lighthouse.quorum import (
     ArrivalStats,
@@ -46,7 +47,6 @@ from lighthouse.quorum import (
     Quorum,
     QuorumMember,
     compute_quorum,
-    forgotten_replicas,
     group_name,
     healthy_replicas,
     next_quorum_id,
@@ -142,6 +142,14 @@ class Membership:
         """The heartbeat period advised on HeartbeatPaced streams (lighthouse.pacing)."""
         self.decide_config = config
         """`config` with the suspicion floor raised to the advice (see _repace)."""
+        self.late: set[str] = set()
+        """Replicas silent past `_late_after_s` (found by `_silence`, not a scan)."""
+        self.closed: set[str] = set()
+        """Replicas whose heartbeat stream closed since their last heartbeat."""
+        self._silence = Lateness()
+        self._forgetting = Lateness()
+        self._spares_due = float("inf")
+        """When a spare may take a group no event frees: a reservation ends."""
         self._repace([])
 
     # -- queries ----------------------------------------------------------
@@ -150,6 +158,12 @@ class Membership:
         return healthy_replicas(
             now, self.heartbeats, self.config.heartbeat_timeout_ms, self.streams_closed
         )
+
+    def num_healthy(self, now: float) -> int:
+        """len(healthy(now)), from the late and closed replicas alone."""
+        timeout_s = self.config.heartbeat_timeout_ms / 1000
+        unhealthy = {r for r in self.late if now - self.heartbeats[r] >= timeout_s}
+        return len(self.heartbeats) - len(unhealthy | self.closed)
 
     def num_spares_waiting(self) -> int:
         """Spare processes waiting (a spare's ranks count once)."""
@@ -235,6 +249,7 @@ class Membership:
             )
         ]
         self.streams_closed[replica_id] = now
+        self.closed.add(replica_id)
         effects += self._judge_gone(now)
         effects += self.place_spares(now).effects  # a death frees its name for a spare, now
         if self.participants:
@@ -242,20 +257,29 @@ class Membership:
         return Outcome(tuple(effects))
 
     def tick(self, now: float, wall: float) -> Outcome:
-        """The periodic event: forgets long-silent replicas, re-paces,
-        re-decides for waiting calls and places spares."""
+        """The periodic event: forgets long-silent replicas, re-paces, judges
+        the late, re-decides for waiting calls and places spares. It looks
+        only at replicas whose silence deadline passed (lighthouse.lateness):
+        O(1) when nothing changed, however many replicas there are."""
         effects: list[Effect] = []
         forget_s = self.config.forget_after_s
-        for rid in forgotten_replicas(now, self.heartbeats, forget_s):
-            if rid not in self.participants:
-                line = "forgetting replica %s: silent for over %.0f s"
-                effects.append(Log(logging.INFO, line, (rid, forget_s)))
-                effects += self._forget(rid, f"forgotten: silent over {forget_s:.0f} s")
+        forgotten = self._forgetting.expired(now, self.heartbeats, forget_s)
+        for rid in forgotten:
+            if rid in self.participants:  # a waiting call: looked at again in a second
+                self._forgetting.heard(rid, now + 1.0 - forget_s, forget_s)
+                continue
+            line = "forgetting replica %s: silent for over %.0f s"
+            effects.append(Log(logging.INFO, line, (rid, forget_s)))
+            effects += self._forget(rid, f"forgotten: silent over {forget_s:.0f} s")
         self._repace(effects)
-        effects += self._judge_gone(now)
+        newly_late = self._silence.expired(now, self.heartbeats, self._late_after_s())
+        self.late.update(newly_late)
+        if self.late or self.closed or self.departed:
+            effects += self._judge_gone(now)
         if self.participants:
             effects += self.decide(now, wall).effects
-        effects += self.place_spares(now).effects  # groups silent past the timeout are free now
+        if self.spares and (newly_late or forgotten or now >= self._spares_due):
+            effects += self.place_spares(now).effects  # silent past the timeout: free now
         return Outcome(tuple(effects))
 
     def decide(self, now: float, wall: float) -> Outcome:
@@ -364,6 +388,8 @@ class Membership:
         )
         effects: list[Effect] = []
         waiting = []
+        reserve_s = max(5.0, 2 * self.config.heartbeat_timeout_ms / 1000)
+        self._spares_due = min(self.reserved.values(), default=float("inf")) + reserve_s
         for ticket, request in self.spares:
             group = placed.get(request.spare_id)
             if group is None:
@@ -390,10 +416,20 @@ class Membership:
         self.decide_config = replace(self.config, suspect_min_ms=floor)
         effects.append(AdviceChanged(advice))
 
+    def _late_after_s(self) -> float:
+        """The least silence that matters: suspicion's floor, or the timeout."""
+        after_s = self.config.heartbeat_timeout_ms / 1000
+        if self.decide_config.suspect_phi > 0:
+            after_s = min(after_s, self.decide_config.suspect_min_ms / 1000)
+        return after_s
+
     def _judge_gone(self, now: float) -> list[Effect]:
-        """Tells the latest quorum's live members of members newly judged gone."""
+        """Tells the latest quorum's live members of members newly judged
+        gone. Only the late, closed and departed can be: the others were
+        heard within the least silence that matters, on an open stream."""
+        candidates = self.late | self.closed | self.departed.keys()
         args = (self.heartbeats, self.streams_closed, self.arrivals, self.decide_config)
-        notice = self.gone.judge(now, *args)
+        notice = self.gone.judge(now, candidates, *args)
         if notice is None:
             return []
         return [Log(logging.INFO, "%s", (self.gone.describe(notice),)), Gone(notice)]
@@ -406,6 +442,10 @@ class Membership:
                 self.arrivals.get(replica_id), now - last, cap_s
             )
         self.heartbeats[replica_id] = now
+        self.late.discard(replica_id)
+        self.closed.discard(replica_id)
+        self._silence.heard(replica_id, now, self._late_after_s())
+        self._forgetting.heard(replica_id, now, self.config.forget_after_s)
 
     def _admit(self, now: float, replica_id: str) -> Outcome | None:
         """Refuses a replica whose group name another live replica holds
@@ -469,6 +509,8 @@ class Membership:
         self.described.pop(replica_id, None)
         self.held_state.discard(replica_id)
         self.streams_closed.pop(replica_id, None)
+        self.late.discard(replica_id)
+        self.closed.discard(replica_id)
         if self.prev_quorum is not None and replica_id in self.prev_quorum.replica_ids():
             self.departed[replica_id] = why
         return (Forgotten(replica_id, why),)

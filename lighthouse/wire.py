@@ -13,6 +13,7 @@ from google.protobuf.unknown_fields import UnknownFieldSet
 
 from lighthouse.quorum import Quorum, QuorumMember
 from lighthouse.rpc.proto import torchft_pb2 as pb
+from lighthouse.views import MAX_VIEW_RANKS, QuorumResult, QuorumViews
 
 
 def member_from_proto(msg: pb.QuorumMember) -> QuorumMember:
@@ -110,3 +111,116 @@ def quorum_request_from_proto(msg: pb.LighthouseQuorumRequest) -> QuorumMember:
     if not msg.HasField("requester"):
         raise ValueError("requester is missing from the Quorum request")
     return member_from_proto(msg.requester)
+
+
+def result_to_proto(r: QuorumResult, divergence: bool = False) -> pb.ManagerQuorumResponse:
+    """`divergence`: include its reason (a lighthouse's view; a rank never gets it)."""
+    return pb.ManagerQuorumResponse(
+        quorum_id=r.quorum_id,
+        recover_src_manager_address=r.recover_src_manager_address,
+        recover_src_replica_rank=r.recover_src_replica_rank,
+        recover_dst_replica_ranks=r.recover_dst_replica_ranks,
+        store_address=r.store_address,
+        max_step=r.max_step,
+        max_replica_rank=r.max_replica_rank,
+        max_world_size=r.max_world_size,
+        replica_rank=r.replica_rank,
+        replica_world_size=r.replica_world_size,
+        heal=r.heal,
+        commit_failures=r.commit_failures,
+        recover_src_replica_ranks=r.recover_src_replica_ranks,
+        recover_src_manager_addresses=r.recover_src_manager_addresses,
+        recover_stripe_dst_replica_ranks=r.recover_stripe_dst_replica_ranks,
+        batch_slots_wrong=r.batch_slots_wrong,
+        batch_slots_wrong_all=r.batch_slots_wrong_all,
+        divergence=r.divergence if divergence else "",
+    )
+
+
+def result_from_proto(m: pb.ManagerQuorumResponse) -> QuorumResult:
+    return QuorumResult(
+        quorum_id=m.quorum_id,
+        replica_rank=m.replica_rank,
+        replica_world_size=m.replica_world_size,
+        store_address=m.store_address,
+        max_step=m.max_step,
+        max_replica_rank=m.max_replica_rank if m.HasField("max_replica_rank") else None,
+        max_world_size=m.max_world_size,
+        heal=m.heal,
+        recover_src_manager_address=m.recover_src_manager_address,
+        recover_src_replica_rank=(
+            m.recover_src_replica_rank if m.HasField("recover_src_replica_rank") else None
+        ),
+        recover_dst_replica_ranks=tuple(m.recover_dst_replica_ranks),
+        recover_src_replica_ranks=tuple(m.recover_src_replica_ranks),
+        recover_src_manager_addresses=tuple(m.recover_src_manager_addresses),
+        recover_stripe_dst_replica_ranks=tuple(m.recover_stripe_dst_replica_ranks),
+        commit_failures=m.commit_failures,
+        batch_slots_wrong=m.batch_slots_wrong,
+        batch_slots_wrong_all=m.batch_slots_wrong_all,
+        divergence=m.divergence,
+    )
+
+
+Viewer = tuple[str, int, bool]
+"""A Quorum caller that asked for its view: replica id, world size, init_sync."""
+
+
+def viewer_from_proto(msg: pb.LighthouseQuorumRequest, member: QuorumMember) -> Viewer | None:
+    """Who asked for its view, or None for a caller that wants every member.
+
+    Raises:
+        ValueError: a view for a world_size of 0 or past MAX_VIEW_RANKS.
+    """
+    if not msg.HasField("view"):
+        return None
+    if not 1 <= member.world_size <= MAX_VIEW_RANKS:
+        raise ValueError(
+            f"a view is answered for a world_size in [1, {MAX_VIEW_RANKS}], not {member.world_size}"
+        )
+    return member.replica_id, member.world_size, msg.view.init_sync
+
+
+def view_response(views: QuorumViews, replica_id: str, world_size: int, init_sync: bool) -> bytes:
+    """The answer to a requester that asked for its view: the quorum's id
+    and time without members, and each of its group ranks' share.
+
+    An up-to-date member's share differs from every other's only in its two
+    ranks (QuorumViews.steady_for): that part is serialized once per quorum and
+    group rank, and each answer appends its ranks (protobuf merges
+    concatenated messages), ~1 us a rank where building the message is ~7."""
+    memo = views.memo
+    header = memo.get("header")
+    if not isinstance(header, bytes):
+        quorum = pb.Quorum(quorum_id=views.quorum.quorum_id)
+        quorum.created.FromNanoseconds(int(views.quorum.created * 1e9))
+        header = memo["header"] = pb.LighthouseQuorumResponse(quorum=quorum).SerializeToString()
+    parts = [header]
+    for g in range(world_size):
+        if views.steady_for(replica_id, g, init_sync):
+            shared = memo.get((g, init_sync))
+            if not isinstance(shared, bytes):
+                share = views.steady_share(g, init_sync)
+                shared = result_to_proto(share, divergence=True).SerializeToString()
+                memo[(g, init_sync)] = shared
+            rank, max_rank = views.ranks(replica_id, g, init_sync)
+            view = shared + _RANK + _varint(rank) + _MAX_RANK + _varint(max_rank or 0)
+        else:
+            result = views.result(replica_id, g, init_sync)
+            view = result_to_proto(result, divergence=True).SerializeToString()
+        parts.append(_VIEWS + _varint(len(view)) + view)
+    return b"".join(parts)
+
+
+_VIEWS = b"\xa2\x06"  # LighthouseQuorumResponse.views: field 100, length-delimited
+_RANK = b"\x48"  # ManagerQuorumResponse.replica_rank: field 9, varint
+_MAX_RANK = b"\x38"  # ManagerQuorumResponse.max_replica_rank: field 7, varint
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while value > 0x7F:
+        out.append(value & 0x7F | 0x80)
+        value >>= 7
+    out.append(value)
+    return bytes(out)

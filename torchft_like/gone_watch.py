@@ -85,12 +85,16 @@ class MemberGoneError(RuntimeError):
 
 
 def gone_in_quorum(
-    quorum_id: int, gone: Iterable[str], latest: tuple[int, tuple[str, ...]] | None
+    quorum_id: int, gone: Iterable[str], latest: tuple[int, tuple[str, ...] | None] | None
 ) -> tuple[str, ...]:
     """The gone replicas that are members of `latest` (quorum id, member
-    ids), the group's latest quorum; () for a notice about another quorum."""
+    ids), the group's latest quorum; () for a notice about another quorum.
+    Members None (a group that took in its view, not the member list): the
+    lighthouse sends a notice only to the gone members' quorum, so all count."""
     if latest is None or quorum_id != latest[0]:
         return ()
+    if latest[1] is None:
+        return tuple(sorted(set(gone)))
     members = set(latest[1])
     return tuple(sorted(rid for rid in gone if rid in members))
 
@@ -104,7 +108,7 @@ class GroupNotices:
     `heard` and `applied` return the gone members to pass on now, or ()."""
 
     def __init__(self, keep: int = KEEP_BROKEN) -> None:
-        self.latest: tuple[int, tuple[str, ...]] | None = None
+        self.latest: tuple[int, tuple[str, ...] | None] | None = None
         self._early: dict[int, tuple[str, ...]] = {}
         self._keep = keep
 
@@ -118,7 +122,7 @@ class GroupNotices:
             return ()
         return gone_in_quorum(quorum_id, gone, self.latest)
 
-    def applied(self, quorum_id: int, members: tuple[str, ...]) -> tuple[str, ...]:
+    def applied(self, quorum_id: int, members: tuple[str, ...] | None) -> tuple[str, ...]:
         self.latest = (quorum_id, members)
         early = self._early.pop(quorum_id, ())
         return gone_in_quorum(quorum_id, early, self.latest) if early else ()

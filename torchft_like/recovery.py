@@ -1,192 +1,43 @@
-"""Per-rank view of a quorum: our rank, the primary store, who heals from whom.
+"""A rank's part in a quorum: whether and where it counts, where its data
+slot is, whom it heals from and serves.
 
-A pure function of (quorum, replica_id, group_rank, init_sync), so every
-ManagerServer derives the same assignment without talking to the others.
-That includes divergence: replicas at the same step whose state fingerprints
-differ (shared in QuorumMember.data) are told apart here, and the odd ones
-heal like replicas that are behind.
+The quorum's assignment itself (each group rank's share: its rank, the
+primary store, heal sources, divergence) is lighthouse.views, which the
+lighthouse also runs to answer a group with its view alone; its names are
+re-exported here, where torchft_like's code and torchft's tests read them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lighthouse.member_data import batch_slot_of, fingerprint_of
-from lighthouse.quorum import Quorum, QuorumMember
+from lighthouse.views import (
+    Divergence,
+    QuorumResult,
+    batch_claims,
+    batch_slots_wrong,
+    compute_quorum_result,
+    find_divergence,
+    member_fingerprint,
+)
 
-
-@dataclass(frozen=True)
-class QuorumResult:
-    """What one rank of one replica group needs to know about a quorum."""
-
-    quorum_id: int
-    replica_rank: int
-    """Our index among the participants, sorted by replica_id."""
-    replica_world_size: int
-    store_address: str
-    """TCPStore of the primary for our group rank: where the process group meets."""
-    max_step: int
-    max_replica_rank: int | None
-    """Our index among the participants at max_step, or None if we are behind."""
-    max_world_size: int
-    heal: bool
-    """We must copy the state from `recover_src_*` before stepping."""
-    recover_src_manager_address: str = ""
-    recover_src_replica_rank: int | None = None
-    recover_dst_replica_ranks: tuple[int, ...] = ()
-    recover_src_replica_ranks: tuple[int, ...] = ()
-    """Every replica we may heal from, striped (see HTTPTransport
-    `recv_checkpoint_striped`): all up-to-date replicas, our primary source
-    first. Empty when we do not heal."""
-    recover_src_manager_addresses: tuple[str, ...] = ()
-    """Their ManagerServer addresses, in the same order."""
-    recover_stripe_dst_replica_ranks: tuple[int, ...] = ()
-    """Every healing replica that may fetch a stripe of our state: all of
-    them when we are up to date (a superset of recover_dst_replica_ranks)."""
-    commit_failures: int = 0
-    divergence: str = ""
-    """Why some replicas at max_step heal although up to date (their state
-    fingerprint is the odd one out), or empty. Not sent to the ranks."""
-    batch_slots_wrong: str = ""
-    """Why the participants (the replicas at max_step) did not all take the
-    batch the quorum gives them (batch_slots_wrong), or empty."""
-    batch_slots_wrong_all: str = ""
-    """The same when every member counts (a synchronous quorum)."""
-
-
-def member_fingerprint(member: QuorumMember, group_rank: int) -> str | None:
-    """The fingerprint `member` shared for `group_rank` at its current step
-    (lighthouse.member_data.fingerprint_of), or None."""
-    return fingerprint_of(member.data, member.step, group_rank)
-
-
-@dataclass(frozen=True)
-class Divergence:
-    """Replicas at one step whose fingerprints for one group rank differ."""
-
-    odd: tuple[str, ...]
-    """Replica ids that must heal, sorted."""
-    kept: tuple[str, ...]
-    """Replica ids whose state is kept, sorted."""
-    reason: str
-
-
-def find_divergence(at_max: Sequence[QuorumMember], group_rank: int) -> Divergence | None:
-    """Which replicas at max_step hold the wrong state for `group_rank`.
-
-    The rule: the fingerprint most replicas share is kept; on a tie, the one
-    held by the lowest replica_id. Why: faults (a flipped bit, a bad host)
-    hit one replica at a time, so the value most replicas agree on is the
-    likely right one. A tie (always so with 2 replicas) carries no evidence
-    either way, so the rule only has to be one every replica computes
-    identically from the quorum alone: the lowest replica_id, with the usual
-    `{name}_{group}:{uuid}` ids the lowest-numbered group, which an operator
-    can predict. Replicas that shared no fingerprint are left out.
-    """
-    by_value: dict[str, list[str]] = {}
-    for member in sorted(at_max, key=lambda m: m.replica_id):
-        value = member_fingerprint(member, group_rank)
-        if value is not None:
-            by_value.setdefault(value, []).append(member.replica_id)
-    if len(by_value) < 2:
-        return None
-    # Ties keep the value seen first, i.e. the lowest replica_id's.
-    kept_value = max(by_value, key=lambda v: len(by_value[v]))
-    kept = tuple(by_value[kept_value])
-    odd = tuple(sorted(r for v, ids in by_value.items() if v != kept_value for r in ids))
-    others = "; ".join(
-        f"{v} held by {', '.join(ids)}" for v, ids in by_value.items() if v != kept_value
-    )
-    majority = all(len(ids) < len(kept) for v, ids in by_value.items() if v != kept_value)
-    reason = (
-        f"state fingerprints differ at step {at_max[0].step} for group rank {group_rank}: "
-        f"keeping {kept_value} held by {', '.join(kept)} "
-        f"({'majority' if majority else 'tie, lowest replica_id'}); {others}; "
-        f"healing {', '.join(odd)} from a kept replica"
-    )
-    return Divergence(odd=odd, kept=kept, reason=reason)
-
-
-def compute_quorum_result(
-    quorum: Quorum, replica_id: str, group_rank: int, init_sync: bool
-) -> QuorumResult:
-    """Follows docs/architecture.md, "One training step", point 2.
-
-    Sources are spread: the i-th recovering replica copies from up-to-date
-    replica (i + group_rank) mod (number up to date), so recoveries of several
-    replicas, and of the ranks of one group, do not all load one peer.
-
-    Replicas at max_step whose state fingerprint is the odd one out (see
-    find_divergence) heal too: they count as recovering, not as at max_step.
-
-    For striped healing, each recovering replica lists every up-to-date
-    replica, starting at its own source and going round, so that several
-    replicas healing at once start on (and fall back to) different peers;
-    each up-to-date replica serves every recovering one.
-
-    Raises:
-        ValueError: `replica_id` is not a participant of `quorum`.
-    """
-    participants = sorted(quorum.participants, key=lambda m: m.replica_id)
-    ids = [m.replica_id for m in participants]
-    if replica_id not in ids:
-        raise ValueError(f"replica {replica_id} is not in quorum {quorum.quorum_id} ({ids})")
-    replica_rank = ids.index(replica_id)
-    max_step = max(m.step for m in participants)
-    at_max = [m for m in participants if m.step == max_step]
-    primary = at_max[group_rank % len(at_max)]
-    divergence = find_divergence(at_max, group_rank)
-    odd = set(divergence.odd) if divergence else set()
-    at_max = [m for m in at_max if m.replica_id not in odd]
-    at_max_ids = [m.replica_id for m in at_max]
-
-    recovering = [m for m in participants if m.step != max_step or m.replica_id in odd]
-    if init_sync and max_step == 0:
-        # One group keeps its weights for every group rank: a group's ranks
-        # serve or heal together, as a state_dict with collectives needs.
-        recovering = [m for m in participants if m.replica_id != at_max[0].replica_id]
-    recovering_ids = {m.replica_id for m in recovering}
-    up_to_date = [m for m in at_max if m.replica_id not in recovering_ids]
-
-    def source_of(i: int) -> QuorumMember:
-        return up_to_date[(i + group_rank) % len(up_to_date)]
-
-    src: QuorumMember | None = None
-    sources: list[QuorumMember] = []
-    for i, member in enumerate(recovering):
-        if member.replica_id == replica_id:
-            src = source_of(i)
-            sources = [source_of(i + j) for j in range(len(up_to_date))]
-    serves_stripes = replica_id in {m.replica_id for m in up_to_date}
-    dst = tuple(
-        ids.index(m.replica_id)
-        for i, m in enumerate(recovering)
-        if source_of(i).replica_id == replica_id
-    )
-    claims = batch_claims(participants)
-    return QuorumResult(
-        quorum_id=quorum.quorum_id,
-        replica_rank=replica_rank,
-        replica_world_size=len(participants),
-        store_address=primary.store_address,
-        max_step=max_step,
-        max_replica_rank=at_max_ids.index(replica_id) if replica_id in at_max_ids else None,
-        max_world_size=len(at_max),
-        heal=src is not None,
-        recover_src_manager_address=src.address if src else "",
-        recover_src_replica_rank=ids.index(src.replica_id) if src else None,
-        recover_dst_replica_ranks=dst,
-        recover_src_replica_ranks=tuple(ids.index(m.replica_id) for m in sources),
-        recover_src_manager_addresses=tuple(m.address for m in sources),
-        recover_stripe_dst_replica_ranks=(
-            tuple(ids.index(m.replica_id) for m in recovering) if serves_stripes else ()
-        ),
-        commit_failures=max(m.commit_failures for m in participants),
-        divergence=divergence.reason if divergence else "",
-        batch_slots_wrong=batch_slots_wrong(at_max, claims),
-        batch_slots_wrong_all=batch_slots_wrong(participants, claims),
-    )
+__all__ = [
+    "BatchSlot",
+    "Divergence",
+    "QuorumResult",
+    "TransferPlan",
+    "batch_claims",
+    "batch_slots_wrong",
+    "compute_quorum_result",
+    "find_divergence",
+    "heal_sources",
+    "heal_sources_from_env",
+    "member_fingerprint",
+    "participation",
+    "slot_forecast",
+    "transfer_plan",
+]
 
 
 @dataclass(frozen=True)
@@ -217,34 +68,6 @@ def slot_forecast(
         return BatchSlot(slot=-1 if rank is None else rank, participants=max(count, 1))
     count = result.replica_world_size if cap is None else min(cap, result.replica_world_size)
     return BatchSlot(slot=result.replica_rank, participants=max(count, 1))
-
-
-def batch_claims(members: Sequence[QuorumMember]) -> dict[str, int | None]:
-    """Each member's claimed batch slot (lighthouse.member_data.batch_slot_of), read once."""
-    return {m.replica_id: batch_slot_of(m.data) for m in members}
-
-
-def batch_slots_wrong(participants: list[QuorumMember], claims: Mapping[str, int | None]) -> str:
-    """Why the step's batches are not the quorum's, or "" when they are.
-
-    Participant r (in the order given, the order of participating ranks)
-    must train unit `batches_committed + r` of the data; a group that took
-    its batch by predicting its rank (torchft_like.StepBatches) says which
-    rank it predicted. Every replica reads the same quorum, so all agree on
-    the answer and none commits a step whose samples would be counted for
-    the wrong group. Members that claim nothing are not checked.
-    """
-    for rank, member in enumerate(participants):
-        claim = claims[member.replica_id]
-        if claim is None or claim == rank:
-            continue
-        took = "no batch slot (it had no quorum yet)" if claim < 0 else f"batch slot {claim}"
-        return (
-            f"replica {member.replica_id} took {took} but is participant {rank} of "
-            f"{len(participants)}: the participants changed since its last quorum; the step "
-            "is retried with the new assignment"
-        )
-    return ""
 
 
 def participation(

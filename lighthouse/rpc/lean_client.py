@@ -81,7 +81,14 @@ class LeanChannel:
     lost, by one attempt at a time (a heartbeat and a Quorum call may both
     find none)."""
 
-    def __init__(self, target: str, metadata: tuple[tuple[str, str], ...] = ()) -> None:
+    def __init__(
+        self,
+        target: str,
+        metadata: tuple[tuple[str, str], ...] = (),
+        connection: type[ClientConnection] = ClientConnection,
+    ) -> None:
+        """`connection`: the protocol class of its connections (a benchmark's
+        counting subclass)."""
         host, _, port = target.rpartition(":")
         self._host, self._port = host.strip("[]"), int(port)
         self._static = literal(":authority", target) + b"".join(literal(k, v) for k, v in metadata)
@@ -93,6 +100,7 @@ class LeanChannel:
         self._retry_at = 0.0
         self._prefixes: dict[str, bytes] = {}
         """Each method's header fields but the deadline, encoded once."""
+        self._connection_class = connection
 
     async def unary(self, method: str, request: bytes, timeout_s: float) -> bytes:
         """The answer's bytes to `request` of `method` (/package.Service/Method).
@@ -162,7 +170,7 @@ class LeanChannel:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
-                loop.create_connection(ClientConnection, self._host, self._port), timeout_s
+                loop.create_connection(self._connection_class, self._host, self._port), timeout_s
             )
         except (OSError, asyncio.TimeoutError) as e:
             self._retry_at = time.monotonic() + RETRY_AFTER_S

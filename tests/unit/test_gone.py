@@ -158,6 +158,11 @@ def test_step_breaks_remember_a_bounded_number_of_quorums():
         # Kept only for a later quorum of ours: an early notice about 9 does not reach 8.
         ([("heard", 9, ("b",)), ("applied", 8, ("a", "b")), ("applied", 9, ("a", "b"))],
          [(), (), ("b",)]),
+        # A group that took in its view knows no members: the lighthouse names
+        # only its quorum's, so every name counts; another quorum still not.
+        ([("applied", 7, None), ("heard", 7, ("z", "b")), ("heard", 6, ("c",))],
+         [(), ("b", "z"), ()]),
+        ([("heard", 7, ("b",)), ("applied", 7, None)], [(), ("b",)]),
     ],
 )  # fmt: skip
 def test_group_notices_pass_on_what_concerns_the_latest_quorum_even_if_early(script, want):

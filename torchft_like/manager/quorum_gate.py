@@ -15,7 +15,6 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from lighthouse.quorum import Quorum
 from torchft_like.manager.admission import UNTRUSTED_HOLD_S, admit
 from torchft_like.manager.gathering import Round
 from torchft_like.manager.group_request import QuorumRequest
@@ -110,9 +109,9 @@ class QuorumGate:
         for rank, call in rnd.calls.items():
             self.metadata[rank] = call.checkpoint_metadata
 
-    def issued(self, quorum: Quorum) -> None:
-        """Notes the lighthouse's answer to the group's request."""
-        self.last_max_step = max((m.step for m in quorum.participants), default=0)
+    def issued(self, max_step: int) -> None:
+        """Notes the max step of the lighthouse's answer to the group's request."""
+        self.last_max_step = max_step
 
     def _log(self, rank: int, kind: str, text: str) -> None:
         """WARNING the first time per rank and kind, then DEBUG: a flood of

@@ -33,7 +33,7 @@ from torchft_like.manager.group_request import QuorumRequest, merge_requests
 from torchft_like.manager.quorum_gate import QuorumGate
 from torchft_like.manager.servicer import ManagerServicer
 from torchft_like.manager.session import GoneListener, LighthouseSession
-from torchft_like.recovery import QuorumResult, compute_quorum_result
+from torchft_like.recovery import QuorumResult
 
 __all__ = ["ManagerServer"]
 
@@ -216,9 +216,10 @@ class ManagerServer:
         )
         deadline = min(rnd.deadlines.values(), default=time.monotonic() + MAX_WAIT_S)
         try:
-            quorum = await self.session.ask(group.member, deadline)
-            self._gate.issued(quorum)
-            quorum = self.session.keep_compatible(quorum)
+            quorum, views = await self.session.ask(group.member, deadline, group.init_sync)
+            members = quorum.participants
+            self._gate.issued(views[0].max_step if views else max(m.step for m in members))
+            result_of = self.session.take_in(quorum, views, group.init_sync)
         except Exception as e:
             for f in rnd.futures.values():
                 if not f.done():
@@ -228,7 +229,7 @@ class ManagerServer:
             if f.done():
                 continue
             try:
-                result = compute_quorum_result(quorum, self.replica_id, rank, group.init_sync)
+                result = result_of(rank)
             except ValueError as e:
                 f.set_exception(QuorumError(str(e)))
                 continue

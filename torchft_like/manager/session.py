@@ -16,6 +16,7 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
+from functools import partial
 
 from lighthouse.client import AsyncLighthouseClient
 from lighthouse.compat import refusals, training_members
@@ -29,6 +30,7 @@ from lighthouse.rpc.errors import (
 )
 from lighthouse.rpc.loop import reply_budget_s
 from lighthouse.rpc.tls import TLSConfig
+from lighthouse.views import QuorumResult, QuorumViews
 from torchft_like.gone_watch import GroupNotices
 
 logger = logging.getLogger(__name__)
@@ -50,8 +52,8 @@ def retry_delay_s(num_failures: int) -> float:
 class LighthouseSession:
     """The group's calls to the lighthouse (arguments as ManagerServer's).
 
-    Used on the server's loop: `open` once, then `ask` and `keep_compatible`
-    per quorum, `close` at shutdown.
+    Used on the server's loop: `open` once, then `ask` and `take_in` per
+    quorum, `close` at shutdown.
     """
 
     def __init__(
@@ -103,8 +105,13 @@ class LighthouseSession:
 
     # ---- quorum --------------------------------------------------------------
 
-    async def ask(self, member: QuorumMember, deadline: float) -> Quorum:
-        """The lighthouse's quorum for `member`, asked until `deadline` (monotonic).
+    async def ask(
+        self, member: QuorumMember, deadline: float, init_sync: bool
+    ) -> tuple[Quorum, tuple[QuorumResult, ...]]:
+        """The lighthouse's quorum for `member`, asked until `deadline`
+        (monotonic), with the group's view: each group rank's share (our
+        lighthouse; the quorum then comes without its members), or none (a
+        lighthouse that answers with the members, pytorch/torchft's).
 
         An unreachable lighthouse (restarting, a network blip) is retried with
         backoff until the deadline, so the group waits out the outage and goes
@@ -121,7 +128,9 @@ class LighthouseSession:
             try:
                 self._quorum_sent_at = time.monotonic()
                 self._postpone_heartbeat()
-                quorum = await self.client.quorum(member, timedelta(seconds=remaining))
+                answer = await self.client.quorum_view(
+                    member, timedelta(seconds=remaining), init_sync
+                )
             except LighthouseUnavailableError as e:
                 if outage_start is None:
                     outage_start = time.monotonic()
@@ -163,20 +172,38 @@ class LighthouseSession:
                     self.replica_id,
                     time.monotonic() - outage_start,
                 )
-            return quorum
+            return answer
 
-    def keep_compatible(self, quorum: Quorum) -> Quorum:
-        """The quorum our ranks take in: less the members our process group
-        cannot rendezvous with (lighthouse.compat; our lighthouse never mixes
-        them, torchft's does, and its nightly's members would stall our
-        configure). Gone notices heard about it before are relayed now.
+    def take_in(
+        self, quorum: Quorum, views: tuple[QuorumResult, ...], init_sync: bool
+    ) -> Callable[[int], QuorumResult]:
+        """Each group rank's share of the quorum our ranks take in (a
+        function of the group rank), and the gone notices heard about it
+        before relayed now. A quorum that came with its members (from a
+        lighthouse that does not answer views, pytorch/torchft's) is taken
+        in less the members our process group cannot rendezvous with
+        (lighthouse.compat: its nightly's members would stall our
+        configure); ours never mixes them.
 
         Raises:
             IncompatibleGroupError: the rule keeps the other side; this
                 group must stop so that they train on.
         """
-        if self._local_collectives:
-            return quorum
+        if views:
+            members = None
+            result_of = partial(_view_of, views)
+        else:
+            if not self._local_collectives:
+                quorum = self._compatible(quorum)
+            members = quorum.replica_ids()
+            result_of = partial(QuorumViews(quorum).result, self.replica_id, init_sync=init_sync)
+        if not self._local_collectives:
+            early = self._notices.applied(quorum.quorum_id, members)
+            if early:  # heard before this quorum was taken in
+                self._tell_gone(quorum.quorum_id, early)
+        return result_of
+
+    def _compatible(self, quorum: Quorum) -> Quorum:
         members = quorum.participants
         prev = self._prev_quorum_ids or training_members(members)
         refused = refusals({m.replica_id: m for m in members}, prev)
@@ -194,9 +221,6 @@ class LighthouseSession:
             kept = tuple(m for m in quorum.participants if m.replica_id not in refused)
             quorum = replace(quorum, participants=kept)
         self._prev_quorum_ids = quorum.replica_ids()
-        early = self._notices.applied(quorum.quorum_id, quorum.replica_ids())
-        if early:  # heard before this quorum was taken in
-            self._tell_gone(quorum.quorum_id, early)
         return quorum
 
     # ---- gone notices --------------------------------------------------------
@@ -312,6 +336,12 @@ class LighthouseSession:
             except Exception as e:
                 logger.info("[%s] could not tell the lighthouse we leave: %s", self.replica_id, e)
         await self.client.close()
+
+
+def _view_of(views: tuple[QuorumResult, ...], group_rank: int) -> QuorumResult:
+    if not 0 <= group_rank < len(views):
+        raise ValueError(f"the lighthouse's view has {len(views)} group ranks, not {group_rank}")
+    return views[group_rank]
 
 
 def _settle(future: asyncio.Future[None]) -> None:

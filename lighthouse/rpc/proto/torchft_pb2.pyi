@@ -40,16 +40,26 @@ class Quorum(_message.Message):
     def __init__(self, quorum_id: _Optional[int] = ..., participants: _Optional[_Iterable[_Union[QuorumMember, _Mapping]]] = ..., created: _Optional[_Union[datetime.datetime, _timestamp_pb2.Timestamp, _Mapping]] = ...) -> None: ...
 
 class LighthouseQuorumRequest(_message.Message):
-    __slots__ = ("requester",)
+    __slots__ = ("requester", "view")
     REQUESTER_FIELD_NUMBER: _ClassVar[int]
+    VIEW_FIELD_NUMBER: _ClassVar[int]
     requester: QuorumMember
-    def __init__(self, requester: _Optional[_Union[QuorumMember, _Mapping]] = ...) -> None: ...
+    view: GroupViewRequest
+    def __init__(self, requester: _Optional[_Union[QuorumMember, _Mapping]] = ..., view: _Optional[_Union[GroupViewRequest, _Mapping]] = ...) -> None: ...
+
+class GroupViewRequest(_message.Message):
+    __slots__ = ("init_sync",)
+    INIT_SYNC_FIELD_NUMBER: _ClassVar[int]
+    init_sync: bool
+    def __init__(self, init_sync: _Optional[bool] = ...) -> None: ...
 
 class LighthouseQuorumResponse(_message.Message):
-    __slots__ = ("quorum",)
+    __slots__ = ("quorum", "views")
     QUORUM_FIELD_NUMBER: _ClassVar[int]
+    VIEWS_FIELD_NUMBER: _ClassVar[int]
     quorum: Quorum
-    def __init__(self, quorum: _Optional[_Union[Quorum, _Mapping]] = ...) -> None: ...
+    views: _containers.RepeatedCompositeFieldContainer[ManagerQuorumResponse]
+    def __init__(self, quorum: _Optional[_Union[Quorum, _Mapping]] = ..., views: _Optional[_Iterable[_Union[ManagerQuorumResponse, _Mapping]]] = ...) -> None: ...
 
 class LighthouseHeartbeatRequest(_message.Message):
     __slots__ = ("replica_id",)
@@ -124,7 +134,7 @@ class ManagerQuorumRequest(_message.Message):
     def __init__(self, group_rank: _Optional[int] = ..., step: _Optional[int] = ..., checkpoint_metadata: _Optional[str] = ..., shrink_only: _Optional[bool] = ..., init_sync: _Optional[bool] = ..., commit_failures: _Optional[int] = ..., fingerprint: _Optional[str] = ..., heal_report: _Optional[str] = ..., batch_slot: _Optional[int] = ...) -> None: ...
 
 class ManagerQuorumResponse(_message.Message):
-    __slots__ = ("quorum_id", "recover_src_manager_address", "recover_src_replica_rank", "recover_dst_replica_ranks", "store_address", "max_step", "max_replica_rank", "max_world_size", "replica_rank", "replica_world_size", "heal", "commit_failures", "recover_src_replica_ranks", "recover_src_manager_addresses", "recover_stripe_dst_replica_ranks", "batch_slots_wrong", "batch_slots_wrong_all")
+    __slots__ = ("quorum_id", "recover_src_manager_address", "recover_src_replica_rank", "recover_dst_replica_ranks", "store_address", "max_step", "max_replica_rank", "max_world_size", "replica_rank", "replica_world_size", "heal", "commit_failures", "recover_src_replica_ranks", "recover_src_manager_addresses", "recover_stripe_dst_replica_ranks", "batch_slots_wrong", "batch_slots_wrong_all", "divergence")
     QUORUM_ID_FIELD_NUMBER: _ClassVar[int]
     RECOVER_SRC_MANAGER_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     RECOVER_SRC_REPLICA_RANK_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +152,7 @@ class ManagerQuorumResponse(_message.Message):
     RECOVER_STRIPE_DST_REPLICA_RANKS_FIELD_NUMBER: _ClassVar[int]
     BATCH_SLOTS_WRONG_FIELD_NUMBER: _ClassVar[int]
     BATCH_SLOTS_WRONG_ALL_FIELD_NUMBER: _ClassVar[int]
+    DIVERGENCE_FIELD_NUMBER: _ClassVar[int]
     quorum_id: int
     recover_src_manager_address: str
     recover_src_replica_rank: int
@@ -159,7 +170,8 @@ class ManagerQuorumResponse(_message.Message):
     recover_stripe_dst_replica_ranks: _containers.RepeatedScalarFieldContainer[int]
     batch_slots_wrong: str
     batch_slots_wrong_all: str
-    def __init__(self, quorum_id: _Optional[int] = ..., recover_src_manager_address: _Optional[str] = ..., recover_src_replica_rank: _Optional[int] = ..., recover_dst_replica_ranks: _Optional[_Iterable[int]] = ..., store_address: _Optional[str] = ..., max_step: _Optional[int] = ..., max_replica_rank: _Optional[int] = ..., max_world_size: _Optional[int] = ..., replica_rank: _Optional[int] = ..., replica_world_size: _Optional[int] = ..., heal: _Optional[bool] = ..., commit_failures: _Optional[int] = ..., recover_src_replica_ranks: _Optional[_Iterable[int]] = ..., recover_src_manager_addresses: _Optional[_Iterable[str]] = ..., recover_stripe_dst_replica_ranks: _Optional[_Iterable[int]] = ..., batch_slots_wrong: _Optional[str] = ..., batch_slots_wrong_all: _Optional[str] = ...) -> None: ...
+    divergence: str
+    def __init__(self, quorum_id: _Optional[int] = ..., recover_src_manager_address: _Optional[str] = ..., recover_src_replica_rank: _Optional[int] = ..., recover_dst_replica_ranks: _Optional[_Iterable[int]] = ..., store_address: _Optional[str] = ..., max_step: _Optional[int] = ..., max_replica_rank: _Optional[int] = ..., max_world_size: _Optional[int] = ..., replica_rank: _Optional[int] = ..., replica_world_size: _Optional[int] = ..., heal: _Optional[bool] = ..., commit_failures: _Optional[int] = ..., recover_src_replica_ranks: _Optional[_Iterable[int]] = ..., recover_src_manager_addresses: _Optional[_Iterable[str]] = ..., recover_stripe_dst_replica_ranks: _Optional[_Iterable[int]] = ..., batch_slots_wrong: _Optional[str] = ..., batch_slots_wrong_all: _Optional[str] = ..., divergence: _Optional[str] = ...) -> None: ...
 
 class CheckpointMetadataRequest(_message.Message):
     __slots__ = ("rank",)

@@ -1,0 +1,209 @@
+"""One lighthouse process for thousands of replica groups, measured.
+
+    python -m bench.lighthouse_scale --groups N --step-s S --json PATH
+        [--servers ours ref] [--steps 8] [--procs 2] [--groups-per-connection 40]
+
+A real lighthouse process (ours, `python -m lighthouse`, and beside it
+pytorch/torchft's Rust one, .venv/bin/torchft_lighthouse) and --procs load
+processes (bench/_scale_load.py) driving N simulated groups over real gRPC:
+paced heartbeat streams (unary heartbeats to the Rust lighthouse, which has
+no streams), one Quorum call per step at the step's boundary (ours asked for
+the group's view), every step commits, and --kills groups die just before a
+step (their stream is reset; silent to the Rust one) and come back two steps
+later under a new id. Several groups share one HTTP/2 connection
+(--groups-per-connection; a connection carries at most 100 streams, and one
+connection per group would need N sockets in each process).
+
+Per server, over the steps after --warmup: the lighthouse's CPU in cores,
+quorum latency p50/p99 from the step's last call to each answer (the
+lighthouse's own part), the answer bytes each group receives per step, the
+bytes the lighthouse sends per group and step (everything the load
+processes receive in the window: HTTP/2 framing, heartbeat advice and
+acknowledgements included), its RSS, and the gone-detection time:
+from a kill to the first survivor that learns of it (a gone notice on its
+stream, or an answer without the killed group). PATH gets one JSON object
+per server (the first, ours, at the top level; the others under "beside").
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import psutil
+
+from bench._report import REPO, pct
+from lighthouse.pacing import advised_interval_ms
+from tools.procs import free_port
+
+VENV_BIN = Path(sys.executable).parent
+HEARTBEAT_TIMEOUT_MS = 5000
+
+
+def start_server(server: str, n: int, min_replicas: int, port: int) -> subprocess.Popen[bytes]:
+    timing = ["--join_timeout_ms", "60000", "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)]
+    if server == "ref":
+        exe = shutil.which("torchft_lighthouse", path=str(VENV_BIN))
+        if exe is None:
+            raise RuntimeError("no .venv/bin/torchft_lighthouse: pip install torchft-nightly")
+        args = [exe, "--min_replicas", str(min_replicas), "--bind", f"127.0.0.1:{port}"]
+    else:
+        args = [sys.executable, "-m", "lighthouse", "--min-replicas", str(min_replicas)]
+        args += ["--bind", f"127.0.0.1:{port}", "--http-bind", "", "--log-level", "WARNING"]
+    proc = subprocess.Popen(
+        args + timing, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return proc
+        except OSError:
+            if proc.poll() is not None:
+                break
+            time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"the {server} lighthouse did not start listening on port {port}")
+
+
+def run_one(server: str, args: argparse.Namespace) -> dict[str, Any]:
+    n = args.groups
+    kills = {str(g): args.warmup + 2 + i for i, g in enumerate(range(0, n, max(1, n // 2))[:2])}
+    kills = dict(list(kills.items())[: args.kills])
+    port = free_port()
+    lighthouse = start_server(server, n, n - len(kills), port)
+    lh = psutil.Process(lighthouse.pid)
+    loads: list[subprocess.Popen[str]] = []
+    try:
+        procs = max(1, min(args.procs, n))
+        for p in range(procs):
+            gids = list(range(p, n, procs))
+            cfg = {
+                "target": f"127.0.0.1:{port}",
+                "gids": gids,
+                "groups": n,
+                "groups_per_connection": args.groups_per_connection,
+                "step_s": args.step_s,
+                "world_size": args.world_size,
+                "view": server == "ours",
+                "paced": server == "ours",
+                # The unary heartbeats to the Rust lighthouse come at the
+                # period ours would advise, so both see the same rate.
+                "heartbeat_s": advised_interval_ms(n, HEARTBEAT_TIMEOUT_MS) / 1000,
+                "kills": {g: s for g, s in kills.items() if int(g) in set(gids)},
+            }
+            loads.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "bench._scale_load", json.dumps(cfg)],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    cwd=REPO,
+                    text=True,
+                    env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+                )
+            )
+        for proc in loads:  # every group connected and answered once
+            assert proc.stdout is not None and proc.stdin is not None
+            if proc.stdout.readline().strip() != "ready":
+                raise RuntimeError(f"a load process for {server} n={n} failed")
+        steps = args.warmup + args.steps
+        t0 = time.time() + 1.0
+        window_from = args.warmup + 1
+        for proc in loads:
+            assert proc.stdin is not None
+            proc.stdin.write(json.dumps([t0, steps, window_from]) + "\n")
+            proc.stdin.flush()
+        time.sleep(max(0.0, t0 + args.warmup * args.step_s - 0.2 - time.time()))
+        cpu0, w0 = lh.cpu_times(), time.time()
+        results = []
+        for proc in loads:
+            assert proc.stdout is not None
+            out, _ = proc.communicate(timeout=steps * args.step_s + 600)
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        cpu1, w1 = lh.cpu_times(), time.time()
+        rss_mb = lh.memory_info().rss / 2**20
+    finally:
+        for proc in loads:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(10)
+        lighthouse.kill()
+        lighthouse.wait(10)
+    # The lighthouse's own part: from the step's last call to each answer.
+    latencies: list[float] = []
+    for step in range(window_from, steps + 1):
+        rows = [tuple(r) for res in results for r in res["steps"].get(str(step), [])]
+        if rows:
+            last = max(sent for sent, _ in rows)
+            latencies += [max(0.0, done - last) for _, done in rows]
+    killed = {rid: t for res in results for rid, t in res["killed"].items()}
+    gone_s = []
+    for rid, at in killed.items():
+        heard = [res["gone_heard"][rid] for res in results if rid in res["gone_heard"]]
+        step = kills[str(int(rid.removeprefix("group").split(":")[0]))]
+        without = [res["first_without"][str(step)] for res in results]
+        without = [t for t in without if t]
+        learnt = min(heard + without, default=None)
+        if learnt is not None:
+            gone_s.append(learnt - at)
+    errors = [e for res in results for e in res["errors"]]
+    if errors:
+        print(f"{server} n={n}: {len(errors)} errors, first: {errors[0]}", file=sys.stderr)
+    window = w1 - w0
+    window_steps = steps - window_from + 1
+    answers = sum(res["answers"] for res in results)
+    return {
+        "server": server,
+        "groups": n,
+        "step_s": args.step_s,
+        "world_size": args.world_size,
+        "steps": window_steps,
+        "lighthouse_cores": round((sum(cpu1[:2]) - sum(cpu0[:2])) / window, 3),
+        "quorum_p50_ms": round(1000 * pct(latencies, 0.5), 1),
+        "quorum_p99_ms": round(1000 * pct(latencies, 0.99), 1),
+        "answer_bytes_per_group_step": round(
+            sum(res["answer_bytes"] for res in results) / max(answers, 1)
+        ),
+        "lighthouse_bytes_per_group_step": round(
+            sum(res["received"] for res in results) / max(n * window_steps, 1)
+        ),
+        "rss_mb": round(rss_mb, 1),
+        "gone_s": round(max(gone_s), 3) if gone_s else None,
+        "heartbeats_per_s": round(sum(res["heartbeats"] for res in results) / window),
+        "load_cores": round(sum(res["cpu_s"] for res in results) / window, 3),
+        "errors": len(errors),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
+    parser.add_argument("--groups", type=int, required=True)
+    parser.add_argument("--step-s", type=float, required=True)
+    parser.add_argument("--json", type=Path, help="where to write the results")
+    parser.add_argument("--servers", nargs="+", default=["ours", "ref"], choices=["ours", "ref"])
+    parser.add_argument("--steps", type=int, default=8, help="measured steps (default 8)")
+    parser.add_argument("--warmup", type=int, default=2, help="steps before (default 2)")
+    parser.add_argument("--procs", type=int, default=2, help="load processes (default 2)")
+    parser.add_argument("--groups-per-connection", type=int, default=40)
+    parser.add_argument("--world-size", type=int, default=8, help="ranks per group (default 8)")
+    parser.add_argument("--kills", type=int, default=2, help="groups killed (default 2)")
+    args = parser.parse_args()
+    rows = [run_one(server, args) for server in args.servers]
+    for row in rows:
+        print(json.dumps(row))
+    if args.json:
+        top = dict(rows[0])
+        top["beside"] = rows[1:]
+        args.json.write_text(json.dumps(top, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,271 @@
+"""The shell around the membership state machine (lighthouse.membership):
+the clock, each waiting call's future under its ticket, the heartbeat
+streams' outboxes, the metrics and the status page's memory, all on the
+server's one loop. It turns each RPC into an event and acts on the effects:
+answers calls (each issued quorum serialized once, or each caller's view of
+it, lighthouse.views), logs, and tells gone members' peers on their streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from lighthouse import wire
+from lighthouse.effects import (
+    AdviceChanged,
+    DecideSoon,
+    Effect,
+    Fail,
+    Handed,
+    Issued,
+    Log,
+    Outcome,
+    Placed,
+)
+from lighthouse.gone import Gone
+from lighthouse.membership import Membership
+from lighthouse.metrics import LighthouseMetrics
+from lighthouse.quorum import LighthouseConfig, Quorum, QuorumMember
+from lighthouse.rpc.proto import torchft_pb2 as pb
+from lighthouse.state_file import StateFile
+from lighthouse.status_view import StatusView
+from lighthouse.views import QuorumViews
+
+logger = logging.getLogger("lighthouse.server")
+
+DECIDE_COST_FACTOR = 10
+"""A call-triggered decision waits for 10x the previous one's cost (see decide_soon)."""
+
+
+class Coordinator:
+    """The shell around lighthouse.membership: the clock, the waiting calls'
+    futures, the metrics and the status page's memory, all on one loop."""
+
+    def __init__(
+        self, config: LighthouseConfig, metrics: LighthouseMetrics, state: StateFile | None
+    ) -> None:
+        self.metrics = metrics
+        self.state = state
+        restored = state.restored if state is not None else None
+        self.membership = Membership(config, time.monotonic(), restored)
+        self.view = StatusView(self.membership)
+        self.quorums: dict[int, asyncio.Future[Quorum]] = {}
+        """ticket -> the future of a waiting Quorum call."""
+        self.answer_now: dict[int, tuple[Callable[[bytes], None], wire.Viewer | None]] = {}
+        """ticket -> a waiting Quorum call's way to answer at once (Coordinator.join)."""
+        self._response: tuple[Quorum | None, bytes] = (None, b"")
+        self._views: QuorumViews | None = None
+        self.spares: dict[int, asyncio.Future[str]] = {}
+        """ticket -> the future of a waiting TakeReplicaGroup call."""
+        self.outboxes: dict[str, set[asyncio.Queue[pb.LighthouseHeartbeatAdvice]]] = {}
+        """replica_id -> the outboxes of its HeartbeatPaced streams (gone notices)."""
+        self._decide_soon: asyncio.Handle | None = None
+        """The decision pending (decide_soon)."""
+        self._decided_at = 0.0
+        """perf_counter seconds when the last call-triggered decision ended."""
+        self._decide_cost_s = 0.0
+        """How long that decision took."""
+        metrics.heartbeat_advice.set(self.membership.advice_ms / 1000)
+
+    def apply(self, outcome: Outcome, now: float) -> None:
+        """Acts on an event's effects; raises the calling RPC's refusal."""
+        if outcome.effects:
+            wall = time.time()
+            for effect in outcome.effects:
+                self._act(effect)
+            self.view.observe(outcome.effects, now, wall)
+            if any(isinstance(e, Issued) for e in outcome.effects):
+                goodput = self.view.progress.job_goodput()
+                if goodput is not None:
+                    self.metrics.goodput.set(goodput)
+            if any(isinstance(e, DecideSoon) and e.now for e in outcome.effects):
+                # Every replica waits: decide in this turn of the loop, so the
+                # last caller's answer is ready when its handler goes on.
+                self._decide_now()
+        if outcome.error is not None:
+            raise outcome.error
+
+    def _act(self, effect: Effect) -> None:
+        if isinstance(effect, Issued):
+            self._issued(effect)
+        elif isinstance(effect, Fail):
+            future = self.quorums.pop(effect.ticket, None)
+            if future is not None and not future.done():
+                future.set_exception(effect.error)
+        elif isinstance(effect, Placed):
+            spare = self.spares.pop(effect.ticket, None)
+            if spare is not None and not spare.done():
+                spare.set_result(effect.group)
+            self.metrics.spares_waiting.set(self.membership.num_spares_waiting())
+        elif isinstance(effect, Handed):
+            if effect.promotion:
+                self.metrics.spare_promotions.inc()
+            logger.info(
+                "%s %s trains as replica group %s%s",
+                "spare" if effect.promotion else "process",
+                effect.spare_id,
+                effect.group,
+                " (its replicas died)" if effect.promotion else "",
+            )
+        elif isinstance(effect, Log):
+            logger.log(effect.level, effect.msg, *effect.args)
+        elif isinstance(effect, DecideSoon) and not effect.now:
+            self.decide_soon()
+        elif isinstance(effect, AdviceChanged):
+            self.metrics.heartbeat_advice.set(effect.advice_ms / 1000)
+        elif isinstance(effect, Gone):
+            notice = effect.notice
+            message = pb.LighthouseHeartbeatAdvice(
+                interval_ms=self.membership.advice_ms,
+                gone=pb.LighthouseGoneNotice(quorum_id=notice.quorum_id, replica_ids=notice.gone),
+            )
+            for rid in notice.recipients:
+                for outbox in self.outboxes.get(rid, ()):
+                    outbox.put_nowait(message)
+
+    def _issued(self, issued: Issued) -> None:
+        quorum = issued.quorum
+        self.metrics.on_quorum(quorum)
+        # A new quorum is news, and so is the end of a logged stall; the
+        # same members again (every step) is not.
+        level = logging.INFO if issued.news else logging.DEBUG
+        if logger.isEnabledFor(level):  # the member list costs O(members) to format
+            logger.log(
+                level,
+                "quorum %d issued (%s): %s",
+                quorum.quorum_id,
+                issued.reason,
+                ", ".join(f"{m.replica_id} step={m.step}" for m in quorum.participants),
+            )
+        if self.state is not None:  # before any caller hears of it (lighthouse.state_file)
+            self.state.issued(time.monotonic(), quorum, self.membership.high_water_step)
+        for ticket in issued.tickets:
+            answer_now = self.answer_now.pop(ticket, None)
+            if answer_now is not None:  # the answers go out in one tight loop
+                answer_now[0](self.quorum_response(quorum, answer_now[1]))
+            future = self.quorums.pop(ticket, None)
+            if future is not None and not future.done():
+                future.set_result(quorum)
+
+    def heartbeat(self, replica_id: str) -> None:
+        """Raises DuplicateGroupError for a second live replica of one group."""
+        now = time.monotonic()
+        self.apply(self.membership.heartbeat(now, replica_id), now)
+        self.metrics.heartbeats.inc()
+
+    def join(
+        self,
+        member: QuorumMember,
+        answer_now: Callable[[bytes], None] | None = None,
+        viewer: wire.Viewer | None = None,
+    ) -> tuple[int, asyncio.Future[Quorum]]:
+        """Registers a Quorum call; its future gets the first issued quorum
+        that contains `member`, and `answer_now` (lean_server's, if given)
+        its serialized answer (`viewer`'s view, if it asked) in the same
+        turn. The caller must `withdraw` it when done."""
+        now = time.monotonic()
+        outcome = self.membership.join(now, member)
+        future: asyncio.Future[Quorum] = asyncio.get_running_loop().create_future()
+        if outcome.error is None:
+            self.quorums[outcome.ticket] = future
+            if answer_now is not None:
+                self.answer_now[outcome.ticket] = (answer_now, viewer)
+        self.apply(outcome, now)  # may issue a quorum to `future` already
+        return outcome.ticket, future
+
+    def quorum_response(self, quorum: Quorum, viewer: wire.Viewer | None = None) -> bytes:
+        """`viewer`'s view of `quorum` when it asked for one (O(its group
+        ranks)), else every member: converted and serialized once per
+        quorum, so every such call returns the same bytes (decode_guard
+        passes bytes through), where doing either per call is O(members^2)
+        a step."""
+        if viewer is not None:
+            if self._views is None or self._views.quorum is not quorum:
+                self._views = QuorumViews(quorum)
+            return wire.view_response(self._views, *viewer)
+        if self._response[0] is not quorum:
+            response = pb.LighthouseQuorumResponse(quorum=wire.quorum_to_proto(quorum))
+            self._response = (quorum, response.SerializeToString())
+        return self._response[1]
+
+    def withdraw(self, replica_id: str, ticket: int) -> None:
+        self.quorums.pop(ticket, None)
+        self.answer_now.pop(ticket, None)
+        self.membership.withdraw(replica_id, ticket)
+
+    def leave(self, replica_id: str) -> None:
+        now = time.monotonic()
+        self.apply(self.membership.leave(now, time.time(), replica_id), now)
+
+    def stream_opened(self, replica_id: str, outbox: asyncio.Queue[Any] | None) -> None:
+        """A heartbeat stream opened; `outbox` (HeartbeatPaced) gets its notices."""
+        self.membership.stream_opened(replica_id)
+        if outbox is not None:
+            self.outboxes.setdefault(replica_id, set()).add(outbox)
+
+    def stream_ended(self, replica_id: str, outbox: asyncio.Queue[Any] | None) -> None:
+        boxes = self.outboxes.get(replica_id)
+        if boxes is not None and outbox is not None:
+            boxes.discard(outbox)
+            if not boxes:
+                del self.outboxes[replica_id]
+        now = time.monotonic()
+        self.apply(self.membership.stream_ended(now, replica_id), now)
+
+    async def take_replica_group(self, spare_id: str, wanted: str) -> str:
+        """Waits until the caller may train as a replica group; returns its name."""
+        now = time.monotonic()
+        outcome = self.membership.spare_waits(now, spare_id, wanted)
+        if outcome.error is not None:
+            raise outcome.error
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.spares[outcome.ticket] = future
+        self.metrics.spares_waiting.set(self.membership.num_spares_waiting())
+        self.apply(outcome, now)
+        try:
+            return await asyncio.shield(future)
+        finally:
+            if self.spares.pop(outcome.ticket, None) is not None:
+                self.membership.spare_ends(outcome.ticket)
+                self.metrics.spares_waiting.set(self.membership.num_spares_waiting())
+
+    def decide_soon(self) -> None:
+        """Decides once for all the calls that arrive meanwhile. A decision
+        costs O(replicas), so deciding per call is O(replicas^2) a step; the
+        next one waits until 10x the last one's cost has passed, which keeps
+        decisions under ~10% of the loop (20 us with 2 replicas, ~10 ms with
+        a thousand)."""
+        if self._decide_soon is not None:
+            return
+        loop = asyncio.get_running_loop()
+        wait = self._decided_at + DECIDE_COST_FACTOR * self._decide_cost_s - time.perf_counter()
+        if wait > 0:
+            self._decide_soon = loop.call_later(wait, self._decide_now)
+        else:
+            self._decide_soon = loop.call_soon(self._decide_now)
+
+    def _decide_now(self) -> None:
+        if self._decide_soon is not None:
+            self._decide_soon.cancel()
+            self._decide_soon = None
+        if self.membership.participants:
+            start = time.perf_counter()
+            now = time.monotonic()
+            outcome = self.membership.decide(now, time.time())
+            self._decide_cost_s = time.perf_counter() - start  # answers sent are not its cost
+            self.apply(outcome, now)
+            self._decided_at = time.perf_counter()
+
+    def tick(self) -> None:
+        now = time.monotonic()
+        self.apply(self.membership.tick(now, time.time()), now)
+        if self.state is not None:
+            self.state.flush(now)
+        self.metrics.healthy_replicas.set(self.membership.num_healthy(now))
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.view.snapshot(time.monotonic(), time.time())
