@@ -24,7 +24,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
-REPO = Path(__file__).resolve().parents[1]
+from bench._report import REPO, add_common_args, report, results_file
 
 
 def rank_main(rank: int, world_size: int, lighthouse: str, store_port: int, args: Any) -> None:
@@ -87,10 +87,13 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--json", type=Path)
+    add_common_args(parser)
     parser.add_argument("--rank", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--lighthouse", help=argparse.SUPPRESS)
     parser.add_argument("--store-port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.smoke:
+        args.warmup, args.steps = 2, 2
     if args.rank is not None:
         rank_main(args.rank, args.world_size, args.lighthouse, args.store_port, args)
         return
@@ -127,6 +130,8 @@ def main() -> None:
         print(f"rank {out['rank']}: {len(out['files'])} files")
         for f in out["files"]:
             print(f"  {f}")
+    rows = [{"rank": out["rank"], "files": len(out["files"])} for out in outs]
+    report(rows, results_file(args.out, "files_per_step"))
     if args.json:
         args.json.write_text(json.dumps(outs, indent=1))
 

@@ -40,7 +40,7 @@ from typing import Any
 
 import psutil
 
-from bench._report import REPO, pct
+from bench._report import REPO, add_common_args, pct, report, results_file
 from lighthouse.pacing import advised_interval_ms
 from tools.procs import free_port
 
@@ -126,7 +126,7 @@ def run_one(server: str, args: argparse.Namespace) -> dict[str, Any]:
         results = []
         for proc in loads:
             assert proc.stdout is not None
-            out, _ = proc.communicate(timeout=steps * args.step_s + 600)
+            out, _ = proc.communicate(timeout=steps * args.step_s + 240)
             results.append(json.loads(out.strip().splitlines()[-1]))
         cpu1, w1 = lh.cpu_times(), time.time()
         rss_mb = lh.memory_info().rss / 2**20
@@ -185,8 +185,8 @@ def run_one(server: str, args: argparse.Namespace) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
-    parser.add_argument("--groups", type=int, required=True)
-    parser.add_argument("--step-s", type=float, required=True)
+    parser.add_argument("--groups", type=int, default=1000)
+    parser.add_argument("--step-s", type=float, default=1.0)
     parser.add_argument("--json", type=Path, help="where to write the results")
     parser.add_argument("--servers", nargs="+", default=["ours", "ref"], choices=["ours", "ref"])
     parser.add_argument("--steps", type=int, default=8, help="measured steps (default 8)")
@@ -195,10 +195,12 @@ def main() -> None:
     parser.add_argument("--groups-per-connection", type=int, default=40)
     parser.add_argument("--world-size", type=int, default=8, help="ranks per group (default 8)")
     parser.add_argument("--kills", type=int, default=2, help="groups killed (default 2)")
+    add_common_args(parser)
     args = parser.parse_args()
+    if args.smoke:
+        args.groups, args.step_s, args.steps, args.warmup = 20, 0.5, 4, 1
     rows = [run_one(server, args) for server in args.servers]
-    for row in rows:
-        print(json.dumps(row))
+    report(rows, results_file(args.out, "lighthouse_scale"))
     if args.json:
         top = dict(rows[0])
         top["beside"] = rows[1:]

@@ -102,6 +102,12 @@ class LeanChannel:
         """Each method's header fields but the deadline, encoded once."""
         self._connection_class = connection
 
+    @property
+    def connected(self) -> bool:
+        """Whether it holds an open connection (the next call opens one if not)."""
+        conn = self._conn
+        return conn is not None and conn.transport is not None and not conn.closing
+
     async def unary(self, method: str, request: bytes, timeout_s: float) -> bytes:
         """The answer's bytes to `request` of `method` (/package.Service/Method).
 

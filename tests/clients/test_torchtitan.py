@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from tests.procs import PYTHON, REPO, wait_for_line
+from tests.waiting import wait_until
 from tools.procs import kill_tree
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(900)]
@@ -99,13 +100,17 @@ def run_job(children, tmp_path: Path, impl: str, mode: Mode, kill: bool = True) 
     survivor = start_group(children, impl, mode, lighthouse, 0, logs[0])
     second = start_group(children, impl, mode, lighthouse, 1, logs[1])
     deadline = time.monotonic() + 300
+
+    def at_the_kill_step() -> bool:
+        if max(losses(read(logs[1])), default=0) >= mode.kill_at:
+            return True
+        for proc, log in ((survivor, logs[0]), (second, logs[1])):
+            if proc.poll() is not None:
+                raise JobFailed(f"{impl} {log.name} ended early", read(log))
+        return False
+
     if kill:
-        while max(losses(read(logs[1])), default=0) < mode.kill_at:
-            for proc, log in ((survivor, logs[0]), (second, logs[1])):
-                if proc.poll() is not None:
-                    raise JobFailed(f"{impl} {log.name} ended early", read(log))
-            assert time.monotonic() < deadline, f"group 1 never reached step {mode.kill_at}"
-            time.sleep(0.2)
+        wait_until(at_the_kill_step, 300, f"group 1 to reach step {mode.kill_at}")
         kill_tree(second.pid)
         second = start_group(children, impl, mode, lighthouse, 1, logs[2])
     for proc, log in ((survivor, logs[0]), (second, logs[2 if kill else 1])):

@@ -6,12 +6,12 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import time
 
 import psutil
 import pytest
 
 from tests.procs import PYTHON, REPO
+from tests.waiting import wait_until
 from tools.procs import tree
 
 
@@ -110,14 +110,13 @@ def test_interrupting_the_runner_kills_every_child_of_the_script_it_was_given(ch
          "--out", str(tmp_path / "chaos")],
         log=tmp_path / "chaos.log",
     )  # fmt: skip
-    deadline = time.monotonic() + 90
-    while True:
-        procs = tree(runner.pid)
-        workers = [p for p in procs if _program(p) == str(script.resolve())]
-        if len(workers) == 2:
-            break
-        assert time.monotonic() < deadline, "the runner never started the workers of two groups"
-        time.sleep(0.2)
+    procs: list[psutil.Process] = []
+
+    def two_workers() -> bool:
+        procs[:] = tree(runner.pid)
+        return sum(_program(p) == str(script.resolve()) for p in procs) == 2
+
+    wait_until(two_workers, 90, "the runner to start the workers of two groups")
     runner.send_signal(signal.SIGINT)
     assert runner.wait(timeout=30) == 130
     alive = [p for p in procs[1:] if _running(p)]

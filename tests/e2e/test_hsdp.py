@@ -178,14 +178,18 @@ def _records(path: Path) -> list[dict]:
 
 
 def _wait(condition, timeout: float, what: str, logs: list[Path], procs: list) -> None:  # noqa: ANN001
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-            tails = "\n".join(f"--- {p.name}\n{p.read_text()[-2500:]}" for p in logs if p.exists())
-            raise AssertionError(
-                f"gave up after {timeout} s (or a worker exited) waiting for {what}\n{tails}"
-            )
-        time.sleep(0.1)
+    from tests.waiting import wait_until
+
+    def tails() -> str:
+        return "\n".join(f"--- {p.name}\n{p.read_text()[-2500:]}" for p in logs if p.exists())
+
+    def met() -> bool:
+        if condition():
+            return True
+        assert all(p.poll() is None for p in procs), f"a worker exited before {what}\n{tails()}"
+        return False
+
+    wait_until(met, timeout, lambda: f"{what}\n{tails()}")
 
 
 def spawn_group(

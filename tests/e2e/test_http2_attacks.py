@@ -31,6 +31,7 @@ from tests.e2e import h2_attacks
 from tests.e2e.h2_attacks import ATTACKS, Budget
 from tests.e2e.test_lighthouse_cli import lighthouse_command
 from tests.procs import PYTHON, Children
+from tests.waiting import wait_until
 from tools.procs import kill_tree
 
 pytestmark = pytest.mark.timeout(90)
@@ -66,7 +67,7 @@ while True:
         except Exception as e:
             outcome = f"{type(e).__name__}: {e}"[:160]
         print(json.dumps([kind, start, time.monotonic(), outcome]), flush=True)
-    time.sleep(0.1)
+    time.sleep(0.1)  # the healthy client's pace
 """
 """Times each call on the monotonic clock, which every process on the host shares."""
 
@@ -126,20 +127,23 @@ class Lighthouse:
         ).start()
         assert self.wait_call_after(time.monotonic(), timeout=60), "the healthy client never called"
         begin = time.monotonic()
-        time.sleep(BASELINE_S)
+        time.sleep(BASELINE_S)  # the window the baseline latencies are measured over
         self.baseline = self.calls_during(begin, time.monotonic())
         assert all(call.outcome == "ok" for call in self.baseline), self.baseline
         self.fresh_rss = self.rss()
 
     def _wait_listening(self, timeout: float) -> str:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
+        def address() -> str | None:
             match = re.search(r"listening on (http://\S+)", self.log.read_text(errors="replace"))
             if match:
                 return match.group(1)
             assert self.proc.poll() is None, self.log.read_text(errors="replace")
-            time.sleep(0.05)
-        raise AssertionError(f"the lighthouse never listened: {self.log.read_text()}")
+            return None
+
+        wait_until(
+            address, timeout, lambda: f"the lighthouse to listen; its log: {self.log.read_text()}"
+        )
+        return address()
 
     @staticmethod
     def _read_calls(client, calls: list[Call]) -> None:
@@ -245,6 +249,7 @@ def test_an_attack_leaves_the_lighthouse_serving_in_bounded_memory(lighthouse, a
     running, error = None, ""
     try:
         running = spec.run(lh.addr, budget)
+        # The attack runs out its time budget and HOLD_S more: a clock deadline.
         time.sleep(max(0.0, budget.deadline + HOLD_S - time.monotonic()))
     except OSError as e:  # the lighthouse went away under the attack
         error = f"the attack could not go on: {e!r}"

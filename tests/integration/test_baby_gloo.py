@@ -48,7 +48,7 @@ def test_collectives_then_abort_kills_the_child_and_a_later_configure_works():
         assert child is not None and child.is_alive()
         stuck = torch.zeros(4)
         work = pgs[0].allreduce([stuck], ReduceOp.SUM)
-        time.sleep(0.2)
+        time.sleep(0.2)  # time to get into the collective: no sign tells it is there
         start = time.monotonic()
         pgs[0].abort()
         with pytest.raises(RuntimeError, match="aborted"):

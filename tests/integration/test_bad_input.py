@@ -8,6 +8,7 @@ serializers, so the bytes reach the server exactly as generated.
 
 from __future__ import annotations
 
+import http.client
 import logging
 import re
 import socket
@@ -32,6 +33,7 @@ from lighthouse import (
     QuorumTimeoutError,
 )
 from lighthouse.rpc.proto import torchft_pb2 as pb
+from tests.waiting import wait_until
 from torchft_like.checkpointing import HTTPTransport
 from torchft_like.manager.client import ManagerClient
 from torchft_like.manager.group_request import QuorumRequest
@@ -151,7 +153,11 @@ def lighthouse_channel(lighthouse):
 def healthy_pair_gets_a_quorum(lighthouse: LighthouseServer) -> None:
     """Two well-behaved replicas still get one quorum of exactly the two of them,
     once the fuzzed ids' heartbeats expired."""
-    time.sleep(0.4)
+    wait_until(
+        lambda: not any(r["healthy"] for r in lighthouse.status()["replicas"]),
+        10,
+        "the fuzzed replicas' heartbeats to expire",
+    )
     clients = [LighthouseClient(lighthouse.address()) for _ in range(2)]
     try:
         with ThreadPoolExecutor(2) as pool:
@@ -240,9 +246,7 @@ def test_a_duplicate_replica_id_supersedes_the_earlier_call():
     try:
         with ThreadPoolExecutor(1) as pool:
             older = pool.submit(first.quorum, "dup", timedelta(seconds=5))
-            deadline = time.monotonic() + 5
-            while not server.status()["replicas"] and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda: server.status()["replicas"], 5, "the first call at the lighthouse")
             with pytest.raises(Exception, match="(?i)deadline|no quorum"):
                 second.quorum("dup", timedelta(seconds=0.3))
             with pytest.raises(Exception, match="called Quorum again"):
@@ -265,9 +269,7 @@ def test_requests_after_shutdown_fail_as_unavailable_and_waiters_are_released():
     try:
         with ThreadPoolExecutor(1) as pool:
             waiting = pool.submit(client.quorum, "waiter", timedelta(seconds=30))
-            deadline = time.monotonic() + 5
-            while not server.status()["replicas"] and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(lambda: server.status()["replicas"], 5, "the waiter at the lighthouse")
             started = time.monotonic()
             server.shutdown()
             server.shutdown()  # idempotent
@@ -421,9 +423,7 @@ def test_a_rank_that_gave_up_does_not_shorten_the_next_quorum_of_its_group(group
             # A quorum of the group and a peer, so that the group's next one
             # must wait for the peer (fast quorum needs every previous member).
             first = pool.submit(peer.quorum, "peer", T, step=4)
-            deadline = time.monotonic() + 10
-            while not peer_waiting() and time.monotonic() < deadline:
-                time.sleep(0.01)
+            wait_until(peer_waiting, 10, "the peer to wait at the lighthouse")
             assert group_quorum()[0].replica_world_size == 2
             assert first.result(timeout=15).replica_ids() == ("fuzzed-group", "peer")
 
@@ -431,6 +431,8 @@ def test_a_rank_that_gave_up_does_not_shorten_the_next_quorum_of_its_group(group
                 clients[0].quorum(QuorumRequest(0, 5), timedelta(seconds=0.2))
             time.sleep(0.3)  # well past the abandoned call's deadline
 
+            # Late on purpose, by more than the abandoned call's 0.2 s: a group
+            # request that had kept that deadline would time out first.
             late = pool.submit(lambda: (time.sleep(0.5), peer.quorum("peer", T, step=5))[1])
             results = group_quorum()
             assert late.result(timeout=15).replica_ids() == ("fuzzed-group", "peer")
@@ -572,10 +574,9 @@ def test_a_connection_that_never_sends_is_dropped_and_frees_its_thread(source, m
     before = threading.active_count()
     silent = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(20)]
     try:
-        deadline = time.monotonic() + 10
-        while threading.active_count() > before and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert threading.active_count() <= before
+        wait_until(
+            lambda: threading.active_count() <= before, 10, "the silent connections' threads to end"
+        )
         for sock in silent:
             assert sock.recv(1) == b""  # the server hung up on us
     finally:
@@ -694,7 +695,13 @@ def test_the_http_servers_sleep_without_polling_and_stop_at_once(host):
     server = server_class(host)((host, 0), BaseHTTPRequestHandler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
-    time.sleep(0.2)  # into its select
+    # An answer (501: the handler has no do_GET) proves serve_forever loops.
+    answering = http.client.HTTPConnection(host, server.server_address[1], timeout=10)
+    try:
+        answering.request("GET", "/")
+        assert answering.getresponse().status == 501
+    finally:
+        answering.close()
     start = time.monotonic()
     server.shutdown()
     thread.join(5)

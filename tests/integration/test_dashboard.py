@@ -7,18 +7,19 @@ import html
 import json
 import re
 import sys
-import time
 import urllib.error
 import urllib.parse
 import urllib.request
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
+from functools import partial
 from html.parser import HTMLParser
 
 import pytest
 
 from lighthouse import LighthouseClient, LighthouseServer
 from tests.procs import wait_for_line
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=20)
@@ -49,18 +50,15 @@ class Replicas:
             extra = (data or {}).get(rid)
             return self.client(rid).quorum(rid, T, address=address, step=steps[rid], data=extra)
 
+        def waits(rid: str, asked: Future) -> bool:
+            replicas = self.server.status()["replicas"]
+            return asked.done() or any(r["waiting"] for r in replicas if r["replica_id"] == rid)
+
         with ThreadPoolExecutor(len(steps)) as pool:
             futures = []
             for rid in steps:
                 futures.append(pool.submit(ask, rid))
-                deadline = time.monotonic() + 10
-                while not futures[-1].done() and time.monotonic() < deadline:
-                    waiting = {
-                        r["replica_id"] for r in self.server.status()["replicas"] if r["waiting"]
-                    }
-                    if rid in waiting:
-                        break
-                    time.sleep(0.005)
+                wait_until(partial(waits, rid, futures[-1]), 10, f"{rid} to wait at the lighthouse")
             quorums = [f.result() for f in futures]
         assert len({q.quorum_id for q in quorums}) == 1
 
@@ -170,7 +168,7 @@ server = ManagerServer(replica_id="victim:1", lighthouse_addr=sys.argv[1], hostn
                        secret=sys.argv[2])
 LocalManagerClient(server).quorum(QuorumRequest(group_rank=0, step=0), timedelta(seconds=20))
 print("joined", flush=True)
-time.sleep(60)
+time.sleep(60)  # until the kill button ends it
 """
 
 
@@ -221,10 +219,12 @@ def demo_job():
         job.wait_steps(12)
         # The restart heals at whatever step the other reached meanwhile (on a
         # loaded machine, well past 5): wait for 3 commits of its own too.
-        metrics, deadline = job.groups[1].manager.metrics_address(), time.monotonic() + 30
-        while value(scrape(metrics), "torchft_manager_committed_steps_total", "group1") < 3:
-            assert time.monotonic() < deadline, "the restarted group did not commit 3 steps"
-            time.sleep(0.05)
+        metrics = job.groups[1].manager.metrics_address()
+        wait_until(
+            lambda: value(scrape(metrics), "torchft_manager_committed_steps_total", "group1") >= 3,
+            30,
+            "the restarted group to commit 3 steps",
+        )
         yield job
     finally:
         job.stop()
@@ -253,14 +253,14 @@ def test_every_manager_serves_its_metrics_and_the_page_gets_its_heal(demo_job):
     assert value(samples, "torchft_manager_quorum_id", "group1") > 0
     other = scrape(demo_job.groups[0].manager.metrics_address())
     assert value(other, "torchft_manager_heals_total", "group0") == 0
+
+    def heals_reported() -> list[dict]:
+        return [h for h in demo_job.lighthouse.status()["heals"] if h["bytes"]]
+
     # The heal's numbers reached the lighthouse through the next quorum request.
-    deadline = time.monotonic() + 10
-    while True:
-        reported = [h for h in demo_job.lighthouse.status()["heals"] if h["bytes"]]
-        if reported or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
-    assert reported and reported[0]["replica_id"].startswith("group1:")
+    wait_until(heals_reported, 10, "the heal's bytes at the lighthouse")
+    reported = heals_reported()
+    assert reported[0]["replica_id"].startswith("group1:")
     assert reported[0]["bytes"] == heal_bytes / heals
 
 

@@ -22,6 +22,7 @@ from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from tests.integration._replica import small_replica
 from tests.procs import PYTHON, wait_for_line
+from tests.waiting import wait_until
 from torchft_like import Optimizer
 
 pytestmark = pytest.mark.timeout(120)
@@ -57,7 +58,7 @@ def train(lighthouse: str, group: int, started: dict, forged_done: threading.Eve
                 optimizer.step()
                 committed = manager.current_step() == before + 1
                 steps.append((before, committed, time.monotonic() - start))
-                time.sleep(0.02)
+                time.sleep(0.02)  # a step's pace: 4 * STEPS of them outlast the forger
                 if manager.current_step() > 4 * STEPS:
                     break
             return {"step": manager.current_step(), "steps": steps}
@@ -94,19 +95,20 @@ def test_forged_quorum_calls_cost_the_job_nothing(children, tmp_path):
     forged_done = threading.Event()
     with ThreadPoolExecutor(2) as groups:
         futures = [groups.submit(train, lighthouse, g, started, forged_done) for g in range(2)]
+
+        def at_the_forging_step() -> bool:
+            assert not any(f.done() for f in futures), [f.result() for f in futures]
+            return "manager" in started and started["manager"].current_step() >= FORGE_AT
+
         try:
-            deadline = time.monotonic() + 60
-            while "manager" not in started or started["manager"].current_step() < FORGE_AT:
-                assert time.monotonic() < deadline, "group 0 did not reach the forging step"
-                assert not any(f.done() for f in futures), [f.result() for f in futures]
-                time.sleep(0.05)
+            wait_until(at_the_forging_step, 60, "group 0 to reach the forging step")
             address, manager = started["address"], started["manager"]
             far = forge(address, 10**12, 10.0)
             with ThreadPoolExecutor(30) as forgers:
                 current = []
                 for _ in range(30):
                     current.append(forgers.submit(forge, address, manager.current_step(), 2.0))
-                    time.sleep(0.03)
+                    time.sleep(0.03)  # spread over ~1 s: the forgeries meet many steps
                 outcomes = [f.result() for f in current]
         finally:
             forged_done.set()

@@ -16,6 +16,7 @@ from lighthouse.client import AsyncLighthouseClient
 from lighthouse.pacing import advised_interval_ms
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
+from tests.waiting import wait_until, wait_until_async
 from torchft_like.manager.server import ManagerServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -34,14 +35,17 @@ def others_heartbeat(address: str, count: int) -> None:
 
 async def advice_after(client: AsyncLighthouseClient, rid: str, wanted_ms: int) -> int:
     """Heartbeats until the advice is `wanted_ms` (at most 5 s); the last advice."""
-    deadline = time.monotonic() + 5
-    while True:
+    got = 0
+
+    async def advised() -> bool:
+        nonlocal got
         assert await client.stream_heartbeat(rid, TIMEOUT)
         advice = client.advised_interval()
         got = int(advice.total_seconds() * 1000) if advice else 0
-        if got == wanted_ms or time.monotonic() > deadline:
-            return got
-        await asyncio.sleep(0.05)
+        return got == wanted_ms
+
+    await wait_until_async(advised, 5, lambda: f"an advice of {wanted_ms} ms (the last: {got} ms)")
+    return got
 
 
 @pytest.mark.parametrize("timeout_ms", [5000, 450])
@@ -84,10 +88,8 @@ def test_a_manager_server_heartbeats_at_the_advised_period():
         heartbeat_interval=timedelta(milliseconds=50),
     )
     try:
-        deadline = time.monotonic() + 10
-        while counted() < others + 2:  # the first brought the advice, read by the second
-            assert time.monotonic() < deadline, "the manager server sent no heartbeats"
-            time.sleep(0.01)
+        # The first brought the advice, read by the second.
+        wait_until(lambda: counted() >= others + 2, 10, "the manager server's first 2 heartbeats")
         before = counted()
         time.sleep(1.0)  # the window the rate is measured over
         sent = counted() - before
@@ -119,12 +121,15 @@ def test_a_lighthouse_without_heartbeat_paced_gets_the_plain_stream():
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         client = AsyncLighthouseClient(f"http://127.0.0.1:{port}")
+
+        async def reached() -> bool:
+            if older.stream_heartbeats:
+                return True
+            assert await client.stream_heartbeat("old:1", TIMEOUT)
+            return False
+
         try:
-            deadline = time.monotonic() + 15
-            while not older.stream_heartbeats:
-                assert time.monotonic() < deadline, "no heartbeat reached HeartbeatStream"
-                assert await client.stream_heartbeat("old:1", TIMEOUT)
-                await asyncio.sleep(0.05)
+            await wait_until_async(reached, 15, "a heartbeat to reach HeartbeatStream")
             assert older.stream_heartbeats[0] == "old:1"
             assert client.advised_interval() is None
         finally:

@@ -22,7 +22,7 @@ from lighthouse import LighthouseClient, LighthouseServer, QuorumError, QuorumTi
 from lighthouse.client import AsyncLighthouseClient
 from lighthouse.quorum import QuorumMember
 from tests.procs import PYTHON, Children, wait_for_line
-from tests.waiting import wait_until_async
+from tests.waiting import wait_until, wait_until_async
 from tools.procs import free_port, kill_tree
 from torchft_like.manager.client import LocalManagerClient
 from torchft_like.manager.group_request import QuorumRequest
@@ -45,7 +45,7 @@ while not os.path.exists(sys.argv[2]):  # the survivor is waiting: join it
     time.sleep(0.01)
 q = LighthouseClient(addr).quorum("doomed", timedelta(seconds=30))
 print("joined", q.quorum_id, flush=True)
-time.sleep(600)
+time.sleep(600)  # until the test SIGKILLs it
 """
 
 
@@ -82,11 +82,13 @@ def test_a_sigkilled_group_leaves_the_next_quorum_at_once(children, tmp_path):
         # survivor waiting for it): had it asked first, it would have been a
         # quorum of its own (min_replicas=1), and the survivor would wait out
         # the join timeout for a doomed that no longer asks.
-        deadline = time.monotonic() + 10
-        while not any(r["waiting"] and r["replica_id"] == "survivor"
-                      for r in server.status()["replicas"]):  # fmt: skip
-            assert time.monotonic() < deadline, "the survivor's Quorum call never arrived"
-            time.sleep(0.01)
+        wait_until(
+            lambda: any(
+                r["waiting"] and r["replica_id"] == "survivor" for r in server.status()["replicas"]
+            ),
+            10,
+            "the survivor's Quorum call at the lighthouse",
+        )
         go.touch()
         wait_for_line(doomed, r"^joined", timeout=30)
         first["thread"].join(10)
@@ -154,16 +156,17 @@ def reference_lighthouse(tmp_path):
          "--heartbeat_timeout_ms", "500", "--join_timeout_ms", "60000"],
         stdout=subprocess.DEVNULL, stderr=open(log, "wb"), start_new_session=True,
     )  # fmt: skip
+
+    def listening() -> bool:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return True
+        except OSError:
+            assert proc.poll() is None, log.read_text(errors="replace")
+            return False
+
     try:
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                socket.create_connection(("127.0.0.1", port), timeout=1).close()
-                break
-            except OSError:
-                assert proc.poll() is None, log.read_text(errors="replace")
-                assert time.monotonic() < deadline, "the reference lighthouse did not start"
-                time.sleep(0.05)
+        wait_until(listening, 30, "the reference lighthouse to listen")
         yield f"http://127.0.0.1:{port}", log
     finally:
         assert not kill_tree(proc.pid)
@@ -205,10 +208,11 @@ def test_manager_server_falls_back_to_unary_heartbeats_on_the_reference_lighthou
         world_size=1,
     )
     try:
-        deadline = time.monotonic() + 10
-        while "has no HeartbeatStream" not in caplog.text:
-            assert time.monotonic() < deadline, f"no fallback logged:\n{caplog.text}"
-            time.sleep(0.05)
+        wait_until(
+            lambda: "has no HeartbeatStream" in caplog.text,
+            10,
+            lambda: f"the fallback in the log:\n{caplog.text}",
+        )
         # Unary heartbeats keep `fallback` heartbeating in the reference's
         # eyes well past its 500 ms heartbeat timeout (so the observer alone
         # is no majority and waits)...
@@ -217,11 +221,12 @@ def test_manager_server_falls_back_to_unary_heartbeats_on_the_reference_lighthou
         assert heartbeating_at_last_quorum(log) == 2
         # ... and stop with the ManagerServer.
         manager.shutdown()
-        deadline = time.monotonic() + 10
-        ask_for_a_quorum(observer)
-        while heartbeating_at_last_quorum(log) != 1:
-            assert time.monotonic() < deadline, "the reference still counts the stopped server"
+
+        def counted_alone() -> bool:
             ask_for_a_quorum(observer)
+            return heartbeating_at_last_quorum(log) == 1
+
+        wait_until(counted_alone, 10, "the reference to stop counting the stopped server")
     finally:
         manager.shutdown()
         observer.close()
@@ -286,7 +291,7 @@ def test_a_group_stepping_faster_than_its_heartbeats_sends_fewer_but_keeps_its_s
         while not stop.is_set():
             client.quorum(QuorumRequest(group_rank=0, step=step), timedelta(seconds=30))
             step += 1
-            time.sleep(0.02)
+            time.sleep(0.02)  # a step every ~20 ms, faster than the heartbeats
 
     def streams() -> list[object]:
         """The group's open streams' outboxes, as the lighthouse holds them
@@ -300,12 +305,12 @@ def test_a_group_stepping_faster_than_its_heartbeats_sends_fewer_but_keeps_its_s
 
     stepper = threading.Thread(target=step, daemon=True)
     try:
-        time.sleep(0.8)
+        time.sleep(0.8)  # the window the idle heartbeat count is taken over
         idle = len(sent)
         stepper.start()
-        time.sleep(0.4)
+        time.sleep(0.4)  # time for the stepping to settle in
         begun = len(sent)
-        time.sleep(0.8)
+        time.sleep(0.8)  # the same window, stepping
         assert len(sent) - begun <= idle // 2, (idle, len(sent) - begun)
         first = streams()
         assert first and stepper.is_alive()

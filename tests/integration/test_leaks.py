@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import gc
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import timedelta
@@ -23,6 +22,7 @@ import torch
 from torch.distributed import TCPStore
 
 from lighthouse import LighthouseServer
+from tests.waiting import wait_until
 from torchft_like import Manager, ProcessGroupGloo
 from torchft_like.manager.client import ManagerClient
 from torchft_like.manager.group_request import QuorumRequest
@@ -58,18 +58,20 @@ class Usage:
 
 def settled_usage(baseline: Usage, timeout_s: float = 10.0) -> Usage:
     """Usage once background teardown (gloo group droppers, closing sockets)
-    has caught up: polls until threads and fds are back or the time is up."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    has caught up: threads and fds back (as assert_flat wants them)."""
+    usage = baseline
+
+    def back() -> bool:
+        nonlocal usage
         usage = Usage.now()
-        back = (
+        return (
             usage.threads <= baseline.threads
             and usage.os_threads <= baseline.os_threads + 2
             and usage.fds <= baseline.fds + 2
         )
-        if back or time.monotonic() > deadline:
-            return usage
-        time.sleep(0.1)
+
+    wait_until(back, timeout_s, lambda: f"threads and fds back to {baseline}; at the end {usage}")
+    return usage
 
 
 def assert_flat(before: Usage, after: Usage, rss_mb: float, objects: int) -> None:
@@ -117,9 +119,7 @@ def test_hundreds_of_quorum_changes_leave_lighthouse_and_manager_server_usage_fl
         try:
             joined = pool.submit(churn_client.quorum, QuorumRequest(0, i), T)
             # The stable replica asks second, or its fast quorum would leave the newcomer out.
-            deadline = time.monotonic() + 10
-            while not waiting(name) and time.monotonic() < deadline:
-                time.sleep(0.002)
+            wait_until(lambda: waiting(name), 10, f"{name} to wait at the lighthouse")
             both = stable_client.quorum(QuorumRequest(0, i), T)
             assert (
                 both.replica_world_size == 2 and joined.result(timeout=10).replica_world_size == 2

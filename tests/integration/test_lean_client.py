@@ -23,6 +23,7 @@ from lighthouse.rpc.frames import literal
 from lighthouse.rpc.lean_client import CallFailed, LeanChannel, Unavailable
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from tests.integration.test_lean_server import SECRET, serving
+from tests.waiting import wait_until_async
 
 HEARTBEAT = "/torchft.LighthouseService/Heartbeat"
 QUORUM = "/torchft.LighthouseService/Quorum"
@@ -114,7 +115,9 @@ def test_a_lost_connection_is_made_again_and_no_server_is_unavailable_for_a_whil
                 assert pb.LighthouseQuorumResponse.FromString(answer).quorum.participants
             finally:
                 lighthouse.shutdown()
-            await asyncio.sleep(0.1)  # the connection's end reaches our loop
+            await wait_until_async(
+                lambda: not channel.connected, 5, "the connection's end to reach our loop"
+            )
         with pytest.raises(Unavailable, match="cannot connect"):
             await channel.unary(QUORUM, member.SerializeToString(), 2)
         # Calls go through grpcio for a while rather than try again each time.

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import time
 from datetime import timedelta
 
 import grpc
@@ -22,6 +21,7 @@ from lighthouse.rpc.lean_client import CallFailed, LeanChannel, Unavailable
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from tests.integration.test_lean_server import SECRET, serving
+from tests.waiting import wait_until_async
 
 
 @pytest.fixture(params=["lean", "grpcio"])
@@ -44,10 +44,9 @@ async def advices_for(target: str, ids: list[str], pause_every: int = 0):
         got.append(pb.LighthouseHeartbeatAdvice.FromString(message).interval_ms)
 
     async def answered(n: int) -> None:
-        for _ in range(1000):
-            if len(got) >= n or stream.ended.done():
-                return
-            await asyncio.sleep(0.01)
+        await wait_until_async(
+            lambda: len(got) >= n or stream.ended.done(), 10, f"{n} advices or the stream's end"
+        )
 
     stream = await channel.stream(HEARTBEAT_PACED_METHOD, on_message)
     for i, rid in enumerate(ids, 1):
@@ -117,17 +116,14 @@ def test_the_lighthouse_clients_heartbeats_go_lean_and_its_end_is_a_death():
                 assert await client.stream_heartbeat("g:1", timedelta(seconds=5))
             assert client._lean_stream is not None and client._heartbeat_call is None
             assert client.heartbeat_stream_open()
-            for _ in range(50):
-                if lighthouse.status()["replicas"] and healthy():
-                    break
-                await asyncio.sleep(0.1)
+            await wait_until_async(
+                lambda: lighthouse.status()["replicas"] and healthy(), 5, "the heartbeats to count"
+            )
             client.close_heartbeat_stream()
             assert not client.heartbeat_stream_open()
-            for _ in range(50):  # the lighthouse takes the stream's end as a death
-                await asyncio.sleep(0.1)
-                if not healthy():
-                    break
-            assert not healthy()
+            await wait_until_async(
+                lambda: not healthy(), 5, "the lighthouse to take the stream's end as a death"
+            )
         finally:
             await client.close()
 
@@ -159,15 +155,14 @@ def test_a_lighthouse_without_the_stream_gets_unary_heartbeats(runtime):
             try:
                 # Writes may be taken before the refusal arrives; then a False,
                 # after which the heartbeat loop sends unary heartbeats only.
-                deadline = time.monotonic() + 10
-                answer: bool | None = True
-                while answer is not False and time.monotonic() < deadline:
+                async def refused() -> bool:
                     try:
-                        answer = await client.stream_heartbeat("g:1", timedelta(seconds=5))
+                        return await client.stream_heartbeat("g:1", timedelta(seconds=5)) is False
                     except QuorumError:  # grpcio may see the refusal as INTERNAL: again
-                        answer = None
-                    await asyncio.sleep(0.05)  # the heartbeat loop's pace
-                assert answer is False and not client._lean_paced
+                        return False
+
+                await wait_until_async(refused, 10, "a False from stream_heartbeat")
+                assert not client._lean_paced
                 await client.heartbeat("g:1", timedelta(seconds=5))
             finally:
                 await client.close()

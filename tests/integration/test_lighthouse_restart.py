@@ -14,6 +14,7 @@ import pytest
 
 from lighthouse import FreshStartRefusedError, LighthouseServer
 from tests.procs import PYTHON, wait_for_line
+from tests.waiting import wait_until
 from tools.procs import kill_tree
 from torchft_like.manager.client import ManagerClient
 from torchft_like.manager.group_request import QuorumRequest
@@ -72,20 +73,25 @@ def test_groups_waiting_through_a_lighthouse_restart_get_the_next_quorum(servers
 
 def start_lighthouse(children, port: int, state_file, *extra: str):
     """A lighthouse process on `port` (0: any); returns it, its address and when it listened."""
-    deadline = time.monotonic() + 20
-    while True:  # the port may still be held for a moment after a SIGKILL
+    started: list[tuple] = []
+    failures: list[str] = []
+
+    def start() -> bool:  # tried again: the port may still be held a moment after a SIGKILL
         proc = children.spawn(
             [PYTHON, "-m", "lighthouse", "--min-replicas", "1", "--bind", f"127.0.0.1:{port}",
              "--http-bind", "", "--state-file", str(state_file), *extra]
         )  # fmt: skip
         try:
             match = wait_for_line(proc, r"lighthouse listening on (http://\S+)", 15)
-            return proc, match.group(1), time.monotonic()
-        except AssertionError:
+        except AssertionError as e:
             kill_tree(proc.pid)
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.2)
+            failures.append(str(e))
+            return False
+        started.append((proc, match.group(1), time.monotonic()))
+        return True
+
+    wait_until(start, 20, lambda: f"a lighthouse on port {port}; the last try: {failures[-1]}")
+    return started[0]
 
 
 def group(servers: list, name: str, address: str) -> ManagerServer:
@@ -116,7 +122,7 @@ def test_a_lighthouse_restarted_with_its_state_file_answers_at_once_with_the_sam
         before = [r.quorum_id for r in pool.map(ask, groups, [5, 5])]
         kill_tree(lighthouse.pid)
         waiting = [pool.submit(ask, g, 6) for g in groups]
-        time.sleep(1.0)
+        time.sleep(1.0)  # an outage over which no quorum may fail
         assert not any(f.done() for f in waiting)
         _, _, listening = start_lighthouse(children, port, state)
         after = [f.result(timeout=30) for f in waiting]

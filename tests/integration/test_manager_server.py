@@ -84,7 +84,7 @@ def test_the_group_asks_the_lighthouse_only_once_every_rank_asked(make_group):
     with ThreadPoolExecutor(3) as pool:
         first = pool.submit(ask, a, 0, 0)
         other_group = pool.submit(ask, b, 0, 0)
-        time.sleep(0.5)
+        time.sleep(0.5)  # a window in which neither may be answered: a's rank 1 has not asked
         assert not first.done() and not other_group.done()
         pool.submit(ask, a, 1, 0).result()
         assert first.result().quorum_id == other_group.result().quorum_id

@@ -10,6 +10,7 @@ import time
 import psutil
 
 from tests.procs import PYTHON
+from tests.waiting import wait_until
 
 # The parent starts the child and waits; the child watches its parent and says
 # when it is ready. Only the library's torch-free module is imported.
@@ -35,11 +36,12 @@ def running(proc: psutil.Process) -> bool:
 def test_a_child_exits_within_a_second_of_its_parents_sigkill(children, tmp_path):
     log = tmp_path / "tree.log"
     parent = children.spawn([PYTHON, "-c", PARENT], log=log)
-    deadline = time.monotonic() + 30
-    while "watching" not in (text := log.read_text()):
-        assert time.monotonic() < deadline, f"the child did not start:\n{text}"
-        time.sleep(0.05)
-    child = psutil.Process(int(text.split("child ")[1].split()[0]))
+    wait_until(
+        lambda: "watching" in log.read_text(),
+        30,
+        lambda: f"the child to start watching; the log:\n{log.read_text()}",
+    )
+    child = psutil.Process(int(log.read_text().split("child ")[1].split()[0]))
     os.kill(parent.pid, signal.SIGKILL)
     killed_at = time.monotonic()
     parent.wait(timeout=10)

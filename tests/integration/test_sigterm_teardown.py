@@ -4,9 +4,9 @@ so the children they started are killed rather than left running."""
 import signal
 import subprocess
 import sys
-import time
 
 from tests.procs import REPO
+from tests.waiting import wait_until
 
 INNER = """
 import pathlib, time, pytest
@@ -19,7 +19,7 @@ def marked():
     (out / "torn_down").touch()
 
 def test_waits(marked):
-    time.sleep(60)
+    time.sleep(60)  # until the outer test sends SIGTERM
 """
 
 
@@ -31,12 +31,15 @@ def test_sigterm_to_pytest_runs_the_fixtures_teardown(tmp_path):
          str(inner)],
         cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
     )  # fmt: skip
+
+    def inner_started() -> bool:
+        if (tmp_path / "started").exists():
+            return True
+        assert run.poll() is None, run.communicate()[0].decode()[-2000:]
+        return False
+
     try:
-        deadline = time.monotonic() + 60
-        while not (tmp_path / "started").exists():
-            assert run.poll() is None, run.communicate()[0].decode()[-2000:]
-            assert time.monotonic() < deadline, "the inner test never started"
-            time.sleep(0.05)
+        wait_until(inner_started, 60, "the inner test to start")
         run.send_signal(signal.SIGTERM)
         output = run.communicate(timeout=30)[0].decode()
     finally:

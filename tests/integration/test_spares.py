@@ -11,6 +11,7 @@ from datetime import timedelta
 import pytest
 
 from lighthouse import LighthouseClient, LighthouseServer, QuorumError, QuorumTimeoutError
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -46,7 +47,7 @@ def test_a_spare_becomes_the_group_that_died(lighthouse):
     client.heartbeat("g0:a")
     client.heartbeat("g1:b")
     ranks = [take_in_thread(client, "spare-1"), take_in_thread(client, "spare-1")]
-    time.sleep(0.2)
+    time.sleep(0.2)  # a window in which no spare may be promoted: every group lives
     assert all("group" not in r for r in ranks), "a spare was promoted while every group lived"
     died_at = time.monotonic()
     for _ in range(15):  # g0 lives on; g1 falls silent
@@ -73,7 +74,7 @@ def test_a_restart_gets_its_own_name_back_unless_a_spare_took_it(lighthouse):
     def heartbeats() -> None:
         while alive.is_set():
             client.heartbeat("g0:first")
-            time.sleep(0.05)
+            time.sleep(0.05)  # a heartbeat's pace
 
     client.heartbeat("g0:first")  # live before the thread keeps it so
     threading.Thread(target=heartbeats, daemon=True).start()
@@ -81,8 +82,11 @@ def test_a_restart_gets_its_own_name_back_unless_a_spare_took_it(lighthouse):
     with pytest.raises(QuorumTimeoutError, match="no replica group"):
         client.take_replica_group("run-b", "g0", timeout=timedelta(seconds=1))
     waiting = take_in_thread(client, "run-b", "g0")
-    time.sleep(0.2)
-    assert [s["spare_id"] for s in lighthouse.status()["spares"]] == ["run-b"]
+    wait_until(
+        lambda: [s["spare_id"] for s in lighthouse.status()["spares"]] == ["run-b"],
+        10,
+        "run-b to wait as a spare",
+    )
     assert "group" not in waiting
     # ...and takes the name once its holder is dead.
     alive.clear()

@@ -24,6 +24,7 @@ from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.rpc.tls import TLSConfig
 from tests.certs import Certs, make_certs
 from tests.integration.test_manager import assert_identical, run_groups
+from tests.waiting import wait_until
 from torchft_like.checkpointing import HTTPTransport
 from torchft_like.checkpointing._http_fetch import Fetch, FetchTLSError
 from torchft_like.manager.client import ManagerClient
@@ -313,10 +314,11 @@ def test_a_fetch_without_a_client_certificate_is_refused_under_mutual_tls(
             for r in caplog.records
         )
 
-    deadline = time.monotonic() + 5
-    while not server_said_why():
-        assert time.monotonic() < deadline, [r.getMessage() for r in caplog.records]
-        time.sleep(0.02)
+    wait_until(
+        server_said_why,
+        5,
+        lambda: f"the server's refusal; it logged {[r.getMessage() for r in caplog.records]}",
+    )
 
 
 def test_a_plain_http_request_to_the_https_server_fails_and_the_server_serves_on(

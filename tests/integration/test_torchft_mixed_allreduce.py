@@ -25,6 +25,7 @@ from torch.distributed import TCPStore
 
 from lighthouse import IncompatibleGroupError, LighthouseServer
 from tests.integration._one_rank import manager_kwargs
+from tests.waiting import wait_until
 from torchft_like import Manager, ProcessGroupGloo
 
 WHY = "pytorch/torchft is not installed (the bench extra installs it)"
@@ -145,15 +146,20 @@ def joining_a_training_torchft_job(lighthouse: Any) -> tuple[Group, Group, int]:
         # torchft's lighthouse forgets our stopped group only when its
         # heartbeats lapse: the torchft quorum must outlast that, under load too.
         theirs = Group("torchft", lighthouse.address(), 1000, 3 * TORCHFT_QUORUM_TIMEOUT)
-        deadline = time.monotonic() + 20
-        while len(theirs.committed) < 2 and theirs.is_alive() and time.monotonic() < deadline:
-            time.sleep(0.02)
+        # A group that stopped is waited for no longer: the test reports its error.
+        wait_until(
+            lambda: len(theirs.committed) >= 2 or not theirs.is_alive(),
+            20,
+            "the torchft group to commit 2 steps",
+        )
         ours = Group("torchft_like", lighthouse.address())
         ours.join(timeout=40)
         at_refusal = len(theirs.committed)
-        deadline = time.monotonic() + 5 * HEARTBEAT_TIMEOUT_MS / 1000
-        while len(theirs.committed) < at_refusal + STEPS and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(
+            lambda: len(theirs.committed) >= at_refusal + STEPS or not theirs.is_alive(),
+            5 * HEARTBEAT_TIMEOUT_MS / 1000,
+            f"the torchft group to commit {STEPS} more steps",
+        )
         theirs.stop.set()
         theirs.join(timeout=40)
     finally:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-import time
 from datetime import timedelta
 from typing import Any
 
@@ -29,6 +28,7 @@ from torch import nn
 from torch.distributed import TCPStore
 
 from lighthouse import LighthouseServer
+from tests.waiting import wait_until
 from torchft_like import Manager, ProcessGroupDummy
 
 WHY = "pytorch/torchft is not installed (the bench extra installs it)"
@@ -124,12 +124,14 @@ class Group:
             self.manager.shutdown()
 
     def wait_for(self, what: str, condition: Any, timeout: float = 30.0) -> None:
-        deadline = time.monotonic() + timeout
-        while not condition():
+        def met() -> bool:
+            if condition():
+                return True
             assert self.error is None, f"{self.name} failed: {self.error!r}"
             assert self.thread.is_alive(), f"{self.name} stopped before {what}"
-            assert time.monotonic() < deadline, f"{self.name}: no {what} in {timeout} s"
-            time.sleep(0.02)
+            return False
+
+        wait_until(met, timeout, f"{self.name}: {what}")
 
     def join(self) -> None:
         self.thread.join(timeout=30)

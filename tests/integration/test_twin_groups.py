@@ -3,12 +3,12 @@ lighthouse, over real gRPC, until the first is dead or has left."""
 
 from __future__ import annotations
 
-import time
 from datetime import timedelta
 
 import pytest
 
 from lighthouse import DuplicateGroupError, LighthouseClient, LighthouseServer
+from tests.waiting import wait_until
 from torchft_like.manager.server import ManagerServer
 
 pytestmark = pytest.mark.timeout(60)
@@ -71,9 +71,10 @@ def test_the_name_is_free_again_once_the_first_group_left_or_died(lighthouse, ma
     # leave=False: its heartbeat stream just closes, as when its process dies.
     first.shutdown(leave=leave)
     # The stream's end reaches the lighthouse on its own loop, a moment later.
-    deadline = time.monotonic() + 10
-    while any(r["healthy"] for r in lighthouse.status()["replicas"]):
-        assert time.monotonic() < deadline, "the lighthouse still counts the first as live"
-        time.sleep(0.01)
+    wait_until(
+        lambda: not any(r["healthy"] for r in lighthouse.status()["replicas"]),
+        10,
+        "the lighthouse to stop counting the first as live",
+    )
     second = make_server("train_0:third")
     assert second.address()

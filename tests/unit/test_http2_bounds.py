@@ -157,7 +157,7 @@ def test_a_peer_that_takes_no_answers_is_not_read_then_cut_off(loop):
     conn.resume_writing()
     assert [k for k, *_ in t.frames()] == [PING] * 3 and t.reading
     conn.pause_writing()
-    loop.run_until_complete(asyncio.sleep(0.05))
+    loop.run_until_complete(asyncio.sleep(0.05))  # past write_stall_s: a clock deadline
     assert _goaway(t) == ENHANCE_YOUR_CALM and t.closed
 
 

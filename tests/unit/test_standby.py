@@ -12,7 +12,7 @@ def test_waits_until_the_file_appears(tmp_path):
     path = tmp_path / "standby"
 
     def write_later() -> None:
-        time.sleep(0.1)
+        time.sleep(0.1)  # late on purpose: the wait must last this long
         (tmp_path / "standby.tmp").write_text("3\n")
         (tmp_path / "standby.tmp").rename(path)
 
