@@ -74,6 +74,17 @@ def start_server(server: str, n: int, min_replicas: int, port: int) -> subproces
     raise RuntimeError(f"the {server} lighthouse did not start listening on port {port}")
 
 
+def profile(pid: int, out: Path, seconds: float) -> subprocess.Popen[bytes]:
+    """py-spy over the lighthouse for the window, as collapsed stacks in `out`."""
+    spy = shutil.which("py-spy", path=str(VENV_BIN)) or shutil.which("py-spy")
+    if spy is None:
+        raise RuntimeError("--profile needs py-spy (pip install py-spy)")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cmd = [spy, "record", "-p", str(pid), "-d", str(max(1, int(seconds))), "-r", "200"]
+    cmd += ["-f", "raw", "-o", str(out)]
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def run_one(server: str, args: argparse.Namespace) -> dict[str, Any]:
     n = args.groups
     kills = {str(g): args.warmup + 2 + i for i, g in enumerate(range(0, n, max(1, n // 2))[:2])}
@@ -123,12 +134,17 @@ def run_one(server: str, args: argparse.Namespace) -> dict[str, Any]:
             proc.stdin.flush()
         time.sleep(max(0.0, t0 + args.warmup * args.step_s - 0.2 - time.time()))
         cpu0, w0 = lh.cpu_times(), time.time()
+        spy = None
+        if args.profile and server == "ours":
+            spy = profile(lighthouse.pid, args.profile / f"ours.{n}.txt", args.steps * args.step_s)
         results = []
         for proc in loads:
             assert proc.stdout is not None
             out, _ = proc.communicate(timeout=steps * args.step_s + 240)
             results.append(json.loads(out.strip().splitlines()[-1]))
         cpu1, w1 = lh.cpu_times(), time.time()
+        if spy is not None:
+            spy.wait(60)
         rss_mb = lh.memory_info().rss / 2**20
     finally:
         for proc in loads:
@@ -195,6 +211,7 @@ def main() -> None:
     parser.add_argument("--groups-per-connection", type=int, default=40)
     parser.add_argument("--world-size", type=int, default=8, help="ranks per group (default 8)")
     parser.add_argument("--kills", type=int, default=2, help="groups killed (default 2)")
+    parser.add_argument("--profile", type=Path, help="py-spy our lighthouse into this folder")
     add_common_args(parser)
     args = parser.parse_args()
     if args.smoke:

@@ -201,7 +201,10 @@ class Membership:
         self._next_ticket += 1
         self.participants[rid] = Participant(member, now)
         self.tickets[rid] = self._next_ticket
-        everyone = len(self.participants) >= max(len(self.heartbeats), self.config.min_replicas)
+        # Every healthy replica waits: decide now. (num_healthy counts a
+        # suspected one as healthy, so this never fires before that holds.)
+        healthy = self.num_healthy(now)
+        everyone = len(self.participants) >= max(healthy, self.config.min_replicas)
         effects.append(_DECIDE_NOW if everyone else _DECIDE_SOON)
         return Outcome(tuple(effects), ticket=self._next_ticket)
 
