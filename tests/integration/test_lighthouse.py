@@ -245,3 +245,31 @@ def test_a_stalled_quorum_is_logged_once_with_its_reason(make_server, caplog, mo
         assert "stalled for" in stalls[0]
     finally:
         client.close()
+
+
+def test_a_group_that_asks_for_its_view_gets_its_ranks_shares_and_no_member_list(make_server):
+    """Over real gRPC: one member takes the member list, the other its view
+    (two group ranks); the view is what the member list gives that member."""
+    import asyncio
+
+    from lighthouse.client import AsyncLighthouseClient
+    from lighthouse.quorum import QuorumMember
+    from lighthouse.views import compute_quorum_result
+
+    server = make_server(min_replicas=2)
+
+    async def ask_view():
+        client = AsyncLighthouseClient(server.address(), timedelta(seconds=5))
+        try:
+            member = QuorumMember("viewer:1", "http://v:1", "v:2", step=3, world_size=2)
+            return await client.quorum_view(member, T, init_sync=False)
+        finally:
+            await client.close()
+
+    with ThreadPoolExecutor(1) as pool:
+        lister = pool.submit(join_all, server.address(), ["lister:1"], step=3)
+        quorum, views = asyncio.run(ask_view())
+        full = lister.result(timeout=30)[0]
+    assert quorum.participants == () and quorum.quorum_id == full.quorum_id
+    assert full.replica_ids() == ("lister:1", "viewer:1")
+    assert list(views) == [compute_quorum_result(full, "viewer:1", g, False) for g in range(2)]
