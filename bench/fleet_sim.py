@@ -56,11 +56,11 @@ def _us(values: list[float] | None, q: float) -> float:
     return round(quantile(values or [], q) * 1e6, 1)
 
 
-RPC_US = 90.0
+RPC_US = 80.0
 """Real lighthouse CPU per RPC outside the membership calls (HTTP/2, asyncio,
-protobuf), calibrated from bench.lighthouse_scale on this machine: 0.60 core
+protobuf), calibrated from bench.lighthouse_scale on this machine: 0.51 core
 at 10,000 groups with 5 s steps, over 2,000 Quorum calls and 4,400 paced
-stream heartbeats a second, is 94 us per RPC with the membership calls in
+stream heartbeats a second, is 80 us per RPC with the membership calls in
 it (docs/fleet.md, "Measured with real processes"). grpcio's server was
 460 us."""
 

@@ -178,3 +178,53 @@ def literal(name: str, value: str) -> bytes:
         + encode_int(len(raw_value), 7)
         + raw_value
     )
+
+
+def table_neutral(block: bytes) -> bool:
+    """Whether an HPACK header block leaves the decoder's table as it is:
+    only indexed fields and literals not added to the table (RFC 7541 6.1,
+    6.2.2, 6.2.3), no table size update. Such a block decodes the same until
+    the table changes, so it may be decoded once. False for anything else,
+    a malformed block included (its decoding says what is wrong)."""
+    i, n = 0, len(block)
+    try:
+        while i < n:
+            first = block[i]
+            if first & 0x80:  # indexed field
+                i = _skip_int(block, i, 0x7F)
+            elif first & 0x60:  # incremental indexing (0x40) or a size update (0x20)
+                return False
+            else:  # a literal without indexing or never indexed; name index in 4 bits
+                index_is_zero = first & 0x0F == 0
+                i = _skip_int(block, i, 0x0F)
+                if index_is_zero:
+                    i = _skip_string(block, i)
+                i = _skip_string(block, i)
+    except IndexError:
+        return False
+    return i == n
+
+
+def _skip_int(block: bytes, i: int, mask: int) -> int:
+    """The offset past the HPACK integer at `i` whose prefix is `mask`."""
+    if block[i] & mask != mask:
+        return i + 1
+    i += 1
+    while block[i] & 0x80:
+        i += 1
+    return i + 1
+
+
+def _skip_string(block: bytes, i: int) -> int:
+    """The offset past the HPACK string literal at `i`."""
+    length, mask = block[i] & 0x7F, 0x7F
+    if length != mask:
+        return i + 1 + length
+    shift, j = 0, i + 1
+    while True:
+        byte = block[j]
+        length += (byte & 0x7F) << shift
+        shift += 7
+        j += 1
+        if not byte & 0x80:
+            return j + length

@@ -70,6 +70,7 @@ from lighthouse.rpc.frames import (
     frame,
     header_fragment,
     settings,
+    table_neutral,
     unpad,
     window_increment,
 )
@@ -78,9 +79,8 @@ from lighthouse.rpc.limits import LIMITS, Limits, PeerLog, ProcessBudget, TokenB
 logger = logging.getLogger(__name__)
 _peer_log = PeerLog(logger)
 
-_INDEXED = bytes(range(0x80, 0xFF))
-"""First bytes of an indexed header field with a one-byte index (RFC 7541 6.1)."""
 _CACHED_BLOCKS = 64
+"""Decoded header blocks kept per connection (Connection._decode)."""
 _NEW_STREAM_WORK = 8
 """A new stream's share of `Limits.work_per_read`: a call, not just a frame."""
 _CONNECTION_SPECIFIC = frozenset(
@@ -421,10 +421,11 @@ class Connection(StreamTable, asyncio.Protocol):
             self._handler.on_data(self, stream_id, b"", True)
 
     def _decode(self, block: bytes) -> list[tuple[str, str]]:
-        """Decodes every block (a block may change the table), except one
-        of indexed fields already decoded since the table last changed:
-        such a block neither changes the table nor means anything else."""
-        if block.translate(None, _INDEXED):
+        """Decodes every block that may change the table, and each other
+        block once since the table last changed (frames.table_neutral: a
+        gRPC client's calls repeat their blocks, ours as literals never
+        indexed, grpcio's as indexed fields)."""
+        if not table_neutral(block):
             self._decoded.clear()  # it may have changed the table
             return _checked(self._decoder.decode(block, raw=False))  # type: ignore[arg-type]
         headers = self._decoded.get(block)
