@@ -79,8 +79,11 @@ from lighthouse.rpc.limits import LIMITS, Limits, PeerLog, ProcessBudget, TokenB
 logger = logging.getLogger(__name__)
 _peer_log = PeerLog(logger)
 
-_CACHED_BLOCKS = 64
-"""Decoded header blocks kept per connection (Connection._decode)."""
+_CACHED_BLOCKS = 16
+_CACHED_BLOCK_BYTES = 512
+"""Decoded header blocks kept per connection (Connection._decode), and the
+largest kept: a gRPC request's block is 20-250 bytes, and a peer's distinct
+blocks must not make every connection hold more than a few KB."""
 _NEW_STREAM_WORK = 8
 """A new stream's share of `Limits.work_per_read`: a call, not just a frame."""
 _CONNECTION_SPECIFIC = frozenset(
@@ -431,7 +434,7 @@ class Connection(StreamTable, asyncio.Protocol):
         headers = self._decoded.get(block)
         if headers is None:
             headers = _checked(self._decoder.decode(block, raw=False))  # type: ignore[arg-type]
-            if len(self._decoded) < _CACHED_BLOCKS:
+            if len(self._decoded) < _CACHED_BLOCKS and len(block) <= _CACHED_BLOCK_BYTES:
                 self._decoded[block] = headers
         return headers
 

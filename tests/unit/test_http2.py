@@ -185,3 +185,24 @@ def test_a_repeated_block_of_indexed_fields_is_decoded_once_until_the_table_chan
 def test_hpack_integers_match_rfc_7541_examples(value, prefix, encoded):
     assert http2.encode_int(value, prefix) == encoded
     assert hpack.Decoder().decode(http2.literal("grpc-status", "0")) == [("grpc-status", "0")]
+
+
+def test_a_block_of_never_indexed_literals_is_decoded_once_and_the_cache_is_bounded(conn):
+    """Our lean clients' requests: literals never added to the table repeat
+    byte for byte each step, so each is decoded once; a peer's distinct or
+    long blocks are decoded but not kept past the cache's bounds."""
+    from lighthouse.rpc.frames import literal
+
+    block = b"\x83\x86" + b"".join(literal(k, v) for k, v in REQUEST[2:])
+    for sid in (1, 3, 5):
+        conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, sid, block))
+    assert list(conn._decoded) == [block]
+    long = block + literal("x-long", "v" * 600)
+    conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, 7, long))
+    assert long not in conn._decoded
+    for i in range(40):
+        distinct = block + literal("x-n", str(i))
+        conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, 9 + 2 * i, distinct))
+    assert len(conn._decoded) == 16
+    paths = {e[2][":path"] for e in conn.handler.events if e[0] == "headers"}
+    assert paths == {"/svc/M"}
