@@ -110,6 +110,7 @@ def run_one(server: str, args: argparse.Namespace) -> dict[str, Any]:
                 # period ours would advise, so both see the same rate.
                 "heartbeat_s": advised_interval_ms(n, HEARTBEAT_TIMEOUT_MS) / 1000,
                 "kills": {g: s for g, s in kills.items() if int(g) in set(gids)},
+                "nice": args.nice_load,
             }
             loads.append(
                 subprocess.Popen(
@@ -195,6 +196,7 @@ def run_one(server: str, args: argparse.Namespace) -> dict[str, Any]:
         "gone_s": round(max(gone_s), 3) if gone_s else None,
         "heartbeats_per_s": round(sum(res["heartbeats"] for res in results) / window),
         "load_cores": round(sum(res["cpu_s"] for res in results) / window, 3),
+        "nice_load": args.nice_load,
         "errors": len(errors),
     }
 
@@ -212,6 +214,12 @@ def main() -> None:
     parser.add_argument("--world-size", type=int, default=8, help="ranks per group (default 8)")
     parser.add_argument("--kills", type=int, default=2, help="groups killed (default 2)")
     parser.add_argument("--profile", type=Path, help="py-spy our lighthouse into this folder")
+    parser.add_argument(
+        "--nice-load",
+        action="store_true",
+        help="run the load processes at nice 19: on one small box they then stand for other "
+        "machines instead of taking the lighthouse's core at each step's burst",
+    )
     add_common_args(parser)
     args = parser.parse_args()
     if args.smoke:

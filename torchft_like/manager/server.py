@@ -1,10 +1,10 @@
-"""The per-group ManagerServer (hosted by group rank 0) and its in-process client.
+"""The per-group ManagerServer, hosted by group rank 0: the group's gatherings.
 
 The server gathers one Quorum call from every rank of the group, asks the
-lighthouse once for the whole group (torchft_like.manager.group_request), and answers
-each rank with its own view (torchft_like.recovery). It also collects the
-group's commit votes. It runs on a private asyncio loop, so waiting never
-holds the GIL.
+lighthouse once for the whole group (group_request, through its session,
+manager.session), and answers each rank with its share of the quorum
+(lighthouse.views). It also collects the group's commit votes. It runs on a
+private asyncio loop, so waiting never holds the GIL.
 """
 
 from __future__ import annotations
