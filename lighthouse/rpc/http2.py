@@ -81,9 +81,8 @@ _peer_log = PeerLog(logger)
 
 _CACHED_BLOCKS = 16
 _CACHED_BLOCK_BYTES = 512
-"""Decoded header blocks kept per connection (Connection._decode), and the
-largest kept: a gRPC request's block is 20-250 bytes, and a peer's distinct
-blocks must not make every connection hold more than a few KB."""
+"""Decoded blocks kept per connection (`_decode`), and the largest kept: a
+request's block is 20-250 bytes; a peer's must not make one hold more."""
 _NEW_STREAM_WORK = 8
 """A new stream's share of `Limits.work_per_read`: a call, not just a frame."""
 _CONNECTION_SPECIFIC = frozenset(
