@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from enum import Enum
+from typing import Any
 
 from lighthouse.client import LIGHTHOUSE_ENV, lighthouse_target
 from lighthouse.rpc.address import BIND_HOST_ENV, HOSTNAME_ENV
@@ -289,6 +290,17 @@ def _lighthouse(given: _Given | None, tls: TLSConfig | None) -> str:
         )
     lighthouse_target(url, tls)  # the port, and https exactly when TLS: names the variable
     return url
+
+
+OBJECT_ARGUMENTS = frozenset(
+    ("self", "pg", "load_state_dict", "state_dict", "checkpoint_transport", "fingerprint_fn")
+)
+"""The Manager's arguments that are objects, not ManagerConfig fields."""
+
+
+def config_arguments(arguments: Mapping[str, Any]) -> dict[str, Any]:
+    """The Manager's arguments (its `locals()` on entry) that resolve_config takes."""
+    return {k: v for k, v in arguments.items() if k not in OBJECT_ARGUMENTS}
 
 
 def resolve_config(

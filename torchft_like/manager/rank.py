@@ -27,25 +27,22 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 import torchft_like.manager as package
-from lighthouse.rpc.errors import DuplicateGroupError, IncompatibleGroupError, QuorumError
 from lighthouse.rpc.tls import TLSConfig
 from torchft_like._work import completed_work, or_default
 from torchft_like.checkpointing import CheckpointTransport
-from torchft_like.checkpointing.transport import capable
 from torchft_like.collectives import InOrderCollectives
-from torchft_like.gone_watch import GoneWatch, MemberGoneError
+from torchft_like.gone_watch import GoneWatch
 from torchft_like.manager import healing, parent_watch, threads
 from torchft_like.manager.asking import ask_quorum
 from torchft_like.manager.batch_claims import BatchClaims
 from torchft_like.manager.client import ManagerClientProtocol
 from torchft_like.manager.commit import check_retries, rank_vote
-from torchft_like.manager.config import WorldSizeMode, resolve_config
+from torchft_like.manager.config import WorldSizeMode, config_arguments, resolve_config
 from torchft_like.manager.fingerprint import step_fingerprint
 from torchft_like.manager.group_request import QuorumRequest
 from torchft_like.manager.metrics import ManagerMetrics
+from torchft_like.manager.settling import QuorumSettlement
 from torchft_like.manager.startup import (
-    MANAGER_ADDR_KEY,
-    REPLICA_ID_KEY,
     check_transport,
     start_rank_servers,
 )
@@ -53,17 +50,11 @@ from torchft_like.manager.state_gate import StateReadGate
 from torchft_like.manager.step_state import StepState
 from torchft_like.manager.training_thread import TrainingThreadReads
 from torchft_like.manager.user_state import UserState
-from torchft_like.recovery import BatchSlot, QuorumResult, participation, transfer_plan
+from torchft_like.recovery import BatchSlot
 
 logger = logging.getLogger("torchft_like.manager")
 
-__all__ = ["MANAGER_ADDR_KEY", "REPLICA_ID_KEY", "Manager", "WorldSizeMode"]
-
-
-_NOT_CONFIG = frozenset(
-    ("self", "pg", "load_state_dict", "state_dict", "checkpoint_transport", "fingerprint_fn")
-)
-"""The Manager's arguments that are objects, not ManagerConfig fields."""
+__all__ = ["Manager", "WorldSizeMode"]
 
 
 class _ManagerLogger(logging.LoggerAdapter):
@@ -77,7 +68,7 @@ class Manager:
 
     Argument names follow pytorch/torchft's Manager. Every argument but the
     four objects below is a field of `ManagerConfig` (torchft_like.
-    manager_config), which documents it and the environment variable that
+    manager.config), which documents it and the environment variable that
     sets it when the argument is not given: torchrun's MASTER_ADDR,
     MASTER_PORT, RANK and WORLD_SIZE, and TORCHFT_LIGHTHOUSE,
     TORCHFT_MANAGER_PORT, TORCHFT_HOSTNAME, TORCHFT_BIND_HOST, the
@@ -135,9 +126,8 @@ class Manager:
         metrics_port: int | None = None,
         heal_sources: int | None = None,
     ) -> None:
-        # First, while the locals are the arguments: all but the objects configure.
-        arguments = {k: v for k, v in locals().items() if k not in _NOT_CONFIG}
-        config = resolve_config(environ=os.environ, **arguments)
+        # First, while the locals are the arguments.
+        config = resolve_config(environ=os.environ, **config_arguments(locals()))
         self.config = config
         """Every argument and variable, resolved (torchft_like.manager.config)."""
         check_transport(checkpoint_transport, config.secret, config.tls)
@@ -157,13 +147,7 @@ class Manager:
         self._step = 0
         self._batches_committed = 0
         self._commit_failures = 0
-        self._quorum_id = -1
         self._errored: Exception | None = None
-        self._fatal: DuplicateGroupError | IncompatibleGroupError | None = None
-        """An error that no retry can fix: raised by the next start_quorum/should_commit."""
-        self._healing = False
-        self._participating_rank: int | None = None
-        self._num_participants = 0
         self._claims = BatchClaims()
         self._quorum_future: Future[None] | None = None
         self._training_thread = TrainingThreadReads()
@@ -176,8 +160,6 @@ class Manager:
         before ours has begun."""
         self._collectives = InOrderCollectives()
         self._step_state = StepState()
-        self._heal_report = ""
-        """JSON of the last heal, sent with the next quorum request (lighthouse.heals)."""
         self._commit_hooks: list[Callable[[], None]] = []
         self._executor = ThreadPoolExecutor(
             max_workers=1,
@@ -210,6 +192,21 @@ class Manager:
             pg,
             self._logger,
         )
+        self._settled = QuorumSettlement(
+            config,
+            self.replica_id,
+            self._claims,
+            self._gone,
+            self._checkpoint_transport,
+            self._training_thread,
+            self.metrics,
+            self._logger,
+            self._metadata_of,
+            self.full_state_dict,
+            self.report_error,
+            self._collectives_ready,
+        )
+        """This step's quorum as applied off the training thread (manager.settling)."""
         self._logger.info("manager ready, server %s", started.manager_address)
 
     # ---- state -------------------------------------------------------------
@@ -282,10 +279,10 @@ class Manager:
         threads.check(threads.TRAINING, what="Manager.start_quorum")
         if self._quorum_future is not None:
             self.wait_quorum()
-        if self._fatal is not None:
-            raise self._fatal
+        if self._settled.fatal is not None:
+            raise self._settled.fatal
         self._errored = None
-        self._healing = False
+        self._settled.healing = False
         self._gone.new_step()
         self._step_state = StepState(started=time.monotonic())
         state_fingerprint = step_fingerprint(
@@ -302,8 +299,14 @@ class Manager:
             self._client,
             partial(self._quorum_request, *args),
             timeout,
-            partial(self._settle_quorum, allow_heal),
-            lambda: self._quorum_id,
+            partial(
+                self._settled.settle,
+                self._step,
+                self._step_state,
+                allow_heal,
+                allow_heal and not self._use_async_quorum,
+            ),
+            lambda: self._settled.quorum_id,
             self._executor,
         )
         self._quorum_future.add_done_callback(lambda _: self._training_thread.wake())
@@ -323,7 +326,7 @@ class Manager:
                 # Synchronous callers get the failure where they asked, as
                 # from torchft; it is also recorded, so the step cannot commit.
                 raise self._step_state.quorum_error
-            if self._healing and self._errored is None:
+            if self._settled.healing and self._errored is None:
                 self._apply_pending_state_dict()
 
     def wait_quorum(self) -> None:
@@ -350,90 +353,9 @@ class Manager:
             init_sync=self._init_sync,
             commit_failures=self._commit_failures,
             fingerprint=state_fingerprint,
-            heal_report=self._heal_report,
+            heal_report=self._settled.heal_report,
             batch_slot=batch_slot,
         )
-
-    def _settle_quorum(
-        self, allow_heal: bool, start: float, result_of: Callable[[], QuorumResult]
-    ) -> None:
-        try:
-            result = result_of()
-            self._heal_report = ""
-            self._step_state.timings["quorum_s"] = time.monotonic() - start
-            self.metrics.quorum_seconds.observe(self._step_state.timings["quorum_s"])
-            self._apply_quorum(result, allow_heal)
-        except (DuplicateGroupError, IncompatibleGroupError) as e:
-            self._logger.error("quorum refused, stopping: %s", e)
-            self._fatal = e
-            self.report_error(e)
-        except Exception as e:
-            # A QuorumError is expected when peers or the lighthouse fail: no traceback.
-            expected = isinstance(e, (QuorumError, MemberGoneError))
-            log = self._logger.warning if expected else self._logger.exception
-            log("quorum failed: %s", e)
-            self._step_state.quorum_error = e
-            self.report_error(e)
-        finally:
-            self._collectives_ready.set()
-
-    def _apply_quorum(self, result: QuorumResult, allow_heal: bool) -> None:
-        spares = self.config.world_size_mode == WorldSizeMode.FIXED_WITH_SPARES
-        cap = self.config.min_replica_size if spares else None
-        every_member_counts = allow_heal and not self._use_async_quorum
-        self._num_participants, self._participating_rank = participation(
-            result, every_member_counts=every_member_counts, max_participants=cap
-        )
-        wrong = self._claims.verdict(result, cap, every_member_counts)
-        if wrong is not None:
-            self.report_error(wrong)
-            # Every replica reads the same: none serves or heals for a step
-            # that cannot commit (a healer would wait for a source gone by).
-            allow_heal = False
-        self.metrics.record_quorum(result.quorum_id, self._num_participants)
-        if result.quorum_id != self._quorum_id:
-            threads.check(threads.QUORUM, what="configuring the process group")
-            store = f"{result.store_address}/torchft/{result.quorum_id}/{self._group_rank}"
-            self._logger.info(
-                "reconfiguring for quorum %d: replica rank %d of %d, store %s",
-                result.quorum_id,
-                result.replica_rank,
-                result.replica_world_size,
-                store,
-            )
-            rank, size = result.replica_rank, result.replica_world_size
-            self._gone.join(result.quorum_id, store, self.replica_id, rank, size)
-            self._quorum_id = result.quorum_id
-        self._gone.quorum_applied(result.quorum_id)
-        transport = self._checkpoint_transport
-        stripes = self.config.heal_sources if capable(transport, "can_stripe") else 1
-        plan = transfer_plan(result, stripes)
-        if allow_heal and plan.serve_to:
-            self._step_state.serving = True
-            self._logger.info("serving state to replica ranks %s", list(plan.serve_to))
-            # Read by the training thread (see _training_thread): no gate, it
-            # cannot be writing the state while it waits on us.
-            state = self._training_thread.read(self.full_state_dict, self._timeout.total_seconds())
-            transport.send_checkpoint(list(plan.serve_to), self._step, state, self._timeout)
-        self._step_state.quorum_max_step = result.max_step
-        if not (allow_heal and result.heal):
-            self._collectives_ready.set()
-        if allow_heal and result.heal:
-            self._healing = self._step_state.healed = True
-            threads.check(threads.QUORUM, what="receiving a healing state")
-            heal = healing.receive_state(
-                transport,
-                result,
-                plan,
-                self._timeout,
-                self._metadata_of,
-                self._collectives_ready.set,
-                self._logger,
-            )
-            self._step_state.pending_state_dict = heal.state
-            self._step_state.timings["heal_recv_s"] = heal.seconds
-            self._heal_report = heal.report
-            self.metrics.record_heal(heal.num_bytes, heal.seconds)
 
     def _metadata_of(self, manager_address: str) -> str:
         return healing.ask_metadata(
@@ -444,7 +366,7 @@ class Manager:
         assert self._step_state.pending_state_dict is not None, "healing without a received state"
         state, self._step_state.pending_state_dict = self._step_state.pending_state_dict, None
         self.load_full_state_dict(state)  # a key the source lacks: a ValueError naming it
-        self._healing = False
+        self._settled.healing = False
         self._logger.info("healed: loaded the live state at step %d", self._step)
 
     # ---- collectives -------------------------------------------------------
@@ -491,9 +413,9 @@ class Manager:
         self._wait_collectives_ready()
         if self._errored is not None:
             return completed_work(tensor)
-        if self._participating_rank is None:
+        if self._settled.participating_rank is None:
             tensor.zero_()
-        divide_by = self._num_participants if reduce_op == ReduceOp.AVG else None
+        divide_by = self._settled.num_participants if reduce_op == ReduceOp.AVG else None
         quantize = should_quantize and torch.is_floating_point(tensor)
         work = self._collectives.allreduce(
             tensor, self._pg, quantize, divide_by, self.report_error, in_place
@@ -540,9 +462,9 @@ class Manager:
         """
         threads.check(threads.TRAINING, what="Manager.should_commit")
         self.wait_quorum()
-        if self._fatal is not None:
-            raise self._fatal
-        if self._healing and self._errored is None:
+        if self._settled.fatal is not None:
+            raise self._settled.fatal
+        if self._settled.healing and self._errored is None:
             try:
                 self._apply_pending_state_dict()
             except Exception as e:
@@ -559,8 +481,8 @@ class Manager:
         self._gone.check_frozen(self.report_error)
         vote, too_few = rank_vote(
             self._errored is not None,
-            self._healing,
-            self._num_participants,
+            self._settled.healing,
+            self._settled.num_participants,
             self.config.min_replica_size,
         )
         if too_few:
@@ -575,7 +497,7 @@ class Manager:
             decision, vote_error = False, e
         if decision:
             self._step += 1
-            self._batches_committed += self._num_participants
+            self._batches_committed += self._settled.num_participants
             self._commit_failures = 0
         else:
             self._commit_failures += 1
@@ -603,7 +525,7 @@ class Manager:
         if self._quorum_future is None:
             return 0
         self._wait_collectives_ready()
-        return self._num_participants
+        return self._settled.num_participants
 
     def participating_rank(self) -> int | None:
         """Our rank among this step's participants; None when we do not
@@ -611,13 +533,26 @@ class Manager:
         if self._quorum_future is None:
             return None
         self._wait_collectives_ready()
-        return self._participating_rank
+        return self._settled.participating_rank
 
     def is_participating(self) -> bool:
         return self.participating_rank() is not None
 
     def quorum_id(self) -> int:
-        return self._quorum_id
+        return self._settled.quorum_id
+
+    # torchft's names, which its tests and our wrappers read (and set)
+    @property
+    def _quorum_id(self) -> int:
+        return self._settled.quorum_id
+
+    @property
+    def _healing(self) -> bool:
+        return self._settled.healing
+
+    @_healing.setter
+    def _healing(self, healing: bool) -> None:
+        self._settled.healing = healing
 
     def did_heal(self) -> bool:
         """Whether this step's quorum made us copy the state from a peer."""
@@ -646,7 +581,7 @@ class Manager:
         """Our participating rank next step, forecast from the last quorum,
         claimed in the next quorum request (torchft_like.manager.batch_claims):
         StepBatches trains unit `batches_committed() + slot`."""
-        participating = (self._num_participants, self._participating_rank)
+        participating = (self._settled.num_participants, self._settled.participating_rank)
         return self._claims.claim(self._commit_failures == 0, participating)
 
     def shutdown(self, wait: bool = True) -> None:
