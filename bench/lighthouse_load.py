@@ -40,7 +40,6 @@ import json
 import os
 import random
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -50,7 +49,7 @@ from pathlib import Path
 import psutil
 
 from bench._report import REPO, add_common_args, pct, report, results_file
-from tools.procs import free_port
+from tools.procs import free_port, wait_listening
 
 CONTENDERS = ("ref", "ours", "ours_grpcio", "ours_stream", "ours_paced")
 VENV_BIN = Path(sys.executable).parent
@@ -214,17 +213,12 @@ def start_server(contender: str, n: int, port: int, log: str | None) -> subproce
     args += ["--join_timeout_ms", "60000", "--heartbeat_timeout_ms", "5000"]
     out = open(f"{log}.{contender}.{n}", "w") if log else subprocess.DEVNULL
     proc = subprocess.Popen(args, stdout=out, stderr=out, cwd=REPO)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc
-        except OSError:
-            if proc.poll() is not None:
-                break
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"{contender} lighthouse did not start listening on port {port}")
+    try:
+        wait_listening(port, proc, f"{contender} lighthouse")
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc
 
 
 def _profile(pid: int, contender: str, n: int, args: argparse.Namespace) -> subprocess.Popen | None:

@@ -31,7 +31,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -42,7 +41,7 @@ import psutil
 
 from bench._report import REPO, add_common_args, pct, report, results_file
 from lighthouse.pacing import advised_interval_ms
-from tools.procs import free_port
+from tools.procs import free_port, wait_listening
 
 VENV_BIN = Path(sys.executable).parent
 HEARTBEAT_TIMEOUT_MS = 5000
@@ -61,17 +60,12 @@ def start_server(server: str, n: int, min_replicas: int, port: int) -> subproces
     proc = subprocess.Popen(
         args + timing, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return proc
-        except OSError:
-            if proc.poll() is not None:
-                break
-            time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"the {server} lighthouse did not start listening on port {port}")
+    try:
+        wait_listening(port, proc, f"the {server} lighthouse")
+    except RuntimeError:
+        proc.kill()
+        raise
+    return proc
 
 
 def profile(pid: int, out: Path, seconds: float) -> subprocess.Popen[bytes]:

@@ -64,7 +64,7 @@ import time
 from pathlib import Path
 
 from bench._report import REPO, add_common_args, report, results_file
-from tools.procs import free_port, kill_tree
+from tools.procs import free_port, kill_tree, wait_listening
 
 WORKER = str(REPO / "bench" / "_step_worker.py")
 TORCHFT_LIGHTHOUSE_RPCS = 1
@@ -80,19 +80,6 @@ ALLOCATORS = {
 """Environment of every worker per --allocator: keep = glibc never returns
 freed memory to the system and serves blocks under 32 MB from its heap."""
 BOOTSTRAP_RESAMPLES = 2000
-
-
-def wait_port(port: int, proc: subprocess.Popen, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"lighthouse exited with {proc.returncode} before listening")
-        try:
-            socket.create_connection(("127.0.0.1", port), timeout=1).close()
-            return
-        except OSError:
-            time.sleep(0.05)
-    raise RuntimeError(f"lighthouse not listening on port {port} after {timeout_s} s")
 
 
 def torchrun(
@@ -131,7 +118,7 @@ def start_lighthouse(mode: str) -> tuple[subprocess.Popen, str]:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=LIGHTHOUSE_CODE[0],
     )  # fmt: skip
     try:
-        wait_port(port, proc)
+        wait_listening(port, proc, "lighthouse")
     except BaseException:
         proc.kill()
         proc.wait()

@@ -30,6 +30,31 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def wait_listening(
+    port: int, proc: subprocess.Popen | None, what: str, timeout_s: float = 30
+) -> None:
+    """Returns once something accepts connections on 127.0.0.1:`port`.
+
+    Raises:
+        RuntimeError: `proc` exited first, or nothing listened within `timeout_s`.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            if proc is not None and proc.poll() is not None:
+                raise RuntimeError(
+                    f"{what} exited with {proc.returncode} before listening"
+                ) from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"{what} not listening on port {port} after {timeout_s} s"
+                ) from None
+            time.sleep(0.02)
+
+
 def spawn(args: list[str], stdout: Any, env: dict[str, str] | None, cwd: Path) -> subprocess.Popen:
     """Starts a child in a session of its own, one thread for math, unbuffered
     output, stderr with stdout: how the demo and the tests run every process."""

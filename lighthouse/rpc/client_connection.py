@@ -38,7 +38,6 @@ from lighthouse.rpc.frames import (
     ENHANCE_YOUR_CALM,
     ERROR_NAMES,
     FLOW_CONTROL_ERROR,
-    FRAME_SIZE_ERROR,
     GOAWAY,
     HEADERS,
     INTERNAL_ERROR,
@@ -59,13 +58,13 @@ from lighthouse.rpc.frames import (
     ProtocolError,
     check_frame,
     frame,
+    frame_at,
     header_fragment,
     settings,
     unpad,
     window_increment,
 )
 
-_HEADER = struct.Struct(">BHBBI")
 _SETTING = struct.Struct(">HI")
 _U32 = struct.Struct(">I")
 _MESSAGE = struct.Struct(">BI")
@@ -276,15 +275,11 @@ class ClientConnection(asyncio.Protocol):
         pos, size, out = 0, len(buf), list[bytes]()
         try:
             while size - pos >= 9:
-                hi, lo, kind, flags, stream_id = _HEADER.unpack_from(buf, pos)
-                length = hi << 16 | lo
-                if length > MAX_FRAME:
-                    raise ProtocolError(FRAME_SIZE_ERROR, f"a frame of {length} bytes")
-                end = pos + 9 + length
-                if end > size:
+                found = frame_at(buf, pos, size, MAX_FRAME)
+                if found is None:
                     break
-                self._frame(kind, flags, stream_id & MAX_WINDOW, bytes(buf[pos + 9 : end]), out)
-                pos = end
+                kind, flags, stream_id, payload, pos = found
+                self._frame(kind, flags, stream_id, payload, out)
         except ProtocolError as e:
             self._broken(e.code, str(e))
             return

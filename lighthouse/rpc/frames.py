@@ -180,6 +180,26 @@ def literal(name: str, value: str) -> bytes:
     )
 
 
+def frame_at(
+    buf: bytearray, pos: int, size: int, max_frame: int
+) -> tuple[int, int, int, bytes, int] | None:
+    """The frame whose 9-byte header starts at `pos` of the first `size`
+    bytes of `buf`: (type, flags, stream id, payload, the offset past it),
+    or None while it has not all arrived. Both sides read frames by it.
+
+    Raises:
+        ProtocolError: its length is past `max_frame` (FRAME_SIZE_ERROR).
+    """
+    hi, lo, kind, flags, stream_id = HEADER.unpack_from(buf, pos)
+    length = hi << 16 | lo
+    if length > max_frame:
+        raise ProtocolError(FRAME_SIZE_ERROR, f"a frame of {length} bytes")
+    end = pos + 9 + length
+    if end > size:
+        return None
+    return kind, flags, stream_id & MAX_WINDOW, bytes(buf[pos + 9 : end]), end
+
+
 def table_neutral(block: bytes) -> bool:
     """Whether an HPACK header block leaves the decoder's table as it is:
     only indexed fields and literals not added to the table (RFC 7541 6.1,

@@ -42,9 +42,7 @@ from lighthouse.rpc.frames import (
     END_STREAM,
     ENHANCE_YOUR_CALM,
     FLOW_CONTROL_ERROR,
-    FRAME_SIZE_ERROR,
     GOAWAY,
-    HEADER,
     HEADERS,
     MAX_WINDOW,
     NO_ERROR,
@@ -68,6 +66,7 @@ from lighthouse.rpc.frames import (
     ProtocolError,
     check_frame,
     frame,
+    frame_at,
     header_fragment,
     settings,
     table_neutral,
@@ -246,17 +245,11 @@ class Connection(StreamTable, asyncio.Protocol):
                 if self._work <= 0 or self._write_paused:
                     self._defer()
                     break
-                hi, lo, kind, flags, stream_id = HEADER.unpack_from(buf, pos)
-                length = hi << 16 | lo
-                if length > max_frame:
-                    raise ProtocolError(FRAME_SIZE_ERROR, f"a frame of {length} bytes")
-                end = pos + 9 + length
-                if end > size:
+                found = frame_at(buf, pos, size, max_frame)
+                if found is None:
                     break
+                kind, flags, stream_id, payload, pos = found
                 self._work -= 1
-                stream_id &= MAX_WINDOW
-                payload = bytes(buf[pos + 9 : end])
-                pos = end
                 try:
                     if kind == DATA and stream_id and not self._block_stream:
                         self._data(flags, stream_id, payload)  # the usual frame, first
