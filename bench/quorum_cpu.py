@@ -45,8 +45,7 @@ import torch
 from torch.distributed import TCPStore
 
 from bench._report import add_common_args, report, results_file
-from bench.step_overhead import wait_port
-from tools.procs import free_port, kill_tree
+from tools.procs import free_port, kill_tree, wait_listening
 
 
 def thread_cpu_ns(native_id: int) -> int:
@@ -62,7 +61,7 @@ def start_lighthouse() -> tuple[subprocess.Popen, str]:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )  # fmt: skip
     try:
-        wait_port(port, proc)
+        wait_listening(port, proc, "lighthouse")
     except BaseException:
         kill_tree(proc.pid)
         raise
