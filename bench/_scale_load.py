@@ -16,6 +16,7 @@ does. Stats go to stdout as one JSON line.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import json
 import os
 import sys
@@ -35,11 +36,32 @@ RECEIVED = [0, False]
 client connections: the kernel's per-process counters miss send())."""
 
 
+CALL: contextvars.ContextVar[list[Any]] = contextvars.ContextVar("CALL")
+"""The unary call a task's `ask` started (CountingConnection.start fills it)."""
+
+
 class CountingConnection(ClientConnection):
+    """Counts the bytes received, and stamps each unary call with the time
+    the read that ended it began: when its answer reached this process, not
+    when the task waiting for it ran (at a step's end thousands of answers
+    arrive together, and waking their tasks is the load's cost)."""
+
     def data_received(self, data: bytes) -> None:
         if RECEIVED[1]:
             RECEIVED[0] += len(data)
+        now = time.time()
+        waiting = [c for c in self.calls.values() if not c.done.done()]
         super().data_received(data)
+        for call in waiting:
+            if call.done.done():
+                call.arrived = now  # type: ignore[attr-defined]
+
+    def start(self, headers: bytes, message: bytes) -> tuple[int, Any]:
+        stream_id, call = super().start(headers, message)
+        holder = CALL.get(None)
+        if holder is not None:
+            holder.append(call)
+        return stream_id, call
 
 
 class Group:
@@ -100,17 +122,20 @@ class Group:
                 self.out["errors"].append(f"heartbeat: {e!r}"[:200])
             await asyncio.sleep(self.period_s)
 
-    async def ask(self, step: int, timeout_s: float) -> tuple[float, float, int, int]:
-        """(sent, answered, answer bytes, members the answer counts)."""
+    async def ask(self, step: int, timeout_s: float) -> tuple[float, float, float, int, int]:
+        """(sent, arrived, woken, answer bytes, members the answer counts)."""
+        holder: list[Any] = []
+        CALL.set(holder)
         self.asked_at = sent = time.time()
         answer = await self.channel.unary(QUORUM_METHOD, self.request(step), timeout_s)
-        done = time.time()
+        woken = time.time()
+        done = getattr(holder[-1], "arrived", None) or woken
         response = pb.LighthouseQuorumResponse.FromString(answer)
         if response.views:
             members = response.views[0].replica_world_size
         else:
             members = len(response.quorum.participants)
-        return sent, done, len(answer), members
+        return sent, done, woken, len(answer), members
 
     def kill(self) -> None:
         self.alive = False
@@ -165,12 +190,12 @@ async def run(cfg: dict[str, Any]) -> dict[str, Any]:
         if killed_at is not None and step == killed_at + 2:
             beats.append(group.restart())
         try:
-            sent, done, nbytes, members = await group.ask(step, 60)
+            sent, done, woken, nbytes, members = await group.ask(step, 60)
         except Exception as e:
             out["errors"].append(f"quorum step {step}: {e!r}"[:200])
             return
         rows = out["steps"].setdefault(step, [])
-        rows.append((sent, done))
+        rows.append((sent, done, woken))
         if step >= window_from:
             out["answer_bytes"] += nbytes
             out["answers"] += 1

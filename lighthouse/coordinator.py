@@ -9,9 +9,9 @@ it, lighthouse.views), logs, and tells gone members' peers on their streams.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
-from collections.abc import Callable
 from typing import Any
 
 from lighthouse import wire
@@ -30,6 +30,7 @@ from lighthouse.gone import Gone
 from lighthouse.membership import Membership
 from lighthouse.metrics import LighthouseMetrics
 from lighthouse.quorum import LighthouseConfig, Quorum, QuorumMember
+from lighthouse.rpc import errors
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.state_file import StateFile
 from lighthouse.status_view import StatusView
@@ -39,6 +40,23 @@ logger = logging.getLogger("lighthouse.server")
 
 DECIDE_COST_FACTOR = 10
 """A call-triggered decision waits for 10x the previous one's cost (see decide_soon)."""
+
+
+@dataclasses.dataclass(slots=True)
+class Parked:
+    """A Quorum call parked on lean_server (`_Call.park`): no task and no
+    future; it is answered through its context in the turn that issues its
+    quorum, or ended with its error."""
+
+    context: Any
+    """lean_server's call: `answer_now(bytes)`, `end_now(code, text)`."""
+    replica_id: str
+    ticket: int
+    viewer: wire.Viewer | None
+    since: float
+    """monotonic seconds when it joined (the quorum latency metric)."""
+    timer: asyncio.TimerHandle | None = None
+    """Its deadline (the servicer's), cancelled when it is answered."""
 
 
 class Coordinator:
@@ -54,9 +72,9 @@ class Coordinator:
         self.membership = Membership(config, time.monotonic(), restored)
         self.view = StatusView(self.membership)
         self.quorums: dict[int, asyncio.Future[Quorum]] = {}
-        """ticket -> the future of a waiting Quorum call."""
-        self.answer_now: dict[int, tuple[Callable[[bytes], None], wire.Viewer | None]] = {}
-        """ticket -> a waiting Quorum call's way to answer at once (Coordinator.join)."""
+        """ticket -> the future of a waiting Quorum call (grpcio's server)."""
+        self.parked: dict[int, Parked] = {}
+        """ticket -> a waiting Quorum call parked on lean_server (Coordinator.park)."""
         self._response: tuple[Quorum | None, bytes] = (None, b"")
         self._views: QuorumViews | None = None
         self.spares: dict[int, asyncio.Future[str]] = {}
@@ -93,9 +111,7 @@ class Coordinator:
         if isinstance(effect, Issued):
             self._issued(effect)
         elif isinstance(effect, Fail):
-            future = self.quorums.pop(effect.ticket, None)
-            if future is not None and not future.done():
-                future.set_exception(effect.error)
+            self.end(effect.ticket, effect.error)
         elif isinstance(effect, Placed):
             spare = self.spares.pop(effect.ticket, None)
             if spare is not None and not spare.done():
@@ -143,10 +159,16 @@ class Coordinator:
             )
         if self.state is not None:  # before any caller hears of it (lighthouse.state_file)
             self.state.issued(time.monotonic(), quorum, self.membership.high_water_step)
-        for ticket in issued.tickets:
-            answer_now = self.answer_now.pop(ticket, None)
-            if answer_now is not None:  # the answers go out in one tight loop
-                answer_now[0](self.quorum_response(quorum, answer_now[1]))
+        now = time.monotonic()
+        parked, observe = self.parked, self.metrics.quorum_latency.observe
+        for ticket in issued.tickets:  # the answers go out in one tight loop
+            call = parked.pop(ticket, None)
+            if call is not None:
+                if call.timer is not None:
+                    call.timer.cancel()
+                call.context.answer_now(self.quorum_response(quorum, call.viewer))
+                observe(now - call.since)
+                continue
             future = self.quorums.pop(ticket, None)
             if future is not None and not future.done():
                 future.set_result(quorum)
@@ -157,25 +179,43 @@ class Coordinator:
         self.apply(self.membership.heartbeat(now, replica_id), now)
         self.metrics.heartbeats.inc()
 
-    def join(
-        self,
-        member: QuorumMember,
-        answer_now: Callable[[bytes], None] | None = None,
-        viewer: wire.Viewer | None = None,
-    ) -> tuple[int, asyncio.Future[Quorum]]:
+    def join(self, member: QuorumMember) -> tuple[int, asyncio.Future[Quorum]]:
         """Registers a Quorum call; its future gets the first issued quorum
-        that contains `member`, and `answer_now` (lean_server's, if given)
-        its serialized answer (`viewer`'s view, if it asked) in the same
-        turn. The caller must `withdraw` it when done."""
+        that contains `member`. The caller must `withdraw` it when done."""
         now = time.monotonic()
         outcome = self.membership.join(now, member)
         future: asyncio.Future[Quorum] = asyncio.get_running_loop().create_future()
         if outcome.error is None:
             self.quorums[outcome.ticket] = future
-            if answer_now is not None:
-                self.answer_now[outcome.ticket] = (answer_now, viewer)
         self.apply(outcome, now)  # may issue a quorum to `future` already
         return outcome.ticket, future
+
+    def park(self, member: QuorumMember, context: Any, viewer: wire.Viewer | None) -> Parked | None:
+        """Registers a Quorum call parked on lean_server: `context` gets its
+        serialized answer (`viewer`'s view, if it asked) in the turn that
+        issues a quorum containing `member`, or its error. Returns its
+        record while it waits (None: answered in this turn); the caller
+        must `withdraw` it if it ends otherwise."""
+        now = time.monotonic()
+        outcome = self.membership.join(now, member)
+        parked = None
+        if outcome.error is None:
+            parked = Parked(context, member.replica_id, outcome.ticket, viewer, now)
+            self.parked[outcome.ticket] = parked
+        self.apply(outcome, now)  # may answer it already
+        return parked if self.parked.get(outcome.ticket) is parked else None
+
+    def end(self, ticket: int, error: Exception) -> None:
+        """Fails a waiting Quorum call with `error`."""
+        call = self.parked.pop(ticket, None)
+        if call is not None:
+            if call.timer is not None:
+                call.timer.cancel()
+            self.membership.withdraw(call.replica_id, ticket)
+            call.context.end_now(*errors.status_text(error))
+        future = self.quorums.pop(ticket, None)
+        if future is not None and not future.done():
+            future.set_exception(error)
 
     def quorum_response(self, quorum: Quorum, viewer: wire.Viewer | None = None) -> bytes:
         """`viewer`'s view of `quorum` when it asked for one (O(its group
@@ -194,7 +234,9 @@ class Coordinator:
 
     def withdraw(self, replica_id: str, ticket: int) -> None:
         self.quorums.pop(ticket, None)
-        self.answer_now.pop(ticket, None)
+        call = self.parked.pop(ticket, None)
+        if call is not None and call.timer is not None:
+            call.timer.cancel()
         self.membership.withdraw(replica_id, ticket)
 
     def leave(self, replica_id: str) -> None:

@@ -42,21 +42,23 @@ class _LighthouseServicer:
 
     async def Quorum(
         self, request: pb.LighthouseQuorumRequest, context: aio.ServicerContext[Any, Any]
-    ) -> bytes:
+    ) -> bytes | None:
         start = time.monotonic()
         budget_s = reply_budget_s(context.time_remaining())
         try:
             member = wire.quorum_request_from_proto(request)
             viewer = wire.viewer_from_proto(request, member)
-            answer_now = getattr(context, "answer_now", None)
-            ticket, future = self._coord.join(member, answer_now, viewer)
+            if hasattr(context, "park"):  # lean_server: answered by the coordinator
+                self._park(member, viewer, context, budget_s)
+                return None
+            ticket, future = self._coord.join(member)
             # The future itself, with a timer that fails it: its answer wakes
             # this call in one turn of the loop (wait_for takes two, each as
             # long as the burst of calls at a step boundary: ~45 ms at 300 groups).
             timer = None
             if budget_s is not None:
                 timer = asyncio.get_running_loop().call_later(
-                    budget_s, self._expire, future, member.replica_id, budget_s
+                    budget_s, self._expire, ticket, member.replica_id, budget_s
                 )
             try:
                 quorum = await future
@@ -69,17 +71,31 @@ class _LighthouseServicer:
         self._coord.metrics.quorum_latency.observe(time.monotonic() - start)
         return self._coord.quorum_response(quorum, viewer)
 
-    def _expire(self, future: asyncio.Future[Any], replica_id: str, budget_s: float) -> None:
-        """A Quorum call's deadline came first: it is told what was missing."""
-        if not future.done():
-            membership = self._coord.membership
-            error = errors.FreshStartRefusedError if membership.refused_fresh_start else None
-            future.set_exception(
-                (error or QuorumTimeoutError)(
-                    f"no quorum containing {replica_id} within {budget_s:.1f} s: "
-                    f"{membership.reason}"
-                )
+    def _park(
+        self, member: QuorumMember, viewer: wire.Viewer | None, context: Any, budget_s: float | None
+    ) -> None:
+        """The call waits parked (lean_server's `park`), with no task: the
+        coordinator answers it in the turn that issues its quorum."""
+        parked = self._coord.park(member, context, viewer)
+        if parked is None:
+            return  # answered (or failed) in this turn
+        rid, ticket = parked.replica_id, parked.ticket
+        context.park(lambda: self._coord.withdraw(rid, ticket))
+        if budget_s is not None:
+            parked.timer = asyncio.get_running_loop().call_later(
+                budget_s, self._expire, ticket, rid, budget_s
             )
+
+    def _expire(self, ticket: int, replica_id: str, budget_s: float) -> None:
+        """A Quorum call's deadline came first: it is told what was missing."""
+        membership = self._coord.membership
+        error = errors.FreshStartRefusedError if membership.refused_fresh_start else None
+        self._coord.end(
+            ticket,
+            (error or QuorumTimeoutError)(
+                f"no quorum containing {replica_id} within {budget_s:.1f} s: {membership.reason}"
+            ),
+        )
 
     async def Heartbeat(
         self, request: pb.LighthouseHeartbeatRequest, context: aio.ServicerContext[Any, Any]
@@ -328,8 +344,8 @@ class LighthouseServer:
         waiting: list[asyncio.Future[Any]] = [
             f for f in self._coord.quorums.values() if not f.done()
         ]
-        for future in waiting:
-            future.set_exception(QuorumError("the lighthouse is shutting down"))
+        for ticket in list(self._coord.quorums) + list(self._coord.parked):
+            self._coord.end(ticket, QuorumError("the lighthouse is shutting down"))
         spares = [f for f in self._coord.spares.values() if not f.done()]
         for spare in spares:
             spare.set_result("")  # "ask again": a spare outlives a lighthouse restart

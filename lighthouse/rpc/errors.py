@@ -111,9 +111,9 @@ def from_rpc_error(e: grpc.RpcError, peer: str, method: str) -> Exception:
     return error_of(code, f"{method} at {peer} failed: {details}")
 
 
-async def abort(context: aio.ServicerContext[Any, Any], error: Exception) -> NoReturn:
-    """Ends the call with `error`'s status and text. An error outside the
-    family is a bug of ours: logged with its traceback, answered INTERNAL."""
+def status_text(error: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status and text a call ends with for `error`. An error outside
+    the family is a bug of ours: logged with its traceback, answered INTERNAL."""
     code = status_of(error)
     if code is None:
         logger.error("unexpected error serving a call", exc_info=error)
@@ -123,5 +123,10 @@ async def abort(context: aio.ServicerContext[Any, Any], error: Exception) -> NoR
         text = str(error)
     if len(text) > MAX_DETAILS_CHARS:
         text = text[:MAX_DETAILS_CHARS] + " ... (cut)"
-    await context.abort(code, text)
+    return code, text
+
+
+async def abort(context: aio.ServicerContext[Any, Any], error: Exception) -> NoReturn:
+    """Ends the call with `error`'s status and text (status_text)."""
+    await context.abort(*status_text(error))
     raise AssertionError("context.abort returned")  # it raises; this satisfies NoReturn

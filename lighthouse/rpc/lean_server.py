@@ -129,9 +129,18 @@ class _Call:
         "done",
         "timer",
         "encoding",
+        "table",
+        "on_end",
     )
 
-    def __init__(self, conn: Connection, stream_id: int, handler: Any, method: str) -> None:
+    def __init__(
+        self,
+        conn: Connection,
+        stream_id: int,
+        handler: Any,
+        method: str,
+        table: dict[tuple[Connection, int], _Call],
+    ) -> None:
         self.conn = conn
         self.stream_id = stream_id
         self.handler = handler
@@ -145,6 +154,9 @@ class _Call:
         self.done = False
         self.timer: asyncio.TimerHandle | None = None
         self.encoding = "identity"
+        self.table = table
+        """The server's open calls, which this one leaves when it is answered."""
+        self.on_end: Callable[[], None] | None = None
 
     # ---- the ServicerContext subset ---------------------------------------------
 
@@ -160,17 +172,32 @@ class _Call:
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self.metadata
 
+    # ---- parked calls (lean_server only) --------------------------------------------
+
+    def park(self, on_end: Callable[[], None]) -> None:
+        """Keeps a unary call open after its handler returns, with no task
+        and no future: it is answered later by `answer_now` or `end_now`,
+        and `on_end` runs if it ends otherwise (cancelled, connection lost).
+        The parker owns its deadline. The lighthouse parks each Quorum call
+        until its quorum is issued: a task per call was a third of a call's
+        cost at a step's burst (bench/NOTES.md)."""
+        self.on_end = on_end
+
     def answer_now(self, response: Any) -> None:
-        """Sends a unary call's answer at once, from outside its handler
-        (lean_server only): the handler's own return value is then dropped.
-        The lighthouse answers a quorum's callers this way in the turn that
-        issues it, instead of one handler wake-up at a time."""
+        """Sends a unary call's answer at once, from outside its handler: the
+        handler's own return value is then dropped."""
         if self.done or self.handler.response_streaming:
             return
         self.done = True
+        self.table.pop((self.conn, self.stream_id), None)
         if self.timer is not None:
             self.timer.cancel()
         self.send_message(response, _OK_TRAILERS)
+
+    def end_now(self, code: grpc.StatusCode, details: str) -> None:
+        """Ends a call with a status other than OK, from outside its handler."""
+        self.table.pop((self.conn, self.stream_id), None)
+        self.finish(code, details)
 
     async def write(self, message: Any) -> None:
         if self.done or not self.conn.is_open(self.stream_id):
@@ -372,7 +399,7 @@ class LeanServer:
                     stream_id, _OK_HEADERS, b"", _trailers(grpc.StatusCode.UNAUTHENTICATED, why)
                 )
                 return
-        call = _Call(conn, stream_id, handler, path)
+        call = _Call(conn, stream_id, handler, path, self._calls)
         call.metadata = tuple(metadata)
         call.encoding = encoding
         if timeout is not None and 2 <= len(timeout) <= 9:  # gRPC: at most 8 digits
@@ -434,6 +461,8 @@ class LeanServer:
                 call.timer.cancel()
             if call.task is not None:
                 call.task.cancel()
+            if call.on_end is not None:
+                call.on_end()
 
     # ---- running handlers ---------------------------------------------------------------
 
@@ -487,6 +516,8 @@ class LeanServer:
             self._answer(call, task.result())
 
     def _answer(self, call: _Call, result: Any) -> None:
+        if call.on_end is not None and not call.done:
+            return  # parked: answered later
         self._calls.pop((call.conn, call.stream_id), None)
         if call.done:
             return  # answered by `answer_now`, or ended

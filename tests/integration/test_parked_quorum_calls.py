@@ -1,0 +1,120 @@
+"""A Quorum call that waits, on both RPC servers (lean_server parks it with
+no task and no future; grpcio's awaits a future): answered when its quorum
+is issued, and withdrawn from the next quorum when it ends otherwise (the
+caller cancels, its deadline comes, the replica leaves, the lighthouse
+stops). A real lighthouse and real gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from datetime import timedelta
+
+import pytest
+
+from lighthouse import LighthouseClient, LighthouseServer, QuorumTimeoutError
+from lighthouse.client import QUORUM_METHOD
+from lighthouse.rpc.client_connection import CallFailed
+from lighthouse.rpc.lean_client import LeanChannel
+from lighthouse.rpc.proto import torchft_pb2 as pb
+from tests.waiting import wait_until, wait_until_async
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(params=["lean", "grpcio"])
+def server(request):
+    server = LighthouseServer(
+        bind="127.0.0.1:0",
+        min_replicas=2,
+        join_timeout_ms=300,
+        heartbeat_timeout_ms=5000,
+        rpc_server=request.param,
+    )
+    yield server
+    server.shutdown()
+
+
+def request(rid: str) -> bytes:
+    member = pb.QuorumMember(replica_id=rid, address=f"http://{rid}:1", store_address=f"{rid}:2")
+    return pb.LighthouseQuorumRequest(requester=member).SerializeToString()
+
+
+def waiting(server: LighthouseServer) -> set[str]:
+    return {r["replica_id"] for r in server.status()["replicas"] if r["waiting"]}
+
+
+def quorum_of(server: LighthouseServer, rids: list[str]) -> tuple[str, ...]:
+    results: dict[str, tuple[str, ...]] = {}
+
+    def one(rid: str) -> None:
+        client = LighthouseClient(server.address())
+        try:
+            results[rid] = client.quorum(rid, timedelta(seconds=20)).replica_ids()
+        finally:
+            client.close()
+
+    threads = [threading.Thread(target=one, args=(rid,)) for rid in rids]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(30)
+    assert set(results) == set(rids), f"answered: {sorted(results)}"
+    assert len(set(results.values())) == 1
+    return results[rids[0]]
+
+
+def test_a_cancelled_call_is_withdrawn(server):
+    target = server.address().removeprefix("http://")
+
+    async def cancel_one() -> None:
+        channel = LeanChannel(target)
+        call = asyncio.ensure_future(channel.unary(QUORUM_METHOD, request("gone"), 30))
+        await wait_until_async(lambda: "gone" in waiting(server), what="the call waiting")
+        call.cancel()  # RST_STREAM: the lighthouse sees the call end
+        with pytest.raises(asyncio.CancelledError):
+            await call
+        channel.close()
+
+    asyncio.run(cancel_one())
+    wait_until(lambda: "gone" not in waiting(server), what="the cancelled call withdrawn")
+    assert quorum_of(server, ["b", "c"]) == ("b", "c")
+
+
+def test_a_call_past_its_deadline_says_what_was_missing_and_is_withdrawn(server):
+    client = LighthouseClient(server.address())
+    with pytest.raises(QuorumTimeoutError, match="no quorum containing late within"):
+        client.quorum("late", timedelta(seconds=1))
+    client.close()
+    assert "late" not in waiting(server)
+    assert quorum_of(server, ["b", "c"]) == ("b", "c")
+
+
+def test_a_replica_that_leaves_while_waiting_is_told_so(server):
+    target = server.address().removeprefix("http://")
+
+    async def leave_while_waiting() -> None:
+        channel = LeanChannel(target)
+        call = asyncio.ensure_future(channel.unary(QUORUM_METHOD, request("a"), 30))
+        await wait_until_async(lambda: "a" in waiting(server), what="the call waiting")
+        await asyncio.to_thread(LighthouseClient(server.address()).leave, "a")
+        with pytest.raises(CallFailed, match="replica a left"):
+            await call
+        channel.close()
+
+    asyncio.run(leave_while_waiting())
+
+
+def test_a_stopping_lighthouse_answers_its_waiting_calls(server):
+    target = server.address().removeprefix("http://")
+
+    async def stop_while_waiting() -> None:
+        channel = LeanChannel(target)
+        call = asyncio.ensure_future(channel.unary(QUORUM_METHOD, request("a"), 30))
+        await wait_until_async(lambda: "a" in waiting(server), what="the call waiting")
+        await asyncio.to_thread(server.shutdown)
+        with pytest.raises(CallFailed, match="shutting down"):
+            await call
+        channel.close()
+
+    asyncio.run(stop_while_waiting())
