@@ -17,8 +17,10 @@ connection per group would need N sockets in each process).
 Per server, over the steps after --warmup: the lighthouse's CPU in cores,
 quorum latency p50/p99 from the step's last call to each answer's arrival
 in its load process (the lighthouse's own part: stamped when the read that
-carried it began, not when the load's task for it ran), the answer bytes each group receives per step, the
-bytes the lighthouse sends per group and step (everything the load
+carried it began, not when the load's task for it ran; the medians of its
+first answer and of the spread to its last say which of taking the calls
+in or answering them costs more), the answer bytes each group receives per
+step, the bytes the lighthouse sends per group and step (everything the load
 processes receive in the window: HTTP/2 framing, heartbeat advice and
 acknowledgements included), its RSS, and the gone-detection time:
 from a kill to the first survivor that learns of it (a gone notice on its
@@ -152,16 +154,17 @@ def run_one(server: str, args: argparse.Namespace) -> dict[str, Any]:
     # The lighthouse's own part: from the step's last call to each answer.
     latencies: list[float] = []
     woken: list[float] = []
+    first_answer: list[float] = []  # taking the calls in (the step's burst)
+    spread: list[float] = []  # sending the answers out
     for step in range(window_from, steps + 1):
         rows = [tuple(r) for res in results for r in res["steps"].get(str(step), [])]
         if rows:
             last = max(row[0] for row in rows)
             latencies += [max(0.0, done - last) for _, done, _ in rows]
             woken += [max(0.0, wake - last) for _, _, wake in rows]
-            if os.environ.get("DUMP"):
-                first = min(r[0] for r in rows)
-                arr = sorted(r[1] for r in rows)
-                print(f"step {step}: sends {1000*(last-first):.0f} ms; arrivals from first send: first {1000*(arr[0]-first):.0f} p1 {1000*(arr[len(arr)//100]-first):.0f} p50 {1000*(arr[len(arr)//2]-first):.0f} last {1000*(arr[-1]-first):.0f}", file=sys.stderr)
+            arrived = [done for _, done, _ in rows]
+            first_answer.append(min(arrived) - last)
+            spread.append(max(arrived) - min(arrived))
     killed = {rid: t for res in results for rid, t in res["killed"].items()}
     gone_s = []
     for rid, at in killed.items():
@@ -190,6 +193,10 @@ def run_one(server: str, args: argparse.Namespace) -> dict[str, Any]:
         # The same to when the load's task for each answer ran: what the
         # load's own scheduling adds (earlier rows of bench/NOTES.md).
         "quorum_p99_woken_ms": round(1000 * pct(woken, 0.99), 1),
+        # Medians over the steps: from the last call to the first answer
+        # (the calls taken in) and from the first answer to the last.
+        "first_answer_ms": round(1000 * pct(first_answer, 0.5), 1),
+        "answer_spread_ms": round(1000 * pct(spread, 0.5), 1),
         "answer_bytes_per_group_step": round(
             sum(res["answer_bytes"] for res in results) / max(answers, 1)
         ),

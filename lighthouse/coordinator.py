@@ -39,7 +39,8 @@ from lighthouse.views import QuorumViews
 logger = logging.getLogger("lighthouse.server")
 
 DECIDE_COST_FACTOR = 10
-"""A call-triggered decision waits for 10x the previous one's cost (see decide_soon)."""
+"""A call-triggered decision waits for 10x the previous one's cost (see
+decide_soon); so do gone notices (see tell_gone_soon)."""
 
 
 @dataclasses.dataclass(slots=True)
@@ -87,6 +88,11 @@ class Coordinator:
         """perf_counter seconds when the last call-triggered decision ended."""
         self._decide_cost_s = 0.0
         """How long that decision took."""
+        self._gone: dict[int, Gone] = {}
+        """quorum id -> its latest gone notice, not yet told (tell_gone_soon)."""
+        self._telling: asyncio.Handle | None = None
+        self._told_at = 0.0
+        self._tell_cost_s = 0.0
         metrics.heartbeat_advice.set(self.membership.advice_ms / 1000)
 
     def apply(self, outcome: Outcome, now: float) -> None:
@@ -134,14 +140,8 @@ class Coordinator:
         elif isinstance(effect, AdviceChanged):
             self.metrics.heartbeat_advice.set(effect.advice_ms / 1000)
         elif isinstance(effect, Gone):
-            notice = effect.notice
-            message = pb.LighthouseHeartbeatAdvice(
-                interval_ms=self.membership.advice_ms,
-                gone=pb.LighthouseGoneNotice(quorum_id=notice.quorum_id, replica_ids=notice.gone),
-            )
-            for rid in notice.recipients:
-                for outbox in self.outboxes.get(rid, ()):
-                    outbox.put_nowait(message)
+            self._gone[effect.notice.quorum_id] = effect
+            self.tell_gone_soon()
 
     def _issued(self, issued: Issued) -> None:
         quorum = issued.quorum
@@ -289,6 +289,37 @@ class Coordinator:
             self._decide_soon = loop.call_later(wait, self._decide_now)
         else:
             self._decide_soon = loop.call_soon(self._decide_now)
+
+    def tell_gone_soon(self) -> None:
+        """Tells the gone notices in this turn, or after 10x the cost of
+        the last telling: a notice names every member gone so far to every
+        live one, so when N streams end together (a job's end, a switch
+        failure), telling each death at once costs O(N^2) messages; the
+        latest notice of a quorum says all its predecessors said."""
+        if self._telling is not None:
+            return
+        loop = asyncio.get_running_loop()
+        wait = self._told_at + DECIDE_COST_FACTOR * self._tell_cost_s - time.perf_counter()
+        if wait > 0:
+            self._telling = loop.call_later(wait, self._tell_gone)
+        else:
+            self._telling = loop.call_soon(self._tell_gone)
+
+    def _tell_gone(self) -> None:
+        self._telling = None
+        start = time.perf_counter()
+        pending, self._gone = self._gone, {}
+        for effect in pending.values():
+            notice = effect.notice
+            message = pb.LighthouseHeartbeatAdvice(
+                interval_ms=self.membership.advice_ms,
+                gone=pb.LighthouseGoneNotice(quorum_id=notice.quorum_id, replica_ids=notice.gone),
+            )
+            for rid in notice.recipients:
+                for outbox in self.outboxes.get(rid, ()):
+                    outbox.put_nowait(message)
+        self._told_at = time.perf_counter()
+        self._tell_cost_s = self._told_at - start
 
     def _decide_now(self) -> None:
         if self._decide_soon is not None:

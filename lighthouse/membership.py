@@ -165,6 +165,19 @@ class Membership:
         unhealthy = {r for r in self.late if now - self.heartbeats[r] >= timeout_s}
         return len(self.heartbeats) - len(unhealthy | self.closed)
 
+    def _everyone_waits(self, now: float) -> bool:
+        """Whether every healthy replica (and min_replicas) waits in a Quorum
+        call, so a decision can be made now. (num_healthy counts a suspected
+        one as healthy, so this never holds before that.) Counted only when
+        the callers reach the least the healthy can be: in a burst of N
+        calls, N - 1 are answered by lengths alone."""
+        waiting = len(self.participants)
+        if waiting < self.config.min_replicas:
+            return False
+        if waiting < len(self.heartbeats) - len(self.late) - len(self.closed):
+            return False  # the unhealthy are among the late and the closed
+        return waiting >= self.num_healthy(now)
+
     def num_spares_waiting(self) -> int:
         """Spare processes waiting (a spare's ranks count once)."""
         return len({request.spare_id for _, request in self.spares})
@@ -201,11 +214,7 @@ class Membership:
         self._next_ticket += 1
         self.participants[rid] = Participant(member, now)
         self.tickets[rid] = self._next_ticket
-        # Every healthy replica waits: decide now. (num_healthy counts a
-        # suspected one as healthy, so this never fires before that holds.)
-        healthy = self.num_healthy(now)
-        everyone = len(self.participants) >= max(healthy, self.config.min_replicas)
-        effects.append(_DECIDE_NOW if everyone else _DECIDE_SOON)
+        effects.append(_DECIDE_NOW if self._everyone_waits(now) else _DECIDE_SOON)
         return Outcome(tuple(effects), ticket=self._next_ticket)
 
     def withdraw(self, replica_id: str, ticket: int) -> None:
