@@ -10,7 +10,8 @@ streams), skipped within a period of its last Quorum call, which counts as
 one. A group in `kills` dies just before its step: its stream is reset (the
 lighthouse sees the stream end, as when a process dies) and it goes silent;
 two steps later it comes back under a new replica id, as a restarted group
-does. Stats go to stdout as one JSON line.
+does. After the last step it says "stepped" and, on the next line from its
+parent, closes every connection at once. Stats go to stdout as one JSON line.
 """
 
 from __future__ import annotations
@@ -216,6 +217,8 @@ async def run(cfg: dict[str, Any]) -> dict[str, Any]:
     cpu1 = me.cpu_times()
     RECEIVED[1] = False
     out["received"] = RECEIVED[0]
+    print("stepped", flush=True)  # the window ends; every stream ends on the next line
+    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
     for group in groups:
         group.alive = False
     for task in beats:

@@ -22,7 +22,8 @@ first answer and of the spread to its last say which of taking the calls
 in or answering them costs more), the answer bytes each group receives per
 step, the bytes the lighthouse sends per group and step (everything the load
 processes receive in the window: HTTP/2 framing, heartbeat advice and
-acknowledgements included), its RSS, and the gone-detection time:
+acknowledgements included), its RSS, the CPU it spends once every load
+process has gone (all streams ending together), and the gone-detection time:
 from a kill to the first survivor that learns of it (a gone notice on its
 stream, or an answer without the killed group). PATH gets one JSON object
 per server (the first, ours, at the top level; the others under "beside").
@@ -33,6 +34,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import select
 import shutil
 import subprocess
 import sys
@@ -82,6 +84,28 @@ def profile(pid: int, out: Path, seconds: float) -> subprocess.Popen[bytes]:
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
 
+def said(proc: subprocess.Popen[str], word: str, timeout_s: float, what: str) -> None:
+    """Waits for `proc` to print the line `word`, at most `timeout_s`."""
+    assert proc.stdout is not None
+    ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
+    line = proc.stdout.readline().strip() if ready else f"nothing within {timeout_s:.0f} s"
+    if line != word:
+        raise RuntimeError(f"{what} did not say {word!r}: {line!r} (exit code {proc.poll()})")
+
+
+def settle(lh: psutil.Process, limit_s: float = 60.0) -> float:
+    """CPU seconds the lighthouse spends from now until a half second
+    passes with under 5% of a core."""
+    start = sum(lh.cpu_times()[:2])
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        before = sum(lh.cpu_times()[:2])
+        time.sleep(0.5)
+        if sum(lh.cpu_times()[:2]) - before < 0.025:
+            break
+    return sum(lh.cpu_times()[:2]) - start
+
+
 def run_one(server: str, args: argparse.Namespace) -> dict[str, Any]:
     n = args.groups
     kills = {str(g): args.warmup + 2 + i for i, g in enumerate(range(0, n, max(1, n // 2))[:2])}
@@ -120,9 +144,7 @@ def run_one(server: str, args: argparse.Namespace) -> dict[str, Any]:
                 )
             )
         for proc in loads:  # every group connected and answered once
-            assert proc.stdout is not None and proc.stdin is not None
-            if proc.stdout.readline().strip() != "ready":
-                raise RuntimeError(f"a load process for {server} n={n} failed")
+            said(proc, "ready", 600, f"a load process for {server} n={n}")
         steps = args.warmup + args.steps
         t0 = time.time() + 1.0
         window_from = args.warmup + 1
@@ -135,15 +157,17 @@ def run_one(server: str, args: argparse.Namespace) -> dict[str, Any]:
         spy = None
         if args.profile and server == "ours":
             spy = profile(lighthouse.pid, args.profile / f"ours.{n}.txt", args.steps * args.step_s)
-        results = []
         for proc in loads:
-            assert proc.stdout is not None
-            out, _ = proc.communicate(timeout=steps * args.step_s + 240)
-            results.append(json.loads(out.strip().splitlines()[-1]))
+            said(proc, "stepped", steps * args.step_s + 240, f"a load process for {server} n={n}")
         cpu1, w1 = lh.cpu_times(), time.time()
+        rss_mb = lh.memory_info().rss / 2**20
+        results = []
+        for proc in loads:  # every stream ends at once
+            out, _ = proc.communicate("close\n", timeout=240)
+            results.append(json.loads(out.strip().splitlines()[-1]))
+        teardown_s = sum(lh.cpu_times()[:2]) - sum(cpu1[:2]) + settle(lh)
         if spy is not None:
             spy.wait(60)
-        rss_mb = lh.memory_info().rss / 2**20
     finally:
         for proc in loads:
             if proc.poll() is None:
@@ -204,6 +228,7 @@ def run_one(server: str, args: argparse.Namespace) -> dict[str, Any]:
             sum(res["received"] for res in results) / max(n * window_steps, 1)
         ),
         "rss_mb": round(rss_mb, 1),
+        "teardown_cpu_s": round(teardown_s, 2),
         "gone_s": round(max(gone_s), 3) if gone_s else None,
         "heartbeats_per_s": round(sum(res["heartbeats"] for res in results) / window),
         "load_cores": round(sum(res["cpu_s"] for res in results) / window, 3),

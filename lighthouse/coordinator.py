@@ -22,6 +22,7 @@ from lighthouse.effects import (
     Fail,
     Handed,
     Issued,
+    JudgeGoneSoon,
     Log,
     Outcome,
     Placed,
@@ -141,6 +142,8 @@ class Coordinator:
             self.metrics.heartbeat_advice.set(effect.advice_ms / 1000)
         elif isinstance(effect, Gone):
             self._gone[effect.notice.quorum_id] = effect
+            self.tell_gone_soon()
+        elif isinstance(effect, JudgeGoneSoon):
             self.tell_gone_soon()
 
     def _issued(self, issued: Issued) -> None:
@@ -291,11 +294,12 @@ class Coordinator:
             self._decide_soon = loop.call_soon(self._decide_now)
 
     def tell_gone_soon(self) -> None:
-        """Tells the gone notices in this turn, or after 10x the cost of
-        the last telling: a notice names every member gone so far to every
-        live one, so when N streams end together (a job's end, a switch
-        failure), telling each death at once costs O(N^2) messages; the
-        latest notice of a quorum says all its predecessors said."""
+        """Judges the closed streams and tells the gone notices in this
+        turn, or after 10x the cost of the last telling: a notice names
+        every member gone so far to every live one, so when N streams end
+        together (a job's end, a switch failure), judging and telling each
+        death at once costs O(N^2); the latest notice of a quorum says all
+        its predecessors said."""
         if self._telling is not None:
             return
         loop = asyncio.get_running_loop()
@@ -306,8 +310,10 @@ class Coordinator:
             self._telling = loop.call_soon(self._tell_gone)
 
     def _tell_gone(self) -> None:
-        self._telling = None
         start = time.perf_counter()
+        now = time.monotonic()
+        self.apply(self.membership.judge_gone(now), now)  # its notices join _gone
+        self._telling = None
         pending, self._gone = self._gone, {}
         for effect in pending.values():
             notice = effect.notice

@@ -96,6 +96,12 @@ class DecideSoon:
 
 
 @dataclass(frozen=True)
+class JudgeGoneSoon:
+    """A stream ended: run `judge_gone` soon, once for every stream that
+    ends meanwhile (N ending together would otherwise cost O(N^2))."""
+
+
+@dataclass(frozen=True)
 class Log:
     """A change worth a log line, %-style."""
 
@@ -115,6 +121,7 @@ Effect = (
     | AdviceChanged
     | Gone
     | DecideSoon
+    | JudgeGoneSoon
     | Log
 )
 """Each effect an event may have (`Outcome.effects`)."""

@@ -144,9 +144,22 @@ class GoneWatch:
         return GoneNotice(self.quorum_id, tuple(sorted(self.gone)), (replica_id,))
 
     def describe(self, notice: GoneNotice) -> str:
-        """The log line of a notice: who is gone and why."""
-        why = "; ".join(f"{rid}: {self.gone.get(rid, '?')}" for rid in notice.gone)
+        """The log line of a notice: who is gone and why, and whom it tells,
+        each list cut at LOG_NAMES names (at 10,000 groups a full line
+        would be hundreds of KB per death)."""
+        why = _some(f"{rid}: {self.gone.get(rid, '?')}" for rid in notice.gone)
         return (
-            f"quorum {notice.quorum_id}: members gone ({why}); telling "
-            f"{', '.join(notice.recipients)} to abort the collectives they share with them"
+            f"quorum {notice.quorum_id}: members gone ({'; '.join(why)}); telling "
+            f"{', '.join(_some(notice.recipients))} to abort the collectives they share with them"
         )
+
+
+LOG_NAMES = 16
+"""The most names a log line lists (GoneWatch.describe)."""
+
+
+def _some(names: Iterable[str]) -> list[str]:
+    listed = list(names)
+    if len(listed) <= LOG_NAMES:
+        return listed
+    return listed[:LOG_NAMES] + [f"and {len(listed) - LOG_NAMES} more"]

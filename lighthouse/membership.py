@@ -30,6 +30,7 @@ from lighthouse.effects import (
     Handed,
     Issued,
     Joined,
+    JudgeGoneSoon,
     Log,
     Outcome,
     Placed,
@@ -73,6 +74,7 @@ so the group's log says why it waits now, not at its deadline (it asks again).""
 
 NOTHING = Outcome()
 _DECIDE_SOON, _DECIDE_NOW = DecideSoon(), DecideSoon(now=True)
+_JUDGE_GONE_SOON = JudgeGoneSoon()
 
 
 class Membership:
@@ -262,7 +264,7 @@ class Membership:
         ]
         self.streams_closed[replica_id] = now
         self.closed.add(replica_id)
-        effects += self._judge_gone(now)
+        effects.append(_JUDGE_GONE_SOON)
         effects += self.place_spares(now).effects  # a death frees its name for a spare, now
         if self.participants:
             effects.append(_DECIDE_SOON)
@@ -434,6 +436,10 @@ class Membership:
         if self.decide_config.suspect_phi > 0:
             after_s = min(after_s, self.decide_config.suspect_min_ms / 1000)
         return after_s
+
+    def judge_gone(self, now: float) -> Outcome:
+        """Judges the late, closed and departed (after JudgeGoneSoon)."""
+        return Outcome(tuple(self._judge_gone(now)))
 
     def _judge_gone(self, now: float) -> list[Effect]:
         """Tells the latest quorum's live members of members newly judged

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from lighthouse.gone import GoneNotice, GoneWatch, judge_gone
+from lighthouse.gone import LOG_NAMES, GoneNotice, GoneWatch, judge_gone
 from lighthouse.quorum import ArrivalStats, LighthouseConfig
 from torchft_like.gone_watch import GroupNotices, StepBreaks, gone_in_quorum
 
@@ -44,6 +44,20 @@ def test_judge_gone(heartbeats, closed, arrivals, want):
 
 def test_only_members_are_judged():
     assert judge_gone(10.0, ["a"], {"a": 9.95, "b": 1.0}, {}, {}, CONFIG) == {}
+
+
+@pytest.mark.parametrize("members, dead", [(3, 1), (40, 30), (10_000, 2)])
+def test_a_notice_is_logged_in_a_line_of_bounded_length(members, dead):
+    watch = GoneWatch()
+    rids = [f"group{i:05d}" for i in range(members)]
+    watch.issued(7, rids)
+    notice = watch.judged({rid: "heartbeat stream closed" for rid in rids[:dead]})
+    assert notice is not None
+    line = watch.describe(notice)
+    assert line.startswith("quorum 7: members gone (group00000: heartbeat stream closed")
+    assert len(line) < 1200
+    assert (f"and {members - dead - LOG_NAMES} more" in line) == (members - dead > LOG_NAMES)
+    assert (f"and {dead - LOG_NAMES} more" in line) == (dead > LOG_NAMES)
 
 
 def notices(script: list[tuple]) -> list[GoneNotice | None]:

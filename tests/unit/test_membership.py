@@ -22,6 +22,7 @@ from lighthouse.effects import (
     Handed,
     Issued,
     Joined,
+    JudgeGoneSoon,
     Log,
     Outcome,
     Placed,
@@ -66,6 +67,8 @@ def play(script: list[tuple[object, ...]]) -> tuple[Membership, Outcome]:
             outcome = m.tick(now, now + WALL)
         elif event == "decide":
             outcome = m.decide(now, now + WALL)
+        elif event == "judge":
+            outcome = m.judge_gone(now)
         elif event == "spare":
             outcome = m.spare_waits(now, str(args[0]), str(args[1]) if len(args) > 1 else "")
         else:
@@ -97,6 +100,8 @@ def describe(effect: Effect) -> str:
         return f"advice {effect.advice_ms}"
     if isinstance(effect, DecideSoon):
         return "decide now" if effect.now else "decide soon"
+    if isinstance(effect, JudgeGoneSoon):
+        return "judge gone soon"
     if isinstance(effect, Gone):
         n = effect.notice
         return f"gone {','.join(n.gone)} of {n.quorum_id} -> {','.join(n.recipients)}"
@@ -152,7 +157,8 @@ B_SILENT = AB_QUORUM + [("heartbeat", 1.05, "a"), ("tick", 1.1)]
         (
             [("heartbeat", 0.0, "a"), ("open", 0.0, "a"), ("end", 0.2, "a")],
             None,
-            ["INFO replica a: heartbeat stream closed; unhealthy until it heartbeats again"],
+            ["INFO replica a: heartbeat stream closed; unhealthy until it heartbeats again",
+             "judge gone soon"],
         ),
         # A stream ending after a Leave: the replica is already forgotten.
         ([("heartbeat", 0.0, "a"), ("open", 0.0, "a"), ("leave", 0.1, "a"), ("end", 0.2, "a")],
@@ -161,7 +167,7 @@ B_SILENT = AB_QUORUM + [("heartbeat", 1.05, "a"), ("tick", 1.1)]
         (
             TWO_WAITING + [("open", 0.1, "g1:b"), ("end", 0.2, "g1:b")],
             None,
-            ["INFO replica g1:b: heartbeat stream closed", "decide soon"],
+            ["INFO replica g1:b: heartbeat stream closed", "judge gone soon", "decide soon"],
         ),
         # -- Quorum calls --
         (TWO_WAITING, None, ["joined g0:a", "decide soon"]),
@@ -251,12 +257,17 @@ B_SILENT = AB_QUORUM + [("heartbeat", 1.05, "a"), ("tick", 1.1)]
             ["advice 200"],
         ),
         # -- gone members of the latest quorum (lighthouse.gone) --
-        # A member's stream closes: the others hear of it at once.
+        # A member's stream closes: judged in the server's next turn (once
+        # for every stream that ends meanwhile), and the others hear of it.
         (
             AB_QUORUM + [("open", 0.0, "b"), ("end", 0.5, "b")],
             None,
-            ["INFO replica b: heartbeat stream closed",
-             "INFO quorum 1000000000: members gone (b: heartbeat stream closed (process or "
+            ["INFO replica b: heartbeat stream closed", "judge gone soon"],
+        ),
+        (
+            AB_QUORUM + [("open", 0.0, "b"), ("end", 0.5, "b"), ("judge", 0.5)],
+            None,
+            ["INFO quorum 1000000000: members gone (b: heartbeat stream closed (process or "
              "connection gone)); telling a to abort the collectives they share with them",
              "gone b of 1000000000 -> a"],
         ),
@@ -294,7 +305,8 @@ B_SILENT = AB_QUORUM + [("heartbeat", 1.05, "a"), ("tick", 1.1)]
             [("heartbeat", 0.0, "g0:a"), ("open", 0.0, "g0:a"), ("spare", 0.1, "s"),
              ("end", 0.2, "g0:a")],
             None,
-            ["INFO replica g0:a: heartbeat stream closed", "hand g0 to s (promotion)",
+            ["INFO replica g0:a: heartbeat stream closed", "judge gone soon",
+             "hand g0 to s (promotion)",
              "place #1 as g0"],
         ),
         # The group handed out is reserved: a second spare does not get it...
