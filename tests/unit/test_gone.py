@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 
+from lighthouse import gone as gone_module
 from lighthouse.gone import LOG_NAMES, GoneNotice, GoneWatch, judge_gone
 from lighthouse.quorum import ArrivalStats, LighthouseConfig
 from torchft_like.gone_watch import GroupNotices, StepBreaks, gone_in_quorum
@@ -58,6 +59,27 @@ def test_a_notice_is_logged_in_a_line_of_bounded_length(members, dead):
     assert len(line) < 1200
     assert (f"and {members - dead - LOG_NAMES} more" in line) == (members - dead > LOG_NAMES)
     assert (f"and {dead - LOG_NAMES} more" in line) == (dead > LOG_NAMES)
+
+
+def test_members_already_judged_gone_are_not_judged_again(monkeypatch):
+    """After thousands die together every tick sees them late or closed:
+    only members not yet judged gone are looked at one by one."""
+    looked_at: list[set[str]] = []
+    real = gone_module.judge_gone
+
+    def spy(now, members, *args):
+        looked_at.append(set(members))
+        return real(now, members, *args)
+
+    monkeypatch.setattr(gone_module, "judge_gone", spy)
+    watch = GoneWatch()
+    watch.issued(7, ["a", "b", "c"])
+    closed = {"a": 9.0, "b": 9.0}
+    heartbeats = {"a": 8.0, "b": 8.0, "c": 9.9}
+    first = watch.judge(10.0, {"a", "b", "z"}, heartbeats, closed, {}, CONFIG)
+    assert first == GoneNotice(7, ("a", "b"), ("c",))
+    assert watch.judge(10.1, {"a", "b", "z"}, heartbeats, closed, {}, CONFIG) is None
+    assert looked_at == [{"a", "b"}, set()]
 
 
 def notices(script: list[tuple]) -> list[GoneNotice | None]:
