@@ -40,11 +40,11 @@ def results_file(out: str, name: str) -> str:
 def report(rows: list[dict[str, Any]], results: str) -> None:
     """Prints `rows` (same keys each) as a table; appends them to `results`,
     a path relative to the repository (or absolute), one JSON object a line."""
-    keys = list(rows[0])
-    widths = [max(len(k), *(len(str(r[k])) for r in rows)) for k in keys]
+    keys = list(max(rows, key=len))  # a row for a run that failed has fewer
+    widths = [max(len(k), *(len(str(r.get(k))) for r in rows)) for k in keys]
     print("  ".join(k.rjust(w) for k, w in zip(keys, widths)))
     for r in rows:
-        print("  ".join(str(r[k]).rjust(w) for k, w in zip(keys, widths)))
+        print("  ".join(str(r.get(k)).rjust(w) for k, w in zip(keys, widths)))
     out = REPO / results
     out.parent.mkdir(parents=True, exist_ok=True)
     with open(out, "a") as f:

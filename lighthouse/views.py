@@ -97,6 +97,8 @@ def find_divergence(at_max: Sequence[QuorumMember], group_rank: int) -> Divergen
     """
     by_value: dict[str, list[str]] = {}
     for member in sorted(at_max, key=lambda m: m.replica_id):
+        if not member.data:  # shared nothing (most jobs): no call per member
+            continue
         value = member_fingerprint(member, group_rank)
         if value is not None:
             by_value.setdefault(value, []).append(member.replica_id)
@@ -181,6 +183,7 @@ class QuorumViews:
         self._claims: dict[str, int | None] | None = None
         self._wrong_all: str | None = None
         self._plans: dict[tuple[int, bool], _RankPlan] = {}
+        self._steady_everywhere: dict[tuple[int, bool], frozenset[str]] = {}
         self.memo: dict[object, object] = {}
         """What an encoder of these views keeps once per quorum (lighthouse.wire)."""
 
@@ -247,6 +250,22 @@ class QuorumViews:
             batch_slots_wrong=plan.batch_slots_wrong,
             batch_slots_wrong_all=self._slots_wrong_all(),
         )
+
+    def steady_everywhere(self, world_size: int, init_sync: bool) -> frozenset[str]:
+        """The members whose result for every group rank below `world_size`
+        is `steady_share` with the same two ranks: each group rank's plan
+        keeps every member at max_step (no divergence), so a member's ranks
+        do not depend on the group rank. O(members) once per world size."""
+        key = (world_size, init_sync)
+        ids = self._steady_everywhere.get(key)
+        if ids is None:
+            one_keeps = init_sync and self.max_step == 0
+            plans = [self._plan(g, one_keeps) for g in range(world_size)]
+            ids = frozenset()
+            if not any(plan.divergence for plan in plans):
+                ids = plans[0].up_to_date_ids.difference(*(plan.serving for plan in plans))
+            self._steady_everywhere[key] = ids
+        return ids
 
     def ranks(self, replica_id: str, group_rank: int, init_sync: bool) -> tuple[int, int | None]:
         """`replica_id`'s replica_rank and max_replica_rank for `group_rank`."""

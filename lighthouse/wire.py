@@ -188,28 +188,46 @@ def view_response(views: QuorumViews, replica_id: str, world_size: int, init_syn
     An up-to-date member's share differs from every other's only in its two
     ranks (QuorumViews.steady_for): that part is serialized once per quorum and
     group rank, and each answer appends its ranks (protobuf merges
-    concatenated messages), ~1 us a rank where building the message is ~7."""
+    concatenated messages), ~1 us a rank where building the message is ~7.
+    A member steady at every group rank (the usual step) has the same two
+    ranks in each: its answer is the quorum's framed shares joined by them,
+    ~2 us for 8 group ranks."""
     memo = views.memo
     header = memo.get("header")
     if not isinstance(header, bytes):
         quorum = pb.Quorum(quorum_id=views.quorum.quorum_id)
         quorum.created.FromNanoseconds(int(views.quorum.created * 1e9))
         header = memo["header"] = pb.LighthouseQuorumResponse(quorum=quorum).SerializeToString()
+    if replica_id in views.steady_everywhere(world_size, init_sync):
+        rank, max_rank = views.ranks(replica_id, 0, init_sync)
+        ranks = _RANK + _varint(rank) + _MAX_RANK + _varint(max_rank or 0)
+        key = ("framed", world_size, init_sync, len(ranks))
+        framed = memo.get(key)
+        if not isinstance(framed, list):
+            shares = [_shared(views, g, init_sync) for g in range(world_size)]
+            framed = memo[key] = [_VIEWS + _varint(len(s) + len(ranks)) + s for s in shares]
+        return b"".join((header, ranks.join(framed), ranks))
     parts = [header]
     for g in range(world_size):
         if views.steady_for(replica_id, g, init_sync):
-            shared = memo.get((g, init_sync))
-            if not isinstance(shared, bytes):
-                share = views.steady_share(g, init_sync)
-                shared = result_to_proto(share, divergence=True).SerializeToString()
-                memo[(g, init_sync)] = shared
             rank, max_rank = views.ranks(replica_id, g, init_sync)
-            view = shared + _RANK + _varint(rank) + _MAX_RANK + _varint(max_rank or 0)
+            view = _shared(views, g, init_sync) + _RANK + _varint(rank)
+            view += _MAX_RANK + _varint(max_rank or 0)
         else:
             result = views.result(replica_id, g, init_sync)
             view = result_to_proto(result, divergence=True).SerializeToString()
         parts.append(_VIEWS + _varint(len(view)) + view)
     return b"".join(parts)
+
+
+def _shared(views: QuorumViews, group_rank: int, init_sync: bool) -> bytes:
+    """Group rank `group_rank`'s steady share, serialized once per quorum."""
+    shared = views.memo.get((group_rank, init_sync))
+    if not isinstance(shared, bytes):
+        share = views.steady_share(group_rank, init_sync)
+        shared = result_to_proto(share, divergence=True).SerializeToString()
+        views.memo[(group_rank, init_sync)] = shared
+    return shared
 
 
 _VIEWS = b"\xa2\x06"  # LighthouseQuorumResponse.views: field 100, length-delimited

@@ -47,6 +47,8 @@ def view_of(quorum: Quorum, rid: str, world_size: int, init_sync: bool = False) 
         (5, 2, False, 5),  # two heal
         (4, 0, True, 0),  # a fresh job: one keeps its weights
         (70, 3, False, 9),  # more up to date than MAX_SOURCES
+        (200, 0, False, 9),  # steady, ranks past 127 (two-byte varints)
+        (200, 1, False, 9),  # one heals: its sources steady nowhere but elsewhere
     ],
 )
 def test_each_ranks_view_is_what_the_member_list_gives(n, behind, init_sync, step):
