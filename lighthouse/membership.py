@@ -270,9 +270,10 @@ class Membership:
             effects.append(_DECIDE_SOON)
         return Outcome(tuple(effects))
 
-    def tick(self, now: float, wall: float) -> Outcome:
+    def tick(self, now: float, wall: float, decide: bool = True) -> Outcome:
         """The periodic event: forgets long-silent replicas, re-paces, judges
-        the late, re-decides for waiting calls and places spares. It looks
+        the late, re-decides for waiting calls (unless not `decide`: the
+        server paces decisions by their cost) and places spares. It looks
         only at replicas whose silence deadline passed (lighthouse.lateness):
         O(1) when nothing changed, however many replicas there are."""
         effects: list[Effect] = []
@@ -290,7 +291,7 @@ class Membership:
         self.late.update(newly_late)
         if self.late or self.closed or self.departed:
             effects += self._judge_gone(now)
-        if self.participants:
+        if self.participants and decide:
             effects += self.decide(now, wall).effects
         if self.spares and (newly_late or forgotten or now >= self._spares_due):
             effects += self.place_spares(now).effects  # silent past the timeout: free now

@@ -374,3 +374,12 @@ def test_the_waiting_spares_count_each_spare_once():
     m.spare_ends(1)
     m.spare_ends(2)
     assert m.num_spares_waiting() == 0
+
+
+def test_a_tick_told_not_to_decide_leaves_the_waiting_calls_to_a_later_one():
+    """The server paces decisions by their cost (Coordinator.tick)."""
+    m, _ = play([("join", 0.0, "a"), ("join", 0.0, "b")])
+    assert not any(isinstance(e, Issued) for e in m.tick(0.1, 0.1 + WALL, decide=False).effects)
+    assert set(m.participants) == {"a", "b"}
+    issued = [e for e in m.tick(0.2, 0.2 + WALL).effects if isinstance(e, Issued)]
+    assert [e.quorum.replica_ids() for e in issued] == [("a", "b")]
