@@ -471,10 +471,14 @@ class Membership:
         (twin_refusal); a refused replica leaves no trace, so the live one
         keeps the name until it dies or leaves."""
         name = group_name(replica_id)
+        known = self.by_name.get(name)
+        if known is not None and len(known) == 1 and replica_id in known:
+            self.reserved.pop(name, None)
+            return None  # the name's one replica: no twin (every heartbeat and call)
         reason = twin_refusal(
             now,
             replica_id,
-            self.by_name.get(name, ()),
+            known or (),
             self.heartbeats,
             self.config.heartbeat_timeout_ms,
             self.streams_closed,

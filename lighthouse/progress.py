@@ -24,14 +24,17 @@ from __future__ import annotations
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-MAX_GROUPS = 4096
-"""Groups tracked; the one heard from least recently is dropped beyond."""
+MAX_GROUPS = 16384
+"""Groups tracked; the one heard from least recently is dropped beyond.
+Above the 10,000 groups one lighthouse serves (docs/fleet.md): past it,
+groups asking in turn would each drop the next, and every observation
+would start a group over."""
 MAX_POINTS = 240
 """Chart points per group; when full, every other one is dropped."""
 MAX_CHARTED = 16
 """Groups with chart points (the first seen; the chart draws as many)."""
-MAX_RECENT = 256
-"""Commit times kept per group for its step rate."""
+MAX_RECENT = 64
+"""Commit times kept per group for its step rate (~2 KB a group)."""
 RATE_WINDOW_S = 30.0
 """Step rates are taken over this many recent seconds."""
 

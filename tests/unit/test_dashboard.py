@@ -178,6 +178,18 @@ def test_a_late_group_is_measured_from_the_step_the_job_was_at_when_it_came():
     assert p.group_goodput("b") == pytest.approx(1 / 2)
 
 
+def test_ten_thousand_groups_asking_in_turn_each_keep_their_count():
+    """One lighthouse serves 10,000 groups: none is dropped, so each step's
+    round of Quorum calls counts one commit per group."""
+    p = Progress()
+    for step in range(3):
+        for i in range(10_000):
+            p.observe(f"g{i}", step, 0.0, float(step))
+    assert len(p.groups) == 10_000
+    assert p.committed_total == 20_000
+    assert all(g.committed == 2 for g in p.groups.values())
+
+
 def test_only_the_first_groups_keep_chart_points():
     p = Progress()
     for i in range(MAX_CHARTED + 3):
