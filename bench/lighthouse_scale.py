@@ -56,6 +56,7 @@ def start_server(server: str, n: int, min_replicas: int, port: int) -> subproces
     timing = ["--join_timeout_ms", "60000", "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)]
     if server == "null":
         args = [sys.executable, "-m", "bench._null_lighthouse", "--bind", f"127.0.0.1:{port}"]
+        args += ["--groups", str(n)]
         timing = []
     elif server == "ref":
         exe = shutil.which("torchft_lighthouse", path=str(VENV_BIN))
