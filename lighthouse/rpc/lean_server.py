@@ -131,6 +131,7 @@ class _Call:
         "encoding",
         "table",
         "on_end",
+        "begun",
     )
 
     def __init__(
@@ -157,6 +158,8 @@ class _Call:
         self.table = table
         """The server's open calls, which this one leaves when it is answered."""
         self.on_end: Callable[[], None] | None = None
+        self.begun = False
+        """A unary call's handler has run (on its first message)."""
 
     # ---- the ServicerContext subset ---------------------------------------------
 
@@ -443,14 +446,15 @@ class LeanServer:
                 call.requests.push(message, 5 + size)
                 continue
             conn.consumed(stream_id, 5 + size)
-            if call.task is None and not call.done:
-                call.body = bytearray()  # a unary call runs on its first message
+            if not call.begun and not call.done:
+                call.begun = True  # a unary call runs on its first message
+                call.body = bytearray()
                 self._run_unary(call, message)
                 return
         if end:
             if call.requests is not None:
                 call.requests.push(None)
-            elif call.task is None and not call.done:
+            elif not call.begun and not call.done:
                 self._end(call, grpc.StatusCode.INTERNAL, "the request carried no message")
 
     def on_closed(self, conn: Connection, stream_id: int) -> None:

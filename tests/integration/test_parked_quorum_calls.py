@@ -17,6 +17,7 @@ from lighthouse.client import QUORUM_METHOD
 from lighthouse.rpc.client_connection import CallFailed
 from lighthouse.rpc.lean_client import LeanChannel
 from lighthouse.rpc.proto import torchft_pb2 as pb
+from tests.e2e import h2_attacks as h2
 from tests.waiting import wait_until, wait_until_async
 
 pytestmark = pytest.mark.timeout(60)
@@ -118,3 +119,20 @@ def test_a_stopping_lighthouse_answers_its_waiting_calls(server):
         channel.close()
 
     asyncio.run(stop_while_waiting())
+
+
+def test_a_request_ended_by_an_empty_data_frame_still_waits_for_its_quorum(server):
+    """tonic (pytorch/torchft's Rust ManagerServer) sends the message, then
+    END_STREAM on an empty DATA frame: the end of the request is not its
+    absence, also while the call waits parked."""
+    peer = h2.Peer(server.address(), h2.Budget(1 << 20, 20.0))
+    try:
+        sid = peer.open(h2.request_headers(peer.authority, h2.method("Quorum")))
+        assert peer.send(h2.frame(h2.DATA, 0, sid, h2.grpc_message(request("a"))))
+        assert peer.send(h2.frame(h2.DATA, h2.END_STREAM, sid, b""))
+        wait_until(lambda: "a" in waiting(server), what="the call waiting")
+        assert quorum_of(server, ["b"]) == ("a", "b")
+        peer.wait_ended(sid)
+        assert ("grpc-status", "0") in peer.answers[sid], peer.answers.get(sid)
+    finally:
+        peer.close()
