@@ -12,6 +12,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
 from lighthouse import wire
@@ -39,9 +40,56 @@ from lighthouse.views import QuorumViews
 
 logger = logging.getLogger("lighthouse.server")
 
-DECIDE_COST_FACTOR = 10
-"""A call-triggered decision waits for 10x the previous one's cost (see
-decide_soon); so do gone notices (see tell_gone_soon)."""
+COST_FACTOR = 10
+"""Paced work waits for 10x its previous run's cost (Paced)."""
+
+
+class Paced:
+    """Work of O(replicas) asked for by each of many events (a decision, a
+    round of gone notices): run once for all that arrive meanwhile, no
+    sooner than 10x its last run's cost after that run, which keeps it
+    under ~10% of the loop however many events a step brings."""
+
+    def __init__(self, run: Callable[[], None]) -> None:
+        self._run = run
+        self._handle: asyncio.Handle | None = None
+        self._running = False
+        self._ended_at = 0.0
+        """perf_counter seconds when the last run ended."""
+        self._cost_s = 0.0
+
+    def due(self) -> bool:
+        """Whether a run now would keep the pace."""
+        return time.perf_counter() >= self._ended_at + COST_FACTOR * self._cost_s
+
+    def soon(self) -> None:
+        """Runs in this turn of the loop, or once the pace allows."""
+        if self._handle is not None or self._running:
+            return
+        loop = asyncio.get_running_loop()
+        wait = self._ended_at + COST_FACTOR * self._cost_s - time.perf_counter()
+        if wait > 0:
+            self._handle = loop.call_later(wait, self._fire)
+        else:
+            self._handle = loop.call_soon(self._fire)
+
+    def cancel(self) -> None:
+        """Drops the run asked for: the caller runs the work itself now."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def ran(self, cost_s: float) -> None:
+        """A run (by `soon` or by the caller) ended now, having cost `cost_s`."""
+        self._ended_at = time.perf_counter()
+        self._cost_s = cost_s
+
+    def _fire(self) -> None:
+        self._handle, self._running = None, True
+        try:
+            self._run()
+        finally:
+            self._running = False
 
 
 @dataclasses.dataclass(slots=True)
@@ -83,17 +131,10 @@ class Coordinator:
         """ticket -> the future of a waiting TakeReplicaGroup call."""
         self.outboxes: dict[str, set[asyncio.Queue[pb.LighthouseHeartbeatAdvice]]] = {}
         """replica_id -> the outboxes of its HeartbeatPaced streams (gone notices)."""
-        self._decide_soon: asyncio.Handle | None = None
-        """The decision pending (decide_soon)."""
-        self._decided_at = 0.0
-        """perf_counter seconds when the last call-triggered decision ended."""
-        self._decide_cost_s = 0.0
-        """How long that decision took."""
+        self._deciding = Paced(self._decide_now)
         self._gone: dict[int, Gone] = {}
         """quorum id -> its latest gone notice, not yet told (tell_gone_soon)."""
-        self._telling: asyncio.Handle | None = None
-        self._told_at = 0.0
-        self._tell_cost_s = 0.0
+        self._telling = Paced(self._tell_gone)
         metrics.heartbeat_advice.set(self.membership.advice_ms / 1000)
 
     def apply(self, outcome: Outcome, now: float) -> None:
@@ -279,41 +320,24 @@ class Coordinator:
                 self.metrics.spares_waiting.set(self.membership.num_spares_waiting())
 
     def decide_soon(self) -> None:
-        """Decides once for all the calls that arrive meanwhile. A decision
-        costs O(replicas), so deciding per call is O(replicas^2) a step; the
-        next one waits until 10x the last one's cost has passed, which keeps
-        decisions under ~10% of the loop (20 us with 2 replicas, ~10 ms with
-        a thousand)."""
-        if self._decide_soon is not None:
-            return
-        loop = asyncio.get_running_loop()
-        wait = self._decided_at + DECIDE_COST_FACTOR * self._decide_cost_s - time.perf_counter()
-        if wait > 0:
-            self._decide_soon = loop.call_later(wait, self._decide_now)
-        else:
-            self._decide_soon = loop.call_soon(self._decide_now)
+        """Decides once for all the calls that arrive meanwhile: a decision
+        costs O(replicas), so deciding per call is O(replicas^2) a step
+        (Paced: 20 us with 2 replicas, ~10 ms with a thousand)."""
+        self._deciding.soon()
 
     def tell_gone_soon(self) -> None:
-        """Judges the closed streams and tells the gone notices in this
-        turn, or after 10x the cost of the last telling: a notice names
-        every member gone so far to every live one, so when N streams end
-        together (a job's end, a switch failure), judging and telling each
-        death at once costs O(N^2); the latest notice of a quorum says all
-        its predecessors said."""
-        if self._telling is not None:
-            return
-        loop = asyncio.get_running_loop()
-        wait = self._told_at + DECIDE_COST_FACTOR * self._tell_cost_s - time.perf_counter()
-        if wait > 0:
-            self._telling = loop.call_later(wait, self._tell_gone)
-        else:
-            self._telling = loop.call_soon(self._tell_gone)
+        """Judges the closed streams and tells the gone notices once for
+        all the deaths that come meanwhile: a notice names every member
+        gone so far to every live one, so when N streams end together (a
+        job's end, a switch failure), judging and telling each death at
+        once costs O(N^2); the latest notice of a quorum says all its
+        predecessors said."""
+        self._telling.soon()
 
     def _tell_gone(self) -> None:
         start = time.perf_counter()
         now = time.monotonic()
         self.apply(self.membership.judge_gone(now), now)  # its notices join _gone
-        self._telling = None
         pending, self._gone = self._gone, {}
         for effect in pending.values():
             notice = effect.notice
@@ -324,32 +348,27 @@ class Coordinator:
             for rid in notice.recipients:
                 for outbox in self.outboxes.get(rid, ()):
                     outbox.put_nowait(message)
-        self._told_at = time.perf_counter()
-        self._tell_cost_s = self._told_at - start
+        self._telling.ran(time.perf_counter() - start)
 
     def _decide_now(self) -> None:
-        if self._decide_soon is not None:
-            self._decide_soon.cancel()
-            self._decide_soon = None
+        self._deciding.cancel()
         if self.membership.participants:
             start = time.perf_counter()
             now = time.monotonic()
             outcome = self.membership.decide(now, time.time())
-            self._decide_cost_s = time.perf_counter() - start  # answers sent are not its cost
+            cost_s = time.perf_counter() - start  # answers sent are not its cost
             self.apply(outcome, now)
-            self._decided_at = time.perf_counter()
+            self._deciding.ran(cost_s)
 
     def tick(self) -> None:
         """The periodic event; its decision waits like decide_soon's, so
         that decisions (O(replicas)) take at most ~10% of the loop."""
         start = time.perf_counter()
         now = time.monotonic()
-        due = start >= self._decided_at + DECIDE_COST_FACTOR * self._decide_cost_s
-        decide = due and bool(self.membership.participants)
+        decide = bool(self.membership.participants) and self._deciding.due()
         outcome = self.membership.tick(now, time.time(), decide)
         if decide:
-            self._decided_at = time.perf_counter()
-            self._decide_cost_s = self._decided_at - start
+            self._deciding.ran(time.perf_counter() - start)
         self.apply(outcome, now)
         if self.state is not None:
             self.state.flush(now)

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+from collections.abc import Awaitable, Callable
 from datetime import timedelta
+from typing import Any
 
 import pytest
 
@@ -65,19 +67,30 @@ def quorum_of(server: LighthouseServer, rids: list[str]) -> tuple[str, ...]:
     return results[rids[0]]
 
 
-def test_a_cancelled_call_is_withdrawn(server):
-    target = server.address().removeprefix("http://")
+def while_waiting(server: LighthouseServer, rid: str, then: Callable[[Any], Awaitable[None]]):
+    """Runs `then(call)` once `rid`'s Quorum call (a task on a lean channel)
+    waits at the lighthouse."""
 
-    async def cancel_one() -> None:
-        channel = LeanChannel(target)
-        call = asyncio.ensure_future(channel.unary(QUORUM_METHOD, request("gone"), 30))
-        await wait_until_async(lambda: "gone" in waiting(server), what="the call waiting")
+    async def main() -> None:
+        channel = LeanChannel(server.address().removeprefix("http://"))
+        call = asyncio.ensure_future(channel.unary(QUORUM_METHOD, request(rid), 30))
+        try:
+            await wait_until_async(lambda: rid in waiting(server), what=f"{rid}'s call waiting")
+            await then(call)
+        finally:
+            call.cancel()
+            channel.close()
+
+    asyncio.run(main())
+
+
+def test_a_cancelled_call_is_withdrawn(server):
+    async def cancel(call) -> None:
         call.cancel()  # RST_STREAM: the lighthouse sees the call end
         with pytest.raises(asyncio.CancelledError):
             await call
-        channel.close()
 
-    asyncio.run(cancel_one())
+    while_waiting(server, "gone", cancel)
     wait_until(lambda: "gone" not in waiting(server), what="the cancelled call withdrawn")
     assert quorum_of(server, ["b", "c"]) == ("b", "c")
 
@@ -92,33 +105,25 @@ def test_a_call_past_its_deadline_says_what_was_missing_and_is_withdrawn(server)
 
 
 def test_a_replica_that_leaves_while_waiting_is_told_so(server):
-    target = server.address().removeprefix("http://")
-
-    async def leave_while_waiting() -> None:
-        channel = LeanChannel(target)
-        call = asyncio.ensure_future(channel.unary(QUORUM_METHOD, request("a"), 30))
-        await wait_until_async(lambda: "a" in waiting(server), what="the call waiting")
-        await asyncio.to_thread(LighthouseClient(server.address()).leave, "a")
+    async def leave(call) -> None:
+        client = LighthouseClient(server.address())
+        try:
+            await asyncio.to_thread(client.leave, "a")
+        finally:
+            client.close()
         with pytest.raises(CallFailed, match="replica a left"):
             await call
-        channel.close()
 
-    asyncio.run(leave_while_waiting())
+    while_waiting(server, "a", leave)
 
 
 def test_a_stopping_lighthouse_answers_its_waiting_calls(server):
-    target = server.address().removeprefix("http://")
-
-    async def stop_while_waiting() -> None:
-        channel = LeanChannel(target)
-        call = asyncio.ensure_future(channel.unary(QUORUM_METHOD, request("a"), 30))
-        await wait_until_async(lambda: "a" in waiting(server), what="the call waiting")
+    async def stop(call) -> None:
         await asyncio.to_thread(server.shutdown)
         with pytest.raises(CallFailed, match="shutting down"):
             await call
-        channel.close()
 
-    asyncio.run(stop_while_waiting())
+    while_waiting(server, "a", stop)
 
 
 def test_a_request_ended_by_an_empty_data_frame_still_waits_for_its_quorum(server):
