@@ -9,7 +9,6 @@ it, lighthouse.views), logs, and tells gone members' peers on their streams.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -31,8 +30,10 @@ from lighthouse.effects import (
 from lighthouse.gone import Gone
 from lighthouse.membership import Membership
 from lighthouse.metrics import LighthouseMetrics
+from lighthouse.parked import Deadlines, Parked
 from lighthouse.quorum import LighthouseConfig, Quorum, QuorumMember
-from lighthouse.rpc import errors
+from lighthouse.rpc import corking, errors
+from lighthouse.rpc.errors import QuorumTimeoutError
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.state_file import StateFile
 from lighthouse.status_view import StatusView
@@ -92,23 +93,6 @@ class Paced:
             self._running = False
 
 
-@dataclasses.dataclass(slots=True)
-class Parked:
-    """A Quorum call parked on lean_server (`_Call.park`): no task and no
-    future; it is answered through its context in the turn that issues its
-    quorum, or ended with its error."""
-
-    context: Any
-    """lean_server's call: `answer_now(bytes)`, `end_now(code, text)`."""
-    replica_id: str
-    ticket: int
-    viewer: wire.Viewer | None
-    since: float
-    """monotonic seconds when it joined (the quorum latency metric)."""
-    timer: asyncio.TimerHandle | None = None
-    """Its deadline (the servicer's), cancelled when it is answered."""
-
-
 class Coordinator:
     """The shell around lighthouse.membership: the clock, the waiting calls'
     futures, the metrics and the status page's memory, all on one loop."""
@@ -125,6 +109,7 @@ class Coordinator:
         """ticket -> the future of a waiting Quorum call (grpcio's server)."""
         self.parked: dict[int, Parked] = {}
         """ticket -> a waiting Quorum call parked on lean_server (Coordinator.park)."""
+        self.deadlines = Deadlines(self._overdue)
         self._response: tuple[Quorum | None, bytes] = (None, b"")
         self._views: QuorumViews | None = None
         self.spares: dict[int, asyncio.Future[str]] = {}
@@ -204,12 +189,16 @@ class Coordinator:
         if self.state is not None:  # before any caller hears of it (lighthouse.state_file)
             self.state.issued(time.monotonic(), quorum, self.membership.high_water_step)
         now = time.monotonic()
+        with corking.corked():  # the answers go out in one tight loop, a send per connection
+            self._answer(issued.tickets, quorum, now)
+
+    def _answer(self, tickets: tuple[int, ...], quorum: Quorum, now: float) -> None:
         parked, observe = self.parked, self.metrics.quorum_latency.observe
-        for ticket in issued.tickets:  # the answers go out in one tight loop
+        for ticket in tickets:
             call = parked.pop(ticket, None)
             if call is not None:
-                if call.timer is not None:
-                    call.timer.cancel()
+                if call.slot >= 0:
+                    self.deadlines.remove(call.slot, ticket)
                 call.context.answer_now(self.quorum_response(quorum, call.viewer))
                 observe(now - call.since)
                 continue
@@ -234,27 +223,52 @@ class Coordinator:
         self.apply(outcome, now)  # may issue a quorum to `future` already
         return outcome.ticket, future
 
-    def park(self, member: QuorumMember, context: Any, viewer: wire.Viewer | None) -> Parked | None:
+    def park(
+        self,
+        member: QuorumMember,
+        context: Any,
+        viewer: wire.Viewer | None,
+        budget_s: float | None,
+    ) -> Parked | None:
         """Registers a Quorum call parked on lean_server: `context` gets its
         serialized answer (`viewer`'s view, if it asked) in the turn that
-        issues a quorum containing `member`, or its error. Returns its
-        record while it waits (None: answered in this turn); the caller
-        must `withdraw` it if it ends otherwise."""
+        issues a quorum containing `member`, or its error, at the latest
+        when `budget_s` (None: no deadline) is up. Returns its record while
+        it waits (None: answered in this turn); the caller must `withdraw`
+        it if it ends otherwise."""
         now = time.monotonic()
         outcome = self.membership.join(now, member)
         parked = None
         if outcome.error is None:
-            parked = Parked(context, member.replica_id, outcome.ticket, viewer, now)
+            parked = Parked(context, member.replica_id, outcome.ticket, viewer, now, budget_s)
             self.parked[outcome.ticket] = parked
         self.apply(outcome, now)  # may answer it already
-        return parked if self.parked.get(outcome.ticket) is parked else None
+        if parked is None or self.parked.get(outcome.ticket) is not parked:
+            return None
+        if budget_s is not None:
+            parked.slot = self.deadlines.add(parked.ticket, budget_s)
+        return parked
+
+    def timeout_error(self, replica_id: str, budget_s: float) -> Exception:
+        """What a Quorum call whose deadline came first is told: what was missing."""
+        membership = self.membership
+        error = errors.FreshStartRefusedError if membership.refused_fresh_start else None
+        return (error or QuorumTimeoutError)(
+            f"no quorum containing {replica_id} within {budget_s:.1f} s: {membership.reason}"
+        )
+
+    def _overdue(self, ticket: int) -> None:
+        call = self.parked.get(ticket)
+        if call is not None and call.budget_s is not None:
+            call.slot = -1
+            self.end(ticket, self.timeout_error(call.replica_id, call.budget_s))
 
     def end(self, ticket: int, error: Exception) -> None:
         """Fails a waiting Quorum call with `error`."""
         call = self.parked.pop(ticket, None)
         if call is not None:
-            if call.timer is not None:
-                call.timer.cancel()
+            if call.slot >= 0:
+                self.deadlines.remove(call.slot, ticket)
             self.membership.withdraw(call.replica_id, ticket)
             call.context.end_now(*errors.status_text(error))
         future = self.quorums.pop(ticket, None)
@@ -279,8 +293,8 @@ class Coordinator:
     def withdraw(self, replica_id: str, ticket: int) -> None:
         self.quorums.pop(ticket, None)
         call = self.parked.pop(ticket, None)
-        if call is not None and call.timer is not None:
-            call.timer.cancel()
+        if call is not None and call.slot >= 0:
+            self.deadlines.remove(call.slot, ticket)
         self.membership.withdraw(replica_id, ticket)
 
     def leave(self, replica_id: str) -> None:

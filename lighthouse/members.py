@@ -58,4 +58,9 @@ class Quorum:
     created: float
 
     def replica_ids(self) -> tuple[str, ...]:
-        return tuple(m.replica_id for m in self.participants)
+        """Computed once: a decision asks several times (O(members) each)."""
+        ids = self.__dict__.get("_replica_ids")
+        if ids is None:
+            ids = tuple(m.replica_id for m in self.participants)
+            object.__setattr__(self, "_replica_ids", ids)
+        return ids

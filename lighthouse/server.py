@@ -76,26 +76,14 @@ class _LighthouseServicer:
     ) -> None:
         """The call waits parked (lean_server's `park`), with no task: the
         coordinator answers it in the turn that issues its quorum."""
-        parked = self._coord.park(member, context, viewer)
-        if parked is None:
-            return  # answered (or failed) in this turn
-        rid, ticket = parked.replica_id, parked.ticket
-        context.park(lambda: self._coord.withdraw(rid, ticket))
-        if budget_s is not None:
-            parked.timer = asyncio.get_running_loop().call_later(
-                budget_s, self._expire, ticket, rid, budget_s
-            )
+        parked = self._coord.park(member, context, viewer, budget_s)
+        if parked is not None:
+            rid, ticket = parked.replica_id, parked.ticket
+            context.park(lambda: self._coord.withdraw(rid, ticket))
 
     def _expire(self, ticket: int, replica_id: str, budget_s: float) -> None:
         """A Quorum call's deadline came first: it is told what was missing."""
-        membership = self._coord.membership
-        error = errors.FreshStartRefusedError if membership.refused_fresh_start else None
-        self._coord.end(
-            ticket,
-            (error or QuorumTimeoutError)(
-                f"no quorum containing {replica_id} within {budget_s:.1f} s: {membership.reason}"
-            ),
-        )
+        self._coord.end(ticket, self._coord.timeout_error(replica_id, budget_s))
 
     async def Heartbeat(
         self, request: pb.LighthouseHeartbeatRequest, context: aio.ServicerContext[Any, Any]
@@ -346,6 +334,7 @@ class LighthouseServer:
         ]
         for ticket in list(self._coord.quorums) + list(self._coord.parked):
             self._coord.end(ticket, QuorumError("the lighthouse is shutting down"))
+        self._coord.deadlines.close()
         spares = [f for f in self._coord.spares.values() if not f.done()]
         for spare in spares:
             spare.set_result("")  # "ask again": a spare outlives a lighthouse restart

@@ -13,7 +13,7 @@ like replicas that are behind.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from lighthouse.member_data import batch_slot_of, fingerprint_of
 from lighthouse.quorum import Quorum, QuorumMember
@@ -96,9 +96,8 @@ def find_divergence(at_max: Sequence[QuorumMember], group_rank: int) -> Divergen
     can predict. Replicas that shared no fingerprint are left out.
     """
     by_value: dict[str, list[str]] = {}
-    for member in sorted(at_max, key=lambda m: m.replica_id):
-        if not member.data:  # shared nothing (most jobs): no call per member
-            continue
+    sharing = [m for m in at_max if m.data]  # most jobs share nothing: no sort, no call
+    for member in sorted(sharing, key=lambda m: m.replica_id):
         value = member_fingerprint(member, group_rank)
         if value is not None:
             by_value.setdefault(value, []).append(member.replica_id)
@@ -150,21 +149,35 @@ def batch_slots_wrong(participants: list[QuorumMember], claims: Mapping[str, int
 
 
 @dataclass(frozen=True)
-class _RankPlan:
-    """What every member's result for one group rank shares."""
+class _Kept:
+    """What the plans of every group rank with the same odd replicas share:
+    computed once, not once per group rank (O(members) each)."""
 
-    primary: QuorumMember
-    divergence: Divergence | None
     at_max_ids: dict[str, int]
     """Replica id -> index among those at max_step that keep their state."""
     recovering: dict[str, int]
     """Replica id -> its index among the recovering."""
     recovering_ranks: tuple[int, ...]
     up_to_date: list[QuorumMember]
-    up_to_date_ids: frozenset[str] = frozenset()
-    serving: dict[str, tuple[int, ...]] = field(default_factory=dict)
+    up_to_date_ids: frozenset[str]
+    batch_slots_wrong: str
+
+
+@dataclass(frozen=True)
+class _RankPlan:
+    """What every member's result for one group rank shares (its _Kept's
+    fields, the same objects for every group rank without divergence)."""
+
+    primary: QuorumMember
+    divergence: Divergence | None
+    at_max_ids: dict[str, int]
+    recovering: dict[str, int]
+    recovering_ranks: tuple[int, ...]
+    up_to_date: list[QuorumMember]
+    up_to_date_ids: frozenset[str]
+    serving: dict[str, tuple[int, ...]]
     """Source replica id -> the replica ranks that heal from it."""
-    batch_slots_wrong: str = ""
+    batch_slots_wrong: str
 
 
 class QuorumViews:
@@ -183,6 +196,8 @@ class QuorumViews:
         self._claims: dict[str, int | None] | None = None
         self._wrong_all: str | None = None
         self._plans: dict[tuple[int, bool], _RankPlan] = {}
+        self._kept: dict[tuple[frozenset[str], bool], _Kept] = {}
+        """By the odd replicas: group ranks without divergence share one (O(members))."""
         self._steady_everywhere: dict[tuple[int, bool], frozenset[str]] = {}
         self.memo: dict[object, object] = {}
         """What an encoder of these views keeps once per quorum (lighthouse.wire)."""
@@ -291,10 +306,30 @@ class QuorumViews:
 
     def _make_plan(self, group_rank: int, one_keeps: bool) -> _RankPlan:
         at_max = self.at_max
-        primary = at_max[group_rank % len(at_max)]
         divergence = find_divergence(at_max, group_rank)
-        odd = set(divergence.odd) if divergence else set()
-        kept = [m for m in at_max if m.replica_id not in odd]
+        odd = frozenset(divergence.odd) if divergence else frozenset()
+        kept = self._kept.get((odd, one_keeps))
+        if kept is None:
+            kept = self._kept[odd, one_keeps] = self._make_kept(odd, one_keeps)
+        serving: dict[str, list[int]] = {}
+        up_to_date = kept.up_to_date
+        for i, rank in enumerate(kept.recovering_ranks):
+            source = up_to_date[(i + group_rank) % len(up_to_date)]
+            serving.setdefault(source.replica_id, []).append(rank)
+        return _RankPlan(
+            primary=at_max[group_rank % len(at_max)],
+            divergence=divergence,
+            at_max_ids=kept.at_max_ids,
+            recovering=kept.recovering,
+            recovering_ranks=kept.recovering_ranks,
+            up_to_date=up_to_date,
+            up_to_date_ids=kept.up_to_date_ids,
+            serving={k: tuple(v) for k, v in serving.items()},
+            batch_slots_wrong=kept.batch_slots_wrong,
+        )
+
+    def _make_kept(self, odd: frozenset[str], one_keeps: bool) -> _Kept:
+        kept = [m for m in self.at_max if m.replica_id not in odd]
         if one_keeps:
             # One group keeps its weights for every group rank: a group's ranks
             # serve or heal together, as a state_dict with collectives needs.
@@ -305,19 +340,12 @@ class QuorumViews:
             ]
         recovering_index = {m.replica_id: i for i, m in enumerate(recovering)}
         up_to_date = [m for m in kept if m.replica_id not in recovering_index]
-        serving: dict[str, list[int]] = {}
-        for i, member in enumerate(recovering):
-            source = up_to_date[(i + group_rank) % len(up_to_date)]
-            serving.setdefault(source.replica_id, []).append(self.rank_of[member.replica_id])
-        return _RankPlan(
-            primary=primary,
-            divergence=divergence,
+        return _Kept(
             at_max_ids={m.replica_id: i for i, m in enumerate(kept)},
             recovering=recovering_index,
             recovering_ranks=tuple(self.rank_of[m.replica_id] for m in recovering),
             up_to_date=up_to_date,
             up_to_date_ids=frozenset(m.replica_id for m in up_to_date),
-            serving={k: tuple(v) for k, v in serving.items()},
             batch_slots_wrong=batch_slots_wrong(kept, self._claims_of()),
         )
 

@@ -31,6 +31,7 @@ from typing import Any, Protocol
 
 import hpack
 
+from lighthouse.rpc import corking
 from lighthouse.rpc.flow import Stream, StreamTable
 from lighthouse.rpc.frames import (
     ACK,
@@ -230,7 +231,8 @@ class Connection(StreamTable, asyncio.Protocol):
     def _process(self) -> None:
         """Frames of the read buffer, within the turn's work budget; a
         broken rule closes the connection, the answers go out in one write."""
-        self._pending_out = []
+        if self._pending_out is None:  # else corked: this read's end sends it
+            self._pending_out = []
         self._work = self._limits.work_per_read
         buf = self._buf
         pos = 0
@@ -533,7 +535,10 @@ class Connection(StreamTable, asyncio.Protocol):
         if self._pending_out is not None:
             self._pending_out.append(data)
         elif self.transport is not None:
-            self.transport.write(data)
+            if corking.cork(self._flush_out):
+                self._pending_out = [data]
+            else:
+                self.transport.write(data)
 
     def goaway(self) -> None:
         """Refuses new streams; those open run on (graceful shutdown)."""

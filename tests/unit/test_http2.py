@@ -8,6 +8,7 @@ import struct
 import hpack
 import pytest
 
+from lighthouse.rpc import corking
 from lighthouse.rpc import frames as http2
 from lighthouse.rpc.frames import (
     CONTINUATION,
@@ -206,3 +207,22 @@ def test_a_block_of_never_indexed_literals_is_decoded_once_and_the_cache_is_boun
     assert len(conn._decoded) == 16
     paths = {e[2][":path"] for e in conn.handler.events if e[0] == "headers"}
     assert paths == {"/svc/M"}
+
+
+def test_answers_sent_while_corked_leave_in_one_write_per_connection(conn):
+    for sid in (1, 3, 5):
+        conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, sid, conn.enc.encode(REQUEST)))
+    conn.t.frames()
+    writes = []
+    conn.t.write = lambda data: writes.append(bytes(data))
+    with corking.corked():
+        for sid in (1, 3, 5):
+            conn.send(sid, b"H", b"answer", b"T")
+        assert writes == []  # nothing before the end of the block
+    assert len(writes) == 1
+    conn.t.out += writes[0]
+    assert [(k, s) for k, _, s, _ in conn.t.frames()] == [
+        (kind, sid) for sid in (1, 3, 5) for kind in (HEADERS, DATA, HEADERS)
+    ]
+    conn.send(1, b"H", b"late", b"T")  # uncorked and ended: nothing, at once
+    assert len(writes) == 1

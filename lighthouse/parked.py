@@ -1,0 +1,73 @@
+"""Quorum calls parked on lean_server (`_Call.park`): their records and
+their deadlines. A parked call has no task and no future; the coordinator
+answers it through its context in the turn that issues its quorum, or ends
+it with its error (its deadline, a Leave, superseded, shutdown)."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+from lighthouse import wire
+
+SLOT_S = 0.025
+"""Deadlines that fall within one slot share a timer."""
+
+
+@dataclasses.dataclass(slots=True)
+class Parked:
+    """One parked Quorum call."""
+
+    context: Any
+    """lean_server's call: `answer_now(bytes)`, `end_now(code, text)`."""
+    replica_id: str
+    ticket: int
+    viewer: wire.Viewer | None
+    since: float
+    """monotonic seconds when it joined (the quorum latency metric)."""
+    budget_s: float | None = None
+    """How long it may wait (the servicer's reply budget); None: no deadline."""
+    slot: int = -1
+    """Its deadline's slot in Deadlines (-1: none)."""
+
+
+class Deadlines:
+    """Parked calls' deadlines, one timer per SLOT_S of them: at a step's
+    burst 10,000 calls park, and a timer each would cost a TimerHandle and
+    a heap push to set and a cancel to clear. A call is told up to one slot
+    early, never late: the servicer's budget keeps the caller's margin."""
+
+    def __init__(self, overdue: Callable[[int], None]) -> None:
+        """`overdue(ticket)`: the call's time is up (it may have ended since)."""
+        self._overdue = overdue
+        self._slots: dict[int, set[int]] = {}
+        self._timers: dict[int, asyncio.TimerHandle] = {}
+
+    def add(self, ticket: int, budget_s: float) -> int:
+        """Returns the slot to `remove` the ticket from when its call ends otherwise."""
+        loop = asyncio.get_running_loop()
+        slot = int((loop.time() + budget_s) / SLOT_S)
+        tickets = self._slots.get(slot)
+        if tickets is None:
+            tickets = self._slots[slot] = set()
+            self._timers[slot] = loop.call_at(slot * SLOT_S, self._fire, slot)
+        tickets.add(ticket)
+        return slot
+
+    def remove(self, slot: int, ticket: int) -> None:
+        tickets = self._slots.get(slot)
+        if tickets is not None:
+            tickets.discard(ticket)
+
+    def close(self) -> None:
+        for timer in self._timers.values():
+            timer.cancel()
+        self._slots.clear()
+        self._timers.clear()
+
+    def _fire(self, slot: int) -> None:
+        self._timers.pop(slot, None)
+        for ticket in self._slots.pop(slot, ()):
+            self._overdue(ticket)
