@@ -1,6 +1,6 @@
 """One load process of bench.lighthouse_scale: its share of the simulated
-replica groups, over real gRPC (the lean HTTP/2 client), several groups to a
-connection.
+replica groups, over real gRPC (the lean HTTP/2 client's connections),
+several groups to a connection.
 
 A group does what a torchft_like ManagerServer does to the lighthouse: one
 Quorum call per step at the step's boundary (asking for its view when
@@ -12,12 +12,19 @@ lighthouse sees the stream end, as when a process dies) and it goes silent;
 two steps later it comes back under a new replica id, as a restarted group
 does. After the last step it says "stepped" and, on the next line from its
 parent, closes every connection at once. Stats go to stdout as one JSON line.
+
+The groups stand for other machines, so this process spends as little as
+it can at a step's burst, where it shares the CPU with the lighthouse: the
+calls go out from one loop over the groups, the answers are stamped as
+their reads begin and counted without a task each, and they are decoded
+after the step's last one is in. One scheduler sends every group's
+heartbeats.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextvars
+import heapq
 import json
 import os
 import sys
@@ -28,209 +35,298 @@ import psutil
 
 from lighthouse.client import HEARTBEAT_PACED_METHOD, QUORUM_METHOD
 from lighthouse.rpc.client_connection import ClientConnection
-from lighthouse.rpc.lean_client import LeanChannel, LeanStream
+from lighthouse.rpc.frames import literal
+from lighthouse.rpc.lean_client import grpc_timeout, request_headers
 from lighthouse.rpc.proto import torchft_pb2 as pb
 
 HEARTBEAT_METHOD = "/torchft.LighthouseService/Heartbeat"
-RECEIVED = [0, False]
-"""Bytes the lighthouse sent us while counting (instrumentation of the
-client connections: the kernel's per-process counters miss send())."""
+QUORUM_TIMEOUT_S = 60.0
 
 
-CALL: contextvars.ContextVar[list[Any]] = contextvars.ContextVar("CALL")
-"""The unary call a task's `ask` started (CountingConnection.start fills it)."""
+class Asked:
+    """One Quorum call in flight: when it was sent and when its answer's read began."""
+
+    __slots__ = ("group", "sent", "arrived", "call")
+
+    def __init__(self, group: Group, sent: float, call: Any) -> None:
+        self.group, self.sent, self.arrived, self.call = group, sent, 0.0, call
 
 
-class CountingConnection(ClientConnection):
-    """Counts the bytes received, and stamps each unary call with the time
-    the read that ended it began: when its answer reached this process, not
-    when the task waiting for it ran (at a step's end thousands of answers
-    arrive together, and waking their tasks is the load's cost)."""
+class Load:
+    """The process's groups, their connections and what they measured."""
+
+    def __init__(self, cfg: dict[str, Any]) -> None:
+        self.cfg = cfg
+        host, _, port = cfg["target"].rpartition(":")
+        self.host, self.port = host, int(port)
+        static = literal(":authority", cfg["target"])
+        deadline = literal("grpc-timeout", grpc_timeout(QUORUM_TIMEOUT_S))
+        self.quorum_headers = request_headers(QUORUM_METHOD, static) + deadline
+        self.heartbeat_headers = request_headers(HEARTBEAT_METHOD, static) + deadline
+        self.paced_headers = request_headers(HEARTBEAT_PACED_METHOD, static)
+        self.counting = False
+        self.received = 0
+        """Bytes the lighthouse sent while counting (the kernel's per-process
+        counters miss send())."""
+        self.outstanding = 0
+        self.all_in: asyncio.Future[None] | None = None
+        self.out: dict[str, Any] = {
+            "steps": {},
+            "answer_bytes": 0,
+            "answers": 0,
+            "heartbeats": 0,
+            "errors": [],
+            "killed": {},
+            "gone_heard": {},
+            "first_without": {},
+        }
+
+    def error(self, what: str) -> None:
+        if len(self.out["errors"]) < 1000:  # a failing heartbeat fails again each period
+            self.out["errors"].append(what[:200])
+
+    def answered(self, asked: Asked, now: float) -> None:
+        asked.arrived = now
+        self.outstanding -= 1
+        if self.outstanding == 0 and self.all_in is not None and not self.all_in.done():
+            self.all_in.set_result(None)
+
+
+class LoadConnection(ClientConnection):
+    """A client connection that counts the bytes received and stamps each
+    Quorum answer with the time the read that ended it began."""
+
+    def __init__(self, load: Load) -> None:
+        super().__init__()
+        self.load = load
+        self.asked: dict[int, Asked] = {}
+        """stream id -> the Quorum call on it still waiting."""
 
     def data_received(self, data: bytes) -> None:
-        if RECEIVED[1]:
-            RECEIVED[0] += len(data)
         now = time.time()
-        waiting = [c for c in self.calls.values() if not c.done.done()]
+        load = self.load
+        if load.counting:
+            load.received += len(data)
         super().data_received(data)
-        for call in waiting:
-            if call.done.done():
-                call.arrived = now  # type: ignore[attr-defined]
+        if self.asked:
+            for stream_id, asked in list(self.asked.items()):
+                if asked.call.done.done():
+                    del self.asked[stream_id]
+                    load.answered(asked, now)
 
-    def start(self, headers: bytes, message: bytes) -> tuple[int, Any]:
-        stream_id, call = super().start(headers, message)
-        holder = CALL.get(None)
-        if holder is not None:
-            holder.append(call)
-        return stream_id, call
+    def connection_lost(self, exc: Exception | None) -> None:
+        super().connection_lost(exc)
+        asked, self.asked = self.asked, {}
+        for one in asked.values():
+            self.load.answered(one, time.time())
 
 
 class Group:
-    def __init__(self, gid: int, channel: LeanChannel, cfg: dict[str, Any], out: dict) -> None:
+    def __init__(self, gid: int, conn: LoadConnection, load: Load) -> None:
         self.gid = gid
-        self.channel = channel
-        self.cfg = cfg
-        self.out = out
+        self.conn = conn
+        self.load = load
         self.incarnation = 0
-        self.period_s = cfg["heartbeat_s"]
+        self.period_s = load.cfg["heartbeat_s"]
         self.asked_at = 0.0
-        self.stream: LeanStream | None = None
+        self.stream: tuple[int, Any] | None = None
         self.alive = True
+        self.beat = b""
 
     @property
     def rid(self) -> str:
         return f"group{self.gid:05d}:{self.incarnation}"
 
     def request(self, step: int) -> bytes:
+        cfg = self.load.cfg
         member = pb.QuorumMember(
             replica_id=self.rid,
             address=f"http://g{self.gid}:1",
             store_address=f"g{self.gid}:2",
             step=step,
-            world_size=self.cfg["world_size"],
+            world_size=cfg["world_size"],
         )
         request = pb.LighthouseQuorumRequest(requester=member)
-        if self.cfg["view"]:
+        if cfg["view"]:
             request.view.init_sync = False
         return request.SerializeToString()
+
+    def start(self) -> None:
+        """Begins (again) to heartbeat, as the current incarnation."""
+        self.alive = True
+        self.beat = pb.LighthouseHeartbeatRequest(replica_id=self.rid).SerializeToString()
+        if self.load.cfg["paced"]:
+            self.stream = self.conn.open_stream(self.load.paced_headers, self.on_advice)
+            self.stream[1].done.add_done_callback(_quiet)
 
     def on_advice(self, message: bytes) -> None:
         advice = pb.LighthouseHeartbeatAdvice.FromString(message)
         if advice.interval_ms:
-            self.period_s = max(self.cfg["heartbeat_s"], advice.interval_ms / 1000)
+            self.period_s = max(self.load.cfg["heartbeat_s"], advice.interval_ms / 1000)
         if advice.HasField("gone"):
             now = time.time()
             for rid in advice.gone.replica_ids:
-                self.out["gone_heard"].setdefault(rid, now)
+                self.load.out["gone_heard"].setdefault(rid, now)
 
-    async def heartbeats(self) -> None:
-        incarnation = self.incarnation
-        hb = pb.LighthouseHeartbeatRequest(replica_id=self.rid).SerializeToString()
-        if self.cfg["paced"]:
-            self.stream = await self.channel.stream(HEARTBEAT_PACED_METHOD, self.on_advice, 60)
-        while self.alive and incarnation == self.incarnation:
-            since = time.time() - self.asked_at
-            if since < self.period_s:
-                await asyncio.sleep(self.period_s - since)
-                continue
-            try:
-                if self.stream is not None:
-                    self.stream.write(hb)
-                else:
-                    await self.channel.unary(HEARTBEAT_METHOD, hb, 10)
-                self.out["heartbeats"] += RECEIVED[1]
-            except Exception as e:  # counted; the group goes on, as ours does
-                self.out["errors"].append(f"heartbeat: {e!r}"[:200])
-            await asyncio.sleep(self.period_s)
+    def heartbeat(self) -> None:
+        if self.stream is not None:
+            self.conn.send(*self.stream, self.beat)
+        else:  # unary, its answer unread
+            self.conn.start(self.load.heartbeat_headers, self.beat)[1].done.add_done_callback(
+                _quiet
+            )
 
-    async def ask(self, step: int, timeout_s: float) -> tuple[float, float, float, int, int]:
-        """(sent, arrived, woken, answer bytes, members the answer counts)."""
-        holder: list[Any] = []
-        CALL.set(holder)
+    def ask(self, step: int) -> Asked:
         self.asked_at = sent = time.time()
-        answer = await self.channel.unary(QUORUM_METHOD, self.request(step), timeout_s)
-        woken = time.time()
-        done = getattr(holder[-1], "arrived", None) or woken
-        response = pb.LighthouseQuorumResponse.FromString(answer)
-        if response.views:
-            members = response.views[0].replica_world_size
-        else:
-            members = len(response.quorum.participants)
-        return sent, done, woken, len(answer), members
+        stream_id, call = self.conn.start(self.load.quorum_headers, self.request(step))
+        asked = self.conn.asked[stream_id] = Asked(self, sent, call)
+        self.load.outstanding += 1
+        return asked
 
     def kill(self) -> None:
         self.alive = False
         if self.stream is not None:
-            self.stream.cancel()  # RST_STREAM: the lighthouse sees the stream end
+            self.conn.cancel(self.stream[0])  # RST_STREAM: the lighthouse sees the stream end
             self.stream = None
-        self.out["killed"][self.rid] = time.time()
+        self.load.out["killed"][self.rid] = time.time()
 
-    def restart(self) -> asyncio.Task[None]:
-        self.incarnation += 1
-        self.alive = True
-        return asyncio.create_task(self.heartbeats())
+
+def _quiet(future: asyncio.Future[Any]) -> None:
+    """Retrieves a call's end that nobody reads (a heartbeat's, a stream's at close)."""
+    if not future.cancelled():
+        future.exception()
+
+
+async def heartbeats(groups: list[Group], load: Load) -> None:
+    """Every group's heartbeats from one task: each at its period, none
+    within a period of its last Quorum call."""
+    due = [(time.time() + i * 0.0005, i) for i in range(len(groups))]  # no storm at start
+    heapq.heapify(due)
+    while True:
+        now = time.time()
+        while due and due[0][0] <= now:
+            _, i = heapq.heappop(due)
+            group = groups[i]
+            wait_s = group.period_s - (now - group.asked_at)
+            if not group.alive or wait_s < 0.001:  # (less can vanish in `now + wait_s`)
+                wait_s = group.period_s
+                try:
+                    if group.alive:
+                        group.heartbeat()
+                        load.out["heartbeats"] += load.counting
+                except Exception as e:  # counted; the group goes on, as ours does
+                    load.error(f"heartbeat: {e!r}")
+            heapq.heappush(due, (now + wait_s, i))
+        await asyncio.sleep(min(0.05, max(0.0, due[0][0] - time.time())) if due else 0.05)
+
+
+def record(load: Load, step: int, asked: list[Asked], window_from: int) -> None:
+    """A step's answers, decoded once they are all in."""
+    rows = load.out["steps"].setdefault(step, [])
+    for one in asked:
+        call = one.call
+        if not call.done.done() or call.done.exception() is not None:
+            error = call.done.exception() if call.done.done() else "no answer"
+            load.error(f"quorum step {step}: {error!r}")
+            continue
+        answer = call.done.result()
+        response = pb.LighthouseQuorumResponse.FromString(answer)
+        members = (
+            response.views[0].replica_world_size
+            if response.views
+            else len(response.quorum.participants)
+        )
+        rows.append((one.sent, one.arrived))
+        if step >= window_from:
+            load.out["answer_bytes"] += len(answer)
+            load.out["answers"] += 1
+        if members < load.cfg["groups"]:
+            load.out["first_without"].setdefault(step, one.arrived)
+
+
+async def ask_all(load: Load, groups: list[Group], step: int) -> list[Asked]:
+    """One Quorum call of each group, and the wait for every answer."""
+    loop = asyncio.get_running_loop()
+    load.all_in = loop.create_future()
+    asked = []
+    for group in groups:
+        try:
+            asked.append(group.ask(step))
+        except Exception as e:
+            load.error(f"quorum step {step}: {e!r}")
+    if load.outstanding:
+        try:
+            await asyncio.wait_for(asyncio.shield(load.all_in), QUORUM_TIMEOUT_S)
+        except asyncio.TimeoutError:
+            pass  # the missing answers are errors (record)
+    for conn in {group.conn for group in groups}:
+        conn.asked.clear()
+    load.outstanding = 0
+    return asked
 
 
 async def run(cfg: dict[str, Any]) -> dict[str, Any]:
-    out: dict[str, Any] = {
-        "steps": {},
-        "answer_bytes": 0,
-        "answers": 0,
-        "heartbeats": 0,
-        "errors": [],
-        "killed": {},
-        "gone_heard": {},
-        "first_without": {},
-    }
+    load = Load(cfg)
+    loop = asyncio.get_running_loop()
     per = cfg["groups_per_connection"]
     gids = cfg["gids"]
-    channels = [
-        LeanChannel(cfg["target"], connection=CountingConnection) for _ in range(0, len(gids), per)
-    ]
-    groups = [Group(g, channels[i // per], cfg, out) for i, g in enumerate(gids)]
+    conns = []
+    for _ in range(0, len(gids), per):
+        _, conn = await loop.create_connection(lambda: LoadConnection(load), load.host, load.port)
+        conns.append(conn)
+    groups = [Group(g, conns[i // per], load) for i, g in enumerate(gids)]
+    for group in groups:
+        group.start()
+    beats = loop.create_task(heartbeats(groups, load))
     kills = {int(g): int(step) for g, step in cfg["kills"].items()}
-    beats = []
-    for group in groups:  # paced: no connection storm
-        beats.append(asyncio.create_task(group.heartbeats()))
-        await asyncio.sleep(0.0005)
 
     async def warm(group: Group) -> None:
         # Until a quorum of every group: one issued before the last groups
         # connected (they were not yet healthy) leaves them waiting for a
         # next one, which the answered groups must ask for too.
-        while (await group.ask(0, 600))[-1] < cfg["groups"]:
-            pass
+        while True:
+            _, call = group.conn.start(load.quorum_headers, group.request(0))
+            answer = await asyncio.wait_for(call.done, 600)
+            response = pb.LighthouseQuorumResponse.FromString(answer)
+            members = response.views[0].replica_world_size if response.views else 0
+            if max(members, len(response.quorum.participants)) >= cfg["groups"]:
+                return
 
     await asyncio.gather(*(warm(g) for g in groups))
     print("ready", flush=True)
-    line = await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
+    line = await loop.run_in_executor(None, sys.stdin.readline)
     t0, steps, window_from = json.loads(line)
     me = psutil.Process()
     cpu0 = None
-
-    async def one(group: Group, step: int) -> None:
-        killed_at = kills.get(group.gid)
-        if killed_at is not None and killed_at <= step < killed_at + 2:
-            return
-        if killed_at is not None and step == killed_at + 2:
-            beats.append(group.restart())
-        try:
-            sent, done, woken, nbytes, members = await group.ask(step, 60)
-        except Exception as e:
-            out["errors"].append(f"quorum step {step}: {e!r}"[:200])
-            return
-        rows = out["steps"].setdefault(step, [])
-        rows.append((sent, done, woken))
-        if step >= window_from:
-            out["answer_bytes"] += nbytes
-            out["answers"] += 1
-        if members < cfg["groups"]:
-            out["first_without"].setdefault(step, done)
-
     for step in range(1, steps + 1):
         at = t0 + (step - 1) * cfg["step_s"]
         if step == window_from:
             cpu0 = me.cpu_times()
-            RECEIVED[1] = True
+            load.counting = True
+        asking = []
         for group in groups:  # a dying group dies just before its step
-            if kills.get(group.gid) == step:
+            killed_at = kills.get(group.gid)
+            if killed_at == step:
                 await asyncio.sleep(max(0.0, at - 0.5 - time.time()))
                 group.kill()
+            if killed_at is not None and step == killed_at + 2:
+                group.incarnation += 1
+                group.start()
+            if killed_at is None or not killed_at <= step < killed_at + 2:
+                asking.append(group)
         await asyncio.sleep(max(0.0, at - time.time()))
-        await asyncio.gather(*(one(g, step) for g in groups))
+        record(load, step, await ask_all(load, asking, step), window_from)
     cpu1 = me.cpu_times()
-    RECEIVED[1] = False
-    out["received"] = RECEIVED[0]
+    load.counting = False
+    load.out["received"] = load.received
     print("stepped", flush=True)  # the window ends; every stream ends on the next line
-    await asyncio.get_running_loop().run_in_executor(None, sys.stdin.readline)
-    for group in groups:
-        group.alive = False
-    for task in beats:
-        task.cancel()
-    for channel in channels:
-        channel.close()
-    out["cpu_s"] = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system) if cpu0 else 0.0
-    return out
+    await loop.run_in_executor(None, sys.stdin.readline)
+    beats.cancel()
+    for conn in conns:
+        if conn.transport is not None:
+            conn.transport.close()
+    load.out["cpu_s"] = (cpu1.user + cpu1.system) - (cpu0.user + cpu0.system) if cpu0 else 0.0
+    return load.out
 
 
 def main() -> None:

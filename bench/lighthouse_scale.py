@@ -181,16 +181,14 @@ def run_one(server: str, args: argparse.Namespace) -> dict[str, Any]:
         lighthouse.wait(10)
     # The lighthouse's own part: from the step's last call to each answer.
     latencies: list[float] = []
-    woken: list[float] = []
     first_answer: list[float] = []  # taking the calls in (the step's burst)
     spread: list[float] = []  # sending the answers out
     for step in range(window_from, steps + 1):
         rows = [tuple(r) for res in results for r in res["steps"].get(str(step), [])]
         if rows:
-            last = max(row[0] for row in rows)
-            latencies += [max(0.0, done - last) for _, done, _ in rows]
-            woken += [max(0.0, wake - last) for _, _, wake in rows]
-            arrived = [done for _, done, _ in rows]
+            last = max(sent for sent, _ in rows)
+            arrived = [done for _, done in rows]
+            latencies += [max(0.0, done - last) for done in arrived]
             first_answer.append(min(arrived) - last)
             spread.append(max(arrived) - min(arrived))
     killed = {rid: t for res in results for rid, t in res["killed"].items()}
@@ -218,9 +216,6 @@ def run_one(server: str, args: argparse.Namespace) -> dict[str, Any]:
         "lighthouse_cores": round((sum(cpu1[:2]) - sum(cpu0[:2])) / window, 3),
         "quorum_p50_ms": round(1000 * pct(latencies, 0.5), 1),
         "quorum_p99_ms": round(1000 * pct(latencies, 0.99), 1),
-        # The same to when the load's task for each answer ran: what the
-        # load's own scheduling adds (earlier rows of bench/NOTES.md).
-        "quorum_p99_woken_ms": round(1000 * pct(woken, 0.99), 1),
         # Medians over the steps: from the last call to the first answer
         # (the calls taken in) and from the first answer to the last.
         "first_answer_ms": round(1000 * pct(first_answer, 0.5), 1),

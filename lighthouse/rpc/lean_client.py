@@ -84,6 +84,19 @@ def grpc_timeout(timeout_s: float) -> str:
     return f"{max(1, int(timeout_s * 1000))}m"
 
 
+def request_headers(method: str, static: bytes) -> bytes:
+    """A call's header block but its deadline (`literal("grpc-timeout", ...)`
+    may follow): `static` holds :authority and any metadata, as literals."""
+    return (
+        b"\x83"  # :method POST (static table)
+        + b"\x86"  # :scheme http
+        + literal(":path", method)
+        + static
+        + literal("content-type", "application/grpc")
+        + literal("te", "trailers")
+    )
+
+
 class LeanChannel:
     """Calls to the gRPC server at `target` (host:port, plain text), on the
     running loop; one connection, opened on first use and again after it is
@@ -155,14 +168,7 @@ class LeanChannel:
         """`method`'s header fields but a deadline, encoded once."""
         prefix = self._prefixes.get(method)
         if prefix is None:
-            prefix = self._prefixes[method] = (
-                b"\x83"  # :method POST (static table)
-                + b"\x86"  # :scheme http
-                + literal(":path", method)
-                + self._static
-                + literal("content-type", "application/grpc")
-                + literal("te", "trailers")
-            )
+            prefix = self._prefixes[method] = request_headers(method, self._static)
         return prefix
 
     async def _connection(self, timeout_s: float) -> ClientConnection:

@@ -383,3 +383,24 @@ def test_a_tick_told_not_to_decide_leaves_the_waiting_calls_to_a_later_one():
     assert set(m.participants) == {"a", "b"}
     issued = [e for e in m.tick(0.2, 0.2 + WALL).effects if isinstance(e, Issued)]
     assert [e.quorum.replica_ids() for e in issued] == [("a", "b")]
+
+
+def test_num_healthy_counts_as_healthy_does_through_timeouts_closed_streams_and_returns():
+    # Heartbeat times, a closed stream and a return, checked at times around
+    # the timeouts (1 s): the count kept from deadlines must equal the scan.
+    # (Exactly at a deadline the two round differently: `last + 1 > now` is
+    # not `now - last < 1` in floats; a tick decides either way.)
+    m = Membership(CONFIG, 0.0)
+    for rid, at in (("a", 0.0), ("b", 0.2), ("c", 0.5), ("d", 0.85)):
+        m.heartbeat(at, rid)
+    m.stream_opened("c")
+    m.stream_ended(0.6, "c")
+    checks = [0.95, 0.999, 1.001, 1.19, 1.21, 1.5, 1.89]
+    for now in checks:
+        assert m.num_healthy(now) == len(m.healthy(now)), now
+    m.heartbeat(1.9, "a")  # back after timing out
+    m.heartbeat(1.9, "c")  # heard again after its stream closed
+    for now in (1.9, 1.901, 2.5, 2.899, 2.901, 3.0):
+        assert m.num_healthy(now) == len(m.healthy(now)), now
+    m.tick(40.0, WALL + 40.0, False)  # everyone forgotten
+    assert m.num_healthy(40.0) == len(m.healthy(40.0)) == 0
