@@ -12,7 +12,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 from lighthouse import wire
 from lighthouse.effects import (
@@ -93,6 +93,13 @@ class Paced:
             self._running = False
 
 
+class Outbox(Protocol):
+    """Where a HeartbeatPaced stream's advice and gone notices go: written
+    at once (lean_server) or queued for its writer task (an asyncio.Queue)."""
+
+    def put_nowait(self, item: pb.LighthouseHeartbeatAdvice, /) -> None: ...
+
+
 class Coordinator:
     """The shell around lighthouse.membership: the clock, the waiting calls'
     futures, the metrics and the status page's memory, all on one loop."""
@@ -114,7 +121,7 @@ class Coordinator:
         self._views: QuorumViews | None = None
         self.spares: dict[int, asyncio.Future[str]] = {}
         """ticket -> the future of a waiting TakeReplicaGroup call."""
-        self.outboxes: dict[str, set[asyncio.Queue[pb.LighthouseHeartbeatAdvice]]] = {}
+        self.outboxes: dict[str, set[Outbox]] = {}
         """replica_id -> the outboxes of its HeartbeatPaced streams (gone notices)."""
         self._deciding = Paced(self._decide_now)
         self._gone: dict[int, Gone] = {}
@@ -301,13 +308,13 @@ class Coordinator:
         now = time.monotonic()
         self.apply(self.membership.leave(now, time.time(), replica_id), now)
 
-    def stream_opened(self, replica_id: str, outbox: asyncio.Queue[Any] | None) -> None:
+    def stream_opened(self, replica_id: str, outbox: Outbox | None) -> None:
         """A heartbeat stream opened; `outbox` (HeartbeatPaced) gets its notices."""
         self.membership.stream_opened(replica_id)
         if outbox is not None:
             self.outboxes.setdefault(replica_id, set()).add(outbox)
 
-    def stream_ended(self, replica_id: str, outbox: asyncio.Queue[Any] | None) -> None:
+    def stream_ended(self, replica_id: str, outbox: Outbox | None) -> None:
         boxes = self.outboxes.get(replica_id)
         if boxes is not None and outbox is not None:
             boxes.discard(outbox)

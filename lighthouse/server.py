@@ -112,45 +112,32 @@ class _LighthouseServicer:
     async def _heartbeats(
         self, request_iterator: Any, context: aio.ServicerContext[Any, Any], advise: bool
     ) -> None:
-        replica_id = ""
-        advised = 0
+        stream = _HeartbeatStream(self._coord, advise)
         # One writer per stream: the advice from here, gone notices from the
-        # coordinator (lighthouse.gone), as soon as they are decided.
-        outbox: asyncio.Queue[pb.LighthouseHeartbeatAdvice] | None = None
+        # coordinator (lighthouse.gone), as soon as they are decided. On
+        # lean_server each message is taken, and each notice written, in
+        # the turn it comes: no task wakes per heartbeat.
         writer: asyncio.Task[None] | None = None
-        if advise:
-            outbox = asyncio.Queue()
-            writer = asyncio.get_running_loop().create_task(_write_all(context, outbox))
+        if advise and hasattr(context, "write_now"):
+            stream.outbox = _Writer(context)
+        elif advise:
+            queue: asyncio.Queue[pb.LighthouseHeartbeatAdvice] = asyncio.Queue()
+            stream.outbox = queue
+            writer = asyncio.get_running_loop().create_task(_write_all(context, queue))
         try:
-            async for request in request_iterator:
-                if request.replica_id != replica_id:
-                    if not request.replica_id:
-                        await errors.abort(
-                            context, ValueError("replica_id must be a non-empty string")
-                        )
-                    if replica_id:
-                        await errors.abort(
-                            context,
-                            ValueError(
-                                f"one heartbeat stream carries one replica_id: got "
-                                f"{request.replica_id!r} after {replica_id!r}; open a stream each"
-                            ),
-                        )
-                    replica_id = request.replica_id
-                    self._coord.stream_opened(replica_id, outbox)
-                try:
-                    self._coord.heartbeat(replica_id)
-                except DuplicateGroupError as e:
-                    await errors.abort(context, e)
-                if outbox is not None and advised != self._coord.membership.advice_ms:
-                    advised = self._coord.membership.advice_ms
-                    outbox.put_nowait(pb.LighthouseHeartbeatAdvice(interval_ms=advised))
+            if hasattr(request_iterator, "deliver"):
+                await request_iterator.deliver(stream.take)
+            else:
+                async for request in request_iterator:
+                    stream.take(request)
+        except (ValueError, DuplicateGroupError) as e:
+            await errors.abort(context, e)
         finally:
             if writer is not None:
                 writer.cancel()
             # Also on cancellation: the client's connection closed under us.
-            if replica_id:
-                self._coord.stream_ended(replica_id, outbox)
+            if stream.replica_id:
+                self._coord.stream_ended(stream.replica_id, stream.outbox)
 
     async def TakeReplicaGroup(
         self, request: pb.TakeReplicaGroupRequest, context: aio.ServicerContext[Any, Any]
@@ -344,6 +331,48 @@ class LighthouseServer:
         await self._server.stop(grace=None)
         if self._state is not None:
             self._state.flush(time.monotonic(), force=True)
+
+
+class _HeartbeatStream:
+    """One heartbeat stream's state: the replica it carries, and the advice
+    it was last given."""
+
+    def __init__(self, coord: Coordinator, advise: bool) -> None:
+        self.coord = coord
+        self.replica_id = ""
+        self.advised = 0
+        self.outbox: Any = None
+        """`put_nowait(advice)`: a _Writer, or a queue that _write_all empties."""
+
+    def take(self, request: pb.LighthouseHeartbeatRequest) -> None:
+        """One heartbeat. Raises ValueError (not one replica_id) or DuplicateGroupError."""
+        if not request.replica_id:  # (also the first: "" is no replica's id)
+            raise ValueError("replica_id must be a non-empty string")
+        if request.replica_id != self.replica_id:
+            if self.replica_id:
+                raise ValueError(
+                    f"one heartbeat stream carries one replica_id: got "
+                    f"{request.replica_id!r} after {self.replica_id!r}; open a stream each"
+                )
+            self.replica_id = request.replica_id
+            self.coord.stream_opened(self.replica_id, self.outbox)
+        self.coord.heartbeat(self.replica_id)
+        advice = self.coord.membership.advice_ms
+        if self.outbox is not None and self.advised != advice:
+            self.advised = advice
+            self.outbox.put_nowait(pb.LighthouseHeartbeatAdvice(interval_ms=advice))
+
+
+class _Writer:
+    """A HeartbeatPaced stream's outbox on lean_server: writes each message at once."""
+
+    __slots__ = ("context",)
+
+    def __init__(self, context: Any) -> None:
+        self.context = context
+
+    def put_nowait(self, message: pb.LighthouseHeartbeatAdvice) -> None:
+        self.context.write_now(message)  # False once the call has ended: nobody to tell
 
 
 async def _write_all(

@@ -30,7 +30,8 @@ def corked() -> Iterator[None]:
     if _open is not None:  # nested: the outer one flushes
         yield
         return
-    _open = flushes = []
+    flushes: list[Callable[[], None]] = []
+    _open = flushes
     try:
         yield
     finally:

@@ -37,6 +37,7 @@ from lighthouse.rpc import auth, frames
 from lighthouse.rpc.connections import Connections
 from lighthouse.rpc.http2 import Connection
 from lighthouse.rpc.limits import LIMITS, ProcessBudget
+from lighthouse.rpc.request_stream import RequestStream
 
 logger = logging.getLogger(__name__)
 
@@ -81,37 +82,6 @@ def _trailers(code: grpc.StatusCode, details: str) -> bytes:
     return block
 
 
-class _Requests:
-    """A streaming call's request iterator, fed by the connection. A message
-    counts against the peer's window until the handler takes it."""
-
-    def __init__(self, decode: Callable[[bytes], Any] | None, conn: Connection, sid: int) -> None:
-        self._decode = decode
-        self._conn, self._sid = conn, sid
-        self._items: collections.deque[tuple[Any, int]] = collections.deque()
-        self._waiter: asyncio.Future[None] | None = None
-
-    def push(self, item: Any, nbytes: int = 0) -> None:
-        """A message's bytes (`nbytes` on the wire), or None for the end of the stream."""
-        self._items.append((item, nbytes))
-        if self._waiter is not None and not self._waiter.done():
-            self._waiter.set_result(None)
-
-    def __aiter__(self) -> _Requests:
-        return self
-
-    async def __anext__(self) -> Any:
-        while not self._items:
-            self._waiter = asyncio.get_running_loop().create_future()
-            await self._waiter
-        item, nbytes = self._items.popleft()
-        if item is None:
-            self._items.appendleft((None, 0))
-            raise StopAsyncIteration
-        self._conn.consumed(self._sid, nbytes)
-        return self._decode(item) if self._decode is not None else item
-
-
 class _Call:
     """One call: its stream, its handler and the `ServicerContext` it is given."""
 
@@ -149,7 +119,7 @@ class _Call:
         self.deadline: float | None = None
         self.metadata: tuple[tuple[str, str], ...] = ()
         self.body = bytearray()
-        self.requests: _Requests | None = None
+        self.requests: RequestStream | None = None
         self.task: asyncio.Task[None] | None = None
         self.headers_sent = False
         self.done = False
@@ -203,9 +173,15 @@ class _Call:
         self.finish(code, details)
 
     async def write(self, message: Any) -> None:
-        if self.done or not self.conn.is_open(self.stream_id):
+        if not self.write_now(message):
             raise grpc.RpcError("the call has ended")
+
+    def write_now(self, message: Any) -> bool:
+        """A streaming answer's message, sent in this turn; False: the call has ended."""
+        if self.done or not self.conn.is_open(self.stream_id):
+            return False
         self.send_message(message, None)
+        return True
 
     # ---- answers -------------------------------------------------------------------
 
@@ -412,7 +388,7 @@ class LeanServer:
                 pass
         self._calls[conn, stream_id] = call
         if handler.request_streaming:
-            call.requests = _Requests(handler.request_deserializer, conn, stream_id)
+            call.requests = RequestStream(handler.request_deserializer, conn, stream_id)
             self._run(call, call.requests)
 
     def on_data(self, conn: Connection, stream_id: int, data: bytes, end: bool) -> None:

@@ -1,0 +1,97 @@
+"""What a HeartbeatPaced stream that breaks the rules is told, on both RPC
+servers (lean_server takes each heartbeat within its read, grpcio's through
+the handler's iterator): a heartbeat without a replica_id, a second
+replica_id on one stream, and a twin of a live group end the stream with
+the reason, and the lighthouse goes on serving the others. A real
+lighthouse and real gRPC."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+
+from lighthouse import LighthouseServer
+from lighthouse.client import HEARTBEAT_PACED_METHOD
+from lighthouse.rpc.client_connection import CallFailed
+from lighthouse.rpc.lean_client import LeanChannel
+from lighthouse.rpc.proto import torchft_pb2 as pb
+from tests.waiting import wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(params=["lean", "grpcio"])
+def server(request):
+    server = LighthouseServer(
+        bind="127.0.0.1:0", min_replicas=1, heartbeat_timeout_ms=5000, rpc_server=request.param
+    )
+    yield server
+    server.shutdown()
+
+
+def beat(rid: str) -> bytes:
+    return pb.LighthouseHeartbeatRequest(replica_id=rid).SerializeToString()
+
+
+async def ended(target: str, *rids: str) -> tuple[CallFailed | None, list[int]]:
+    """Sends heartbeats of `rids` on one stream: how it ended, and the advice it got."""
+    channel = LeanChannel(target)
+    advice: list[int] = []
+    try:
+        stream = await channel.stream(
+            HEARTBEAT_PACED_METHOD,
+            lambda m: advice.append(pb.LighthouseHeartbeatAdvice.FromString(m).interval_ms),
+        )
+        for rid in rids:
+            stream.write(beat(rid))
+            await asyncio.sleep(0.05)
+        try:
+            await asyncio.wait_for(asyncio.shield(stream.ended), 10)
+        except CallFailed as e:
+            return e, advice
+        return None, advice
+    finally:
+        channel.close()
+
+
+def alive(server: LighthouseServer) -> set[str]:
+    return {r["replica_id"] for r in server.status()["replicas"] if r["healthy"]}
+
+
+@pytest.mark.parametrize(
+    "rids, code, text",
+    [
+        (("",), grpc.StatusCode.INVALID_ARGUMENT, "replica_id must be a non-empty string"),
+        (("a:1", "b:1"), grpc.StatusCode.INVALID_ARGUMENT, "one heartbeat stream carries one"),
+    ],
+)
+def test_a_stream_that_breaks_the_rules_is_ended_with_the_reason(server, rids, code, text):
+    error, advice = asyncio.run(ended(server.address().removeprefix("http://"), *rids))
+    assert error is not None and error.code == code, error
+    assert text in error.details
+    assert len(advice) == (0 if rids == ("",) else 1)  # advised after its one good heartbeat
+
+
+def test_a_twin_of_a_live_group_is_refused_on_its_stream_and_the_live_one_stays(server):
+    target = server.address().removeprefix("http://")
+
+    async def both() -> CallFailed | None:
+        channel = LeanChannel(target)
+        try:
+            live = await channel.stream(HEARTBEAT_PACED_METHOD, lambda m: None)
+            live.write(beat("group:1"))
+            await asyncio.sleep(0.1)
+            error, _ = await ended(target, "group:2")
+            live.write(beat("group:1"))  # still served
+            await asyncio.sleep(0.1)
+            assert not live.ended.done()
+            return error
+        finally:
+            channel.close()
+
+    error = asyncio.run(both())
+    assert error is not None and error.code == grpc.StatusCode.ALREADY_EXISTS, error
+    assert "group:1" in error.details
+    wait_until(lambda: "group:1" in alive(server) and "group:2" not in alive(server), 5)
