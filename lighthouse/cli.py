@@ -12,6 +12,7 @@ import threading
 from typing import NoReturn
 
 from lighthouse import __version__
+from lighthouse.coordinator import Coordinator
 from lighthouse.rpc import auth, serve, tls
 from lighthouse.server import LighthouseServer
 
@@ -194,7 +195,7 @@ class _RefuseSecretValue(argparse.Action):
         )
 
 
-GC_THRESHOLDS = (50_000, 20, 20)
+GC_THRESHOLDS = (1_000_000, 20, 20)
 """The collector's thresholds in a lighthouse process (Python's: 700, 10, 10)."""
 
 
@@ -204,11 +205,14 @@ def tune_gc() -> None:
     ones: with Python's thresholds the collector runs every ~25 Quorum calls
     and walks the whole heap twice a step at 10,000 groups (a third of a
     call's cost, bench/NOTES.md). What exists at start is frozen out of
-    every collection, and collections come 70x less often. Only the
-    standalone process does this: a LighthouseServer inside a training
-    process leaves that process's collector alone."""
+    every collection; the young generations are collected once a quorum's
+    answers are out (Coordinator.collect_after_issue), the quiet moment
+    before the next step's burst, and seldom within one. Only the standalone
+    process does this: a LighthouseServer inside a training process leaves
+    that process's collector alone."""
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
+    Coordinator.collect_after_issue = True
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -9,6 +9,7 @@ it, lighthouse.views), logs, and tells gone members' peers on their streams.
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import Callable
@@ -104,6 +105,11 @@ class Coordinator:
     """The shell around lighthouse.membership: the clock, the waiting calls'
     futures, the metrics and the status page's memory, all on one loop."""
 
+    collect_after_issue = False
+    """Whether the collector's young generations run in the turn after a
+    quorum's answers went out (lighthouse.cli.tune_gc: the standalone
+    process, whose thresholds then keep them out of a step's burst)."""
+
     def __init__(
         self, config: LighthouseConfig, metrics: LighthouseMetrics, state: StateFile | None
     ) -> None:
@@ -198,6 +204,8 @@ class Coordinator:
         now = time.monotonic()
         with corking.corked():  # the answers go out in one tight loop, a send per connection
             self._answer(issued.tickets, quorum, now)
+        if self.collect_after_issue:
+            asyncio.get_running_loop().call_soon(gc.collect, 1)
 
     def _answer(self, tickets: tuple[int, ...], quorum: Quorum, now: float) -> None:
         parked, observe = self.parked, self.metrics.quorum_latency.observe
