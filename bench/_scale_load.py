@@ -286,6 +286,7 @@ async def run(cfg: dict[str, Any]) -> dict[str, Any]:
         # next one, which the answered groups must ask for too.
         while True:
             _, call = group.conn.start(load.quorum_headers, group.request(0))
+            call.done.add_done_callback(_quiet)  # the first failure ends the load
             answer = await asyncio.wait_for(call.done, 600)
             response = pb.LighthouseQuorumResponse.FromString(answer)
             members = response.views[0].replica_world_size if response.views else 0
