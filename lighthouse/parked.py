@@ -60,6 +60,9 @@ class Deadlines:
         tickets = self._slots.get(slot)
         if tickets is not None:
             tickets.discard(ticket)
+            if not tickets:  # its calls all answered: nothing is kept to their deadline
+                del self._slots[slot]
+                self._timers.pop(slot).cancel()
 
     def close(self) -> None:
         for timer in self._timers.values():

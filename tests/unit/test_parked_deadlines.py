@@ -17,8 +17,8 @@ def test_deadlines_fire_once_within_a_slot_early_never_late_and_not_for_removed_
         start = loop.time()
         budgets = {1: 0.05, 2: 0.05, 3: 0.12, 4: 0.12}
         slots = {ticket: deadlines.add(ticket, budget) for ticket, budget in budgets.items()}
-        deadlines.remove(slots[4], 4)  # answered before its deadline
         timers = len(deadlines._timers)  # noqa: SLF001 (one per slot is what is tested)
+        deadlines.remove(slots[4], 4)  # answered before its deadline
         while len(fired) < 3 and loop.time() < start + 10:
             await asyncio.sleep(0.01)
         await asyncio.sleep(0.2)  # past ticket 4's deadline too
@@ -41,3 +41,13 @@ def test_closed_deadlines_never_fire():
         return fired
 
     assert asyncio.run(run()) == []
+
+
+def test_a_slot_whose_calls_were_all_answered_keeps_no_timer():
+    async def run() -> int:
+        deadlines = Deadlines(lambda ticket: None)
+        slot = deadlines.add(1, 30.0)
+        deadlines.remove(slot, 1)
+        return len(deadlines._timers) + len(deadlines._slots)  # noqa: SLF001
+
+    assert asyncio.run(run()) == 0
