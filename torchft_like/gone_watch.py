@@ -78,6 +78,8 @@ FROZEN_S = 0.6
 """A process silent this long may be judged hung (the lighthouse's default
 floor is 0.7 s, checked every 0.1 s)."""
 TICK_S = 0.1
+ABANDONED_WAIT_S = 30.0
+"""How long close() waits for setups abandoned to their timeout (a store connect: 5-15 s)."""
 
 
 class MemberGoneError(RuntimeError):
@@ -193,6 +195,8 @@ class GoneWatch:
         self._watch_seq = 0
         """The key the watcher waits on (another rank)."""
         self._stopped = False
+        self._abandoned: list[threading.Thread] = []
+        """Setup threads left running to their timeout (unless_gone): joined by close."""
         self._watcher: threading.Thread | None = None
         self._ticked = time.monotonic()
         self._longest_gap = 0.0
@@ -311,11 +315,13 @@ class GoneWatch:
             gone = self._breaks.broken.get(quorum_id)
             if gone is None:
                 name = f"torchft_{what.replace(' ', '_')}"
-                threading.Thread(target=run, name=name, daemon=True).start()
+                thread = threading.Thread(target=run, name=name, daemon=True)
+                thread.start()
                 while not finished.is_set() and gone is None:
                     self._heard.wait()
                     gone = self._breaks.broken.get(quorum_id)
         if gone is not None and not finished.is_set():
+            self._abandoned = [t for t in self._abandoned if t.is_alive()] + [thread]
             raise MemberGoneError(
                 f"quorum {quorum_id}: replica group(s) {', '.join(gone)} gone (the lighthouse "
                 f"says so) while this rank was in its {what}; asking for the next quorum"
@@ -380,9 +386,23 @@ class GoneWatch:
                 self._log.warning("ignoring a malformed gone notice %r: %s", value, e)
 
     def close(self) -> None:
-        """Stops the threads: the watcher wakes on a stop at the key it waits on."""
+        """Stops the threads: the watcher wakes on a stop at the key it waits on.
+        A setup left running to its timeout is waited for (at most
+        ABANDONED_WAIT_S): a daemon thread still inside a store connect when
+        the interpreter exits aborts the process ("terminate called without
+        an active exception")."""
         self._stopped = True
         self._ticker.join(2 * TICK_S + 1)
+        deadline = time.monotonic() + ABANDONED_WAIT_S
+        for thread in self._abandoned:
+            thread.join(max(0.0, deadline - time.monotonic()))
+            if thread.is_alive():
+                self._log.warning(
+                    "an abandoned %s still runs after %.0f s; exiting now may abort the process",
+                    thread.name,
+                    ABANDONED_WAIT_S,
+                )
+                break
         watcher, self._watcher = self._watcher, None
         for _ in range(3):
             if watcher is None or not watcher.is_alive():
