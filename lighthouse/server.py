@@ -112,7 +112,7 @@ class _LighthouseServicer:
     async def _heartbeats(
         self, request_iterator: Any, context: aio.ServicerContext[Any, Any], advise: bool
     ) -> None:
-        stream = _HeartbeatStream(self._coord, advise)
+        stream = _HeartbeatStream(self._coord)
         # One writer per stream: the advice from here, gone notices from the
         # coordinator (lighthouse.gone), as soon as they are decided. On
         # lean_server each message is taken, and each notice written, in
@@ -337,7 +337,7 @@ class _HeartbeatStream:
     """One heartbeat stream's state: the replica it carries, and the advice
     it was last given."""
 
-    def __init__(self, coord: Coordinator, advise: bool) -> None:
+    def __init__(self, coord: Coordinator) -> None:
         self.coord = coord
         self.replica_id = ""
         self.advised = 0

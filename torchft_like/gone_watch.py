@@ -311,6 +311,7 @@ class GoneWatch:
                     finished.set()
                     self._heard.notify_all()
 
+        thread = None
         with self._lock:
             gone = self._breaks.broken.get(quorum_id)
             if gone is None:
@@ -321,7 +322,8 @@ class GoneWatch:
                     self._heard.wait()
                     gone = self._breaks.broken.get(quorum_id)
         if gone is not None and not finished.is_set():
-            self._abandoned = [t for t in self._abandoned if t.is_alive()] + [thread]
+            if thread is not None:  # (none started when the quorum was broken already)
+                self._abandoned = [t for t in self._abandoned if t.is_alive()] + [thread]
             raise MemberGoneError(
                 f"quorum {quorum_id}: replica group(s) {', '.join(gone)} gone (the lighthouse "
                 f"says so) while this rank was in its {what}; asking for the next quorum"
