@@ -43,9 +43,12 @@ async def ended(target: str, *rids: str) -> tuple[CallFailed | None, list[int]]:
             HEARTBEAT_PACED_METHOD,
             lambda m: advice.append(pb.LighthouseHeartbeatAdvice.FromString(m).interval_ms),
         )
-        for rid in rids:
+        for i, rid in enumerate(rids):
             stream.write(beat(rid))
-            await asyncio.sleep(0.05)
+            for _ in range(100 if i < len(rids) - 1 else 0):  # a good one is advised
+                if advice:
+                    break
+                await asyncio.sleep(0.05)
         try:
             await asyncio.wait_for(asyncio.shield(stream.ended), 10)
         except CallFailed as e:
@@ -81,7 +84,10 @@ def test_a_twin_of_a_live_group_is_refused_on_its_stream_and_the_live_one_stays(
         try:
             live = await channel.stream(HEARTBEAT_PACED_METHOD, lambda m: None)
             live.write(beat("group:1"))
-            await asyncio.sleep(0.1)
+            for _ in range(100):  # until the lighthouse knows group:1 live
+                if alive(server) == {"group:1"}:
+                    break
+                await asyncio.sleep(0.05)
             error, _ = await ended(target, "group:2")
             live.write(beat("group:1"))  # still served, while its stream is open
             for _ in range(50):
