@@ -32,6 +32,11 @@ from lighthouse.status import StatusServer
 
 logger = logging.getLogger(__name__)
 
+WRITER_DRAIN_S = 1.0
+"""How long a HeartbeatPaced stream that broke the rules waits for its
+writes in flight (grpcio) before it is ended; a peer that does not read
+its answers keeps it only until its connection closes."""
+
 
 class _LighthouseServicer:
     """LighthouseService, registered by its method names. Thin: converts,
@@ -118,10 +123,10 @@ class _LighthouseServicer:
         # lean_server each message is taken, and each notice written, in
         # the turn it comes: no task wakes per heartbeat.
         writer: asyncio.Task[None] | None = None
+        queue: asyncio.Queue[pb.LighthouseHeartbeatAdvice | None] = asyncio.Queue()
         if advise and hasattr(context, "write_now"):
             stream.outbox = _Writer(context)
         elif advise:
-            queue: asyncio.Queue[pb.LighthouseHeartbeatAdvice] = asyncio.Queue()
             stream.outbox = queue
             writer = asyncio.get_running_loop().create_task(_write_all(context, queue))
         try:
@@ -131,6 +136,11 @@ class _LighthouseServicer:
                 async for request in request_iterator:
                     stream.take(request)
         except (ValueError, DuplicateGroupError) as e:
+            if writer is not None:
+                # grpcio fails an abort while a write is in flight, and then
+                # never ends the call: the writer finishes its writes first.
+                queue.put_nowait(None)
+                await asyncio.wait([writer], timeout=WRITER_DRAIN_S)
             await errors.abort(context, e)
         finally:
             if writer is not None:
@@ -376,13 +386,14 @@ class _Writer:
 
 
 async def _write_all(
-    context: aio.ServicerContext[Any, Any], outbox: asyncio.Queue[pb.LighthouseHeartbeatAdvice]
+    context: aio.ServicerContext[Any, Any],
+    outbox: asyncio.Queue[pb.LighthouseHeartbeatAdvice | None],
 ) -> None:
-    """Writes a HeartbeatPaced stream's messages in order until cancelled
-    or the stream fails (its reader then ends the call)."""
+    """Writes a HeartbeatPaced stream's messages in order until a None,
+    cancelled, or the stream fails (its reader then ends the call)."""
     try:
-        while True:
-            await context.write(await outbox.get())
+        while (message := await outbox.get()) is not None:
+            await context.write(message)
     except asyncio.CancelledError:
         pass
     except Exception as e:  # the call ended under us (grpc's UsageError, an RpcError)
