@@ -123,11 +123,11 @@ class _LighthouseServicer:
         # lean_server each message is taken, and each notice written, in
         # the turn it comes: no task wakes per heartbeat.
         writer: asyncio.Task[None] | None = None
-        queue: asyncio.Queue[pb.LighthouseHeartbeatAdvice | None] = asyncio.Queue()
+        queue: asyncio.Queue[pb.LighthouseHeartbeatAdvice | None] | None = None
         if advise and hasattr(context, "write_now"):
             stream.outbox = _Writer(context)
         elif advise:
-            stream.outbox = queue
+            stream.outbox = queue = asyncio.Queue()
             writer = asyncio.get_running_loop().create_task(_write_all(context, queue))
         try:
             if hasattr(request_iterator, "deliver"):
@@ -136,7 +136,7 @@ class _LighthouseServicer:
                 async for request in request_iterator:
                     stream.take(request)
         except (ValueError, DuplicateGroupError) as e:
-            if writer is not None:
+            if writer is not None and queue is not None:
                 # grpcio fails an abort while a write is in flight, and then
                 # never ends the call: the writer finishes its writes first.
                 queue.put_nowait(None)
