@@ -56,13 +56,14 @@ def _us(values: list[float] | None, q: float) -> float:
     return round(quantile(values or [], q) * 1e6, 1)
 
 
-RPC_US = 36.0
+RPC_US = 27.0
 """Real lighthouse CPU per RPC outside the membership calls (HTTP/2, asyncio,
-protobuf), calibrated from bench.lighthouse_scale on this machine: 0.23 core
-at 10,000 groups with 5 s steps, over 2,000 Quorum calls and 4,400 paced
-stream heartbeats a second, is 36 us per RPC with the membership calls in
-it (docs/fleet.md, "Measured with real processes"; 80 us before the parked
-calls and the collector's tuning, and grpcio's server was 460 us)."""
+protobuf), calibrated from bench.lighthouse_scale on this machine: 0.175-0.179
+core at 10,000 groups with 5 s steps, over 2,000 Quorum calls and 4,490 paced
+stream heartbeats a second, is 27 us per RPC with the membership calls in
+it (docs/fleet.md, "Measured with real processes"; 36 us on 2026-11-28 at
+00:50, 80 us before the parked calls and the collector's tuning, and
+grpcio's server was 460 us)."""
 
 
 def cost_row(n: int, run: FleetResult, memory: int, rpc_us: float = RPC_US) -> dict[str, Any]:
