@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import struct
+import threading
 
 import hpack
 import pytest
@@ -225,4 +226,31 @@ def test_answers_sent_while_corked_leave_in_one_write_per_connection(conn):
         (kind, sid) for sid in (1, 3, 5) for kind in (HEADERS, DATA, HEADERS)
     ]
     conn.send(1, b"H", b"late", b"T")  # uncorked and ended: nothing, at once
+    assert len(writes) == 1
+
+
+def test_a_cork_in_another_thread_holds_none_of_this_threads_writes(conn):
+    # Servers on several loops share the process (a thread each): one
+    # loop's issuing turn must not gather, and later send from its thread,
+    # what another loop's connection writes meanwhile.
+    conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, 1, conn.enc.encode(REQUEST)))
+    conn.t.frames()
+    writes = []
+    conn.t.write = lambda data: writes.append(bytes(data))
+    inside, release = threading.Event(), threading.Event()
+
+    def other_loop() -> None:
+        with corking.corked():
+            inside.set()
+            release.wait(10)
+
+    other = threading.Thread(target=other_loop)
+    other.start()
+    try:
+        assert inside.wait(10)
+        conn.send(1, b"H", b"answer", b"T")
+        assert len(writes) == 1  # sent at once, from this thread
+    finally:
+        release.set()
+        other.join(10)
     assert len(writes) == 1
