@@ -17,7 +17,7 @@ from typing import Any
 from grpc import aio
 
 from lighthouse import kill_button, wire
-from lighthouse.coordinator import Coordinator
+from lighthouse.coordinator import Coordinator, Outbox
 from lighthouse.metrics import LighthouseMetrics
 from lighthouse.quorum import LighthouseConfig, QuorumMember
 from lighthouse.rpc import auth, errors, serve
@@ -351,8 +351,8 @@ class _HeartbeatStream:
         self.coord = coord
         self.replica_id = ""
         self.advised = 0
-        self.outbox: Any = None
-        """`put_nowait(advice)`: a _Writer, or a queue that _write_all empties."""
+        self.outbox: Outbox | None = None
+        """A _Writer, or a queue that _write_all empties; None: not advised."""
 
     def take(self, request: pb.LighthouseHeartbeatRequest) -> None:
         """One heartbeat. Raises ValueError (not one replica_id) or DuplicateGroupError."""
