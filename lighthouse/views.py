@@ -165,19 +165,14 @@ class _Kept:
 
 @dataclass(frozen=True)
 class _RankPlan:
-    """What every member's result for one group rank shares (its _Kept's
-    fields, the same objects for every group rank without divergence)."""
+    """What every member's result for one group rank shares."""
 
     primary: QuorumMember
     divergence: Divergence | None
-    at_max_ids: dict[str, int]
-    recovering: dict[str, int]
-    recovering_ranks: tuple[int, ...]
-    up_to_date: list[QuorumMember]
-    up_to_date_ids: frozenset[str]
+    kept: _Kept
+    """The same object for every group rank with the same odd replicas."""
     serving: dict[str, tuple[int, ...]]
     """Source replica id -> the replica ranks that heal from it."""
-    batch_slots_wrong: str
 
 
 class QuorumViews:
@@ -211,32 +206,33 @@ class QuorumViews:
                 f"replica {replica_id} is not in quorum {self.quorum.quorum_id} ({ids})"
             )
         plan = self._plan(group_rank, init_sync and self.max_step == 0)
-        up_to_date = plan.up_to_date
-        index = plan.recovering.get(replica_id)
+        kept = plan.kept
+        up_to_date = kept.up_to_date
+        index = kept.recovering.get(replica_id)
         sources: list[QuorumMember] = []
         if index is not None:
             count = min(len(up_to_date), MAX_SOURCES)
             sources = [up_to_date[(index + j + group_rank) % len(up_to_date)] for j in range(count)]
         src = sources[0] if sources else None
-        serves_stripes = replica_id not in plan.recovering and replica_id in plan.at_max_ids
+        serves_stripes = replica_id not in kept.recovering and replica_id in kept.at_max_ids
         return QuorumResult(
             quorum_id=self.quorum.quorum_id,
             replica_rank=replica_rank,
             replica_world_size=len(self.participants),
             store_address=plan.primary.store_address,
             max_step=self.max_step,
-            max_replica_rank=plan.at_max_ids.get(replica_id),
-            max_world_size=len(plan.at_max_ids),
+            max_replica_rank=kept.at_max_ids.get(replica_id),
+            max_world_size=len(kept.at_max_ids),
             heal=src is not None,
             recover_src_manager_address=src.address if src else "",
             recover_src_replica_rank=self.rank_of[src.replica_id] if src else None,
             recover_dst_replica_ranks=plan.serving.get(replica_id, ()),
             recover_src_replica_ranks=tuple(self.rank_of[m.replica_id] for m in sources),
             recover_src_manager_addresses=tuple(m.address for m in sources),
-            recover_stripe_dst_replica_ranks=plan.recovering_ranks if serves_stripes else (),
+            recover_stripe_dst_replica_ranks=kept.recovering_ranks if serves_stripes else (),
             commit_failures=self.commit_failures,
             divergence=plan.divergence.reason if plan.divergence else "",
-            batch_slots_wrong=plan.batch_slots_wrong,
+            batch_slots_wrong=kept.batch_slots_wrong,
             batch_slots_wrong_all=self._slots_wrong_all(),
         )
 
@@ -244,12 +240,13 @@ class QuorumViews:
         """Whether `replica_id`'s result for `group_rank` is `steady_share`
         with its own ranks: it is up to date and the primary source of no heal."""
         plan = self._plan(group_rank, init_sync and self.max_step == 0)
-        return replica_id in plan.up_to_date_ids and replica_id not in plan.serving
+        return replica_id in plan.kept.up_to_date_ids and replica_id not in plan.serving
 
     def steady_share(self, group_rank: int, init_sync: bool) -> QuorumResult:
         """What every `steady_for` member's result for `group_rank` holds but
         its replica_rank and max_replica_rank (zero and None here)."""
         plan = self._plan(group_rank, init_sync and self.max_step == 0)
+        kept = plan.kept
         return QuorumResult(
             quorum_id=self.quorum.quorum_id,
             replica_rank=0,
@@ -257,12 +254,12 @@ class QuorumViews:
             store_address=plan.primary.store_address,
             max_step=self.max_step,
             max_replica_rank=None,
-            max_world_size=len(plan.at_max_ids),
+            max_world_size=len(kept.at_max_ids),
             heal=False,
-            recover_stripe_dst_replica_ranks=plan.recovering_ranks,
+            recover_stripe_dst_replica_ranks=kept.recovering_ranks,
             commit_failures=self.commit_failures,
             divergence=plan.divergence.reason if plan.divergence else "",
-            batch_slots_wrong=plan.batch_slots_wrong,
+            batch_slots_wrong=kept.batch_slots_wrong,
             batch_slots_wrong_all=self._slots_wrong_all(),
         )
 
@@ -278,14 +275,14 @@ class QuorumViews:
             plans = [self._plan(g, one_keeps) for g in range(world_size)]
             ids = frozenset()
             if not any(plan.divergence for plan in plans):
-                ids = plans[0].up_to_date_ids.difference(*(plan.serving for plan in plans))
+                ids = plans[0].kept.up_to_date_ids.difference(*(plan.serving for plan in plans))
             self._steady_everywhere[key] = ids
         return ids
 
     def ranks(self, replica_id: str, group_rank: int, init_sync: bool) -> tuple[int, int | None]:
         """`replica_id`'s replica_rank and max_replica_rank for `group_rank`."""
         plan = self._plan(group_rank, init_sync and self.max_step == 0)
-        return self.rank_of[replica_id], plan.at_max_ids.get(replica_id)
+        return self.rank_of[replica_id], plan.kept.at_max_ids.get(replica_id)
 
     def _claims_of(self) -> dict[str, int | None]:
         if self._claims is None:
@@ -319,13 +316,8 @@ class QuorumViews:
         return _RankPlan(
             primary=at_max[group_rank % len(at_max)],
             divergence=divergence,
-            at_max_ids=kept.at_max_ids,
-            recovering=kept.recovering,
-            recovering_ranks=kept.recovering_ranks,
-            up_to_date=up_to_date,
-            up_to_date_ids=kept.up_to_date_ids,
+            kept=kept,
             serving={k: tuple(v) for k, v in serving.items()},
-            batch_slots_wrong=kept.batch_slots_wrong,
         )
 
     def _make_kept(self, odd: frozenset[str], one_keeps: bool) -> _Kept:
