@@ -29,6 +29,37 @@ class FutureWork(dist.Work):
         return self._future.done()
 
 
+def cuda_devices(value: Any) -> list[torch.device]:
+    """The CUDA devices of the tensors in `value` (nested lists, tuples, dicts)."""
+    found: set[torch.device] = set()
+
+    def visit(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            if x.is_cuda:
+                found.add(x.device)
+        elif isinstance(x, (list, tuple)):
+            for item in x:
+                visit(item)
+        elif isinstance(x, dict):
+            for item in x.values():
+                visit(item)
+
+    visit(value)
+    return sorted(found, key=str)
+
+
+def future_for(value: Any) -> torch.futures.Future[Any]:
+    """An unset future that will hold `value` (or tensors on its devices).
+
+    CUDA-aware when `value` holds CUDA tensors: `set_result` then records an
+    event on the setter's current streams, and a waiter's streams wait on it
+    (what torch DDP expects of a comm hook's future), where a plain future
+    would let the waiter read the tensors before the setter's kernels ran.
+    """
+    devices = cuda_devices(value)
+    return torch.futures.Future(devices=devices) if devices else torch.futures.Future()
+
+
 def completed_future(value: Any) -> torch.futures.Future[Any]:
     fut: torch.futures.Future[Any] = torch.futures.Future()
     fut.set_result(value)
@@ -48,8 +79,9 @@ def or_default(
 ) -> torch.futures.Future[Any]:
     """A future with `fut`'s value, or `default` if `fut` fails (or, with
     `timeout`, is not done in time); the error goes to `on_error`. Settled
-    once: a late value after the timeout is dropped."""
-    out: torch.futures.Future[Any] = torch.futures.Future()
+    once: a late value after the timeout is dropped. CUDA-aware on
+    `default`'s devices (`future_for`)."""
+    out = future_for(default)
     settled = threading.Lock()
 
     def settle(value: Any = None, error: Exception | None = None) -> None:

@@ -17,6 +17,7 @@ from torchft_like.process_group.base import SUPPORTED_OPS
 from torchft_like.process_group.dummy import ProcessGroupDummy
 from torchft_like.process_group.gloo import ProcessGroupGloo, parse_store_addr
 from torchft_like.process_group.managed import ManagedProcessGroup
+from torchft_like.process_group.nccl import ProcessGroupNCCL
 from torchft_like.process_group.wrappers import (
     ErrorSwallowingProcessGroupWrapper,
     FakeProcessGroupWrapper,
@@ -34,6 +35,7 @@ __all__ = [
     "ProcessGroupBabyGloo",
     "ProcessGroupDummy",
     "ProcessGroupGloo",
+    "ProcessGroupNCCL",
     "parse_store_addr",
 ]
 
