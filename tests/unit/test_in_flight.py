@@ -1,4 +1,4 @@
-"""The timeout rule of ProcessGroupNCCL (process_group.in_flight), table-driven: no clock, no thread."""
+"""ProcessGroupNCCL's timeout rule (process_group.in_flight), table-driven: no clock, no thread."""
 
 from __future__ import annotations
 

@@ -28,6 +28,9 @@ class Issued:
     name: str
     deadline: float
     is_completed: Callable[[], bool]
+    generation: int = 0
+    """The owner's communicator it was issued on: an overdue one of a
+    communicator already replaced aborts nothing."""
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,8 @@ import torch.distributed as dist
 from torchft_like._work import FutureWork, future_for
 from torchft_like.process_group.base import _reduce_op, _Registrable, _unsupported
 from torchft_like.process_group.gloo import parse_store_addr
-from torchft_like.process_group.in_flight import InFlight, Issued
+from torchft_like.process_group.in_flight import Issued
+from torchft_like.process_group.watchdog import Watchdog
 
 logger = logging.getLogger(__name__)
 
@@ -136,14 +137,10 @@ class ProcessGroupNCCL(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
         self._generation = 0
         """Bumped when a communicator is dropped: its late news is not ours."""
         self._lock = threading.Lock()
-        self._wake = threading.Condition(self._lock)
-        self._in_flight = InFlight()
+        self._watchdog = Watchdog("torchft-nccl-watchdog", self._overdue)
         self._pending: dict[int, torch.futures.Future[Any]] = {}
         """Our futures not yet settled, failed at once by an abort."""
         self._next_id = 0
-        self._watchdog: threading.Thread | None = None
-        self._closed = False
-        """Set by shutdown(): the watchdog ends; configure() starts one again."""
         self._droppers: list[threading.Thread] = []
 
     def set_timeout(self, timeout: timedelta) -> None:
@@ -171,7 +168,6 @@ class ProcessGroupNCCL(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
         with self._lock:
             abandoned = generation != self._generation
             if not abandoned:
-                self._closed = False
                 self._backend, self._error = backend, None
                 self._rank, self._world_size = rank, world_size
         if abandoned:  # a member is gone: never installed
@@ -189,10 +185,8 @@ class ProcessGroupNCCL(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
 
     def shutdown(self) -> None:
         """Aborts the communicator, stops the watchdog, and waits (bounded) for the drop."""
-        with self._lock:
-            self._closed = True
-            self._wake.notify_all()
         self._drop(errored=False, wait_s=DROP_WAIT_S)
+        self._watchdog.close()
 
     def _drop(self, errored: bool, wait_s: float, why: Exception | None = None) -> None:
         """Aborts and forgets the communicator; fails our pending futures with
@@ -208,9 +202,8 @@ class ProcessGroupNCCL(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
             retired = [] if self._backend is None else [self._backend]
             self._backend = None
             pending, self._pending = self._pending, {}
-            self._in_flight.clear()
             self._generation += 1
-            self._wake.notify_all()
+        self._watchdog.clear()
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(error)
@@ -233,16 +226,8 @@ class ProcessGroupNCCL(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
         """The failure since the last configure(), once this group's
         collectives issued so far have finished on the device (a host wait,
         bounded by their timeout: the watchdog aborts them past it)."""
-        delay = 0.0005
-        while True:
-            with self._lock:
-                if self._error is not None or self._backend is None:
-                    return self._error
-                look = self._in_flight.look(time.monotonic())
-                if look.overdue is None and look.next_look is None:
-                    return None
-            time.sleep(delay)
-            delay = min(delay * 2, 0.005)
+        self._watchdog.wait_idle(lambda: self._error is not None)
+        return self._error
 
     # ---- issuing -----------------------------------------------------------
 
@@ -272,9 +257,7 @@ class ProcessGroupNCCL(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
                 out.set_exception(self._error or RuntimeError(f"{name}: aborted meanwhile"))
                 return FutureWork(out)
             self._pending[op_id] = out
-            if self._in_flight.add(Issued(name, deadline, work.is_completed)):
-                self._ensure_watchdog()
-                self._wake.notify_all()
+        self._watchdog.add(Issued(name, deadline, work.is_completed, generation))
 
         def settle(fut: torch.futures.Future[Any]) -> None:
             with self._lock:
@@ -306,40 +289,22 @@ class ProcessGroupNCCL(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
                 ),
             )
 
-    def _ensure_watchdog(self) -> None:
-        """Under the lock: one watchdog thread per group, started on first use
-        (and again after a shutdown() ended the last one)."""
-        if self._watchdog is None or not self._watchdog.is_alive():
-            self._watchdog = threading.Thread(
-                target=self._watch, name="torchft-nccl-watchdog", daemon=True
-            )
-            self._watchdog.start()
-
-    def _watch(self) -> None:
-        me = threading.current_thread()
-        while True:
-            with self._lock:
-                if self._closed or self._watchdog is not me:
-                    return
-                look = self._in_flight.look(time.monotonic())
-                if look.overdue is None:
-                    wait = None if look.next_look is None else look.next_look - time.monotonic()
-                    self._wake.wait(wait)
-                    continue
-            overdue = look.overdue
-            logger.error(
-                "%s did not finish within %s: aborting the communicator",
-                overdue.name,
-                self._timeout,
-            )
-            self._drop(
-                errored=True,
-                wait_s=0.0,
-                why=TimeoutError(
-                    f"{overdue.name} did not finish within {self._timeout.total_seconds():g} s; "
-                    f"{type(self).__name__} aborted its communicator"
-                ),
-            )
+    def _overdue(self, issued: Issued) -> None:
+        """The watchdog's call: `issued` did not finish within the timeout."""
+        with self._lock:
+            if issued.generation != self._generation:
+                return  # its communicator was replaced meanwhile
+        logger.error(
+            "%s did not finish within %s: aborting the communicator", issued.name, self._timeout
+        )
+        self._drop(
+            errored=True,
+            wait_s=0.0,
+            why=TimeoutError(
+                f"{issued.name} did not finish within {self._timeout.total_seconds():g} s; "
+                f"{type(self).__name__} aborted its communicator"
+            ),
+        )
 
     # ---- collectives -------------------------------------------------------
 
@@ -459,8 +424,7 @@ class ProcessGroupNCCL(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
 
     def num_active_work(self) -> int:
         """Collectives issued whose completion the watchdog has not seen yet."""
-        with self._lock:
-            return len(self._in_flight)
+        return len(self._watchdog)
 
     def size(self) -> int:
         return self._world_size
