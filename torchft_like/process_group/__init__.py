@@ -3,7 +3,9 @@
 All are `torch.distributed.ProcessGroup` subclasses, so torch code (DDP
 included) accepts them; torch dispatches their collectives to their Python
 methods. One module per kind: `gloo` (the group rebuilt on every quorum, with
-`gloo_work`), `baby` (gloo in a child process that abort kills), `dummy`,
+`gloo_work`), `nccl` (the same for NCCL, timed by `watchdog` under
+`in_flight`'s rule), `baby` (gloo in a child process that abort kills) and
+`baby_nccl` (NCCL there, tensors by CUDA IPC), `dummy`,
 `wrappers` (delegating, error-swallowing, fake) and `managed` (the Manager's
 allreduce as a group), over `base`.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 from typing import Any
 
 from torchft_like.process_group.baby import ProcessGroupBabyGloo
+from torchft_like.process_group.baby_nccl import ProcessGroupBabyNCCL
 from torchft_like.process_group.base import SUPPORTED_OPS
 from torchft_like.process_group.dummy import ProcessGroupDummy
 from torchft_like.process_group.gloo import ProcessGroupGloo, parse_store_addr
@@ -33,6 +36,7 @@ __all__ = [
     "FakeProcessGroupWrapper",
     "ManagedProcessGroup",
     "ProcessGroupBabyGloo",
+    "ProcessGroupBabyNCCL",
     "ProcessGroupDummy",
     "ProcessGroupGloo",
     "ProcessGroupNCCL",

@@ -5,14 +5,19 @@ torch and the standard library only, not the torchft_like package, so it
 starts in the time of `import torch` and can wait as a warm standby. FD is
 its end of a Unix socket to the parent (multiprocessing.connection framing):
 
-    parent -> child   ("configure", host, port, prefix, rank, world_size, timeout_s, hostname)
+    parent -> child   ("configure", host, port, prefix, rank, world_size, timeout_s, hostname,
+                       backend ("gloo" | "nccl"), CUDA device index | None)
                       ("map", buf_id, nbytes) followed by the buffer's memfd (SCM_RIGHTS)
-                      ("op", op_id, [(gloo method, args), ...])
+                      ("map_cuda", buf_id, CUDA tensor)       (by CUDA IPC, nccl only)
+                      ("op", op_id, [(backend method, args), ...], ready CUDA event | None)
     child -> parent   None | "error text"          (the answer to configure)
-                      ("done", op_id, None | "error text")
+                      ("done", op_id, None | "error text", done CUDA event | None)
 
 Tensors travel as ("T", buf_id, dtype, shape): a view of a shared buffer
-the parent staged them in; option objects as ("O", class name, fields).
+the parent staged them in ("C": of a CUDA buffer); option objects as
+("O", class name, fields). With NCCL the child's stream waits for the
+parent's `ready` event before the collectives, and it answers as soon as
+they are queued, with an event that completes after them: no host waits.
 The child exits when the parent's end closes (the parent died or killed
 it), without waiting for a collective stuck in gloo.
 """
@@ -33,10 +38,19 @@ import torch.distributed as dist
 
 
 def _backend(msg: tuple[Any, ...]) -> Any:
-    _, host, port, prefix, rank, world_size, timeout_s, hostname = msg
+    _, host, port, prefix, rank, world_size, timeout_s, hostname, kind, device = msg
     timeout = timedelta(seconds=timeout_s)
     store = dist.TCPStore(host, port, is_master=False, wait_for_workers=False, timeout=timeout)
     prefixed = dist.PrefixStore(prefix, store)
+    if kind == "nccl":
+        import torch.multiprocessing  # noqa: F401 (CUDA IPC pickling of events)
+
+        torch.cuda.set_device(device)
+        opts = dist.ProcessGroupNCCL.Options()  # type: ignore[attr-defined]
+        opts._timeout = timeout
+        backend = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)  # type: ignore[attr-defined]
+        backend.eager_connect_single_device(torch.device("cuda", device))
+        return backend
     if hostname is None:
         return dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     options = dist.ProcessGroupGloo._Options()
@@ -45,11 +59,13 @@ def _backend(msg: tuple[Any, ...]) -> Any:
     return dist.ProcessGroupGloo(prefixed, rank, world_size, options)
 
 
-def _decode(x: Any, buffers: dict[int, torch.Tensor]) -> Any:
+def _decode(x: Any, buffers: dict[int, torch.Tensor], cuda: dict[int, torch.Tensor]) -> Any:
     if isinstance(x, list):
-        return [_decode(i, buffers) for i in x]
-    if isinstance(x, tuple) and x and x[0] == "T":
-        _, buf_id, dtype_name, shape = x
+        return [_decode(i, buffers, cuda) for i in x]
+    if isinstance(x, tuple) and x and x[0] in ("T", "C"):
+        kind, buf_id, dtype_name, shape = x
+        if kind == "C":
+            buffers = cuda
         dtype = getattr(torch, dtype_name)
         numel = 1
         for n in shape:
@@ -76,10 +92,10 @@ class _Replies:
         self._conn = conn
         self._lock = threading.Lock()
 
-    def send(self, op_id: int, error: str | None) -> None:
+    def send(self, op_id: int, error: str | None, done: Any = None) -> None:
         with self._lock:
             try:
-                self._conn.send(("done", op_id, error))
+                self._conn.send(("done", op_id, error, done))
             except OSError:
                 os._exit(0)  # the parent is gone
 
@@ -125,6 +141,16 @@ class _Replies:
                 fut.add_done_callback(settled)
 
 
+def _queued(works: list[Any]) -> Any:
+    """An event (shareable with the parent) that completes after `works`,
+    recorded without waiting for them: the stream waits, the host does not."""
+    for work in works:
+        work.wait()  # NCCL: the current stream waits for the collective
+    done = torch.cuda.Event(interprocess=True)
+    done.record()
+    return done
+
+
 def main() -> None:
     conn = Connection(int(sys.argv[1]))
     try:
@@ -138,6 +164,8 @@ def main() -> None:
     conn.send(None)
     replies = _Replies(conn)
     buffers: dict[int, torch.Tensor] = {}
+    cuda: dict[int, torch.Tensor] = {}
+    nccl = configure[8] == "nccl"
     while True:
         try:
             msg = conn.recv()
@@ -150,18 +178,25 @@ def main() -> None:
                 f"/proc/self/fd/{fd}", shared=True, size=nbytes, dtype=torch.uint8
             )
             os.close(fd)
+        elif msg[0] == "map_cuda":
+            cuda[msg[1]] = msg[2]
         elif msg[0] == "unmap":
             buffers.pop(msg[1], None)
         elif msg[0] == "op":
-            _, op_id, calls = msg
+            _, op_id, calls, ready = msg
+            if ready is not None:
+                torch.cuda.current_stream().wait_event(ready)
             works = []
             try:
                 for method, args in calls:  # in order: gloo matches them by order
-                    works.append(getattr(backend, method)(*_decode(args, buffers)))
+                    works.append(getattr(backend, method)(*_decode(args, buffers, cuda)))
             except Exception as e:
                 replies.send(op_id, f"{type(e).__name__}: {e}")
                 continue
-            replies.when_done(op_id, works)
+            if nccl:
+                replies.send(op_id, None, _queued(works))
+            else:
+                replies.when_done(op_id, works)
 
 
 if __name__ == "__main__":

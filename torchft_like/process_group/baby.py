@@ -37,7 +37,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
-from torchft_like._work import FutureWork
+from torchft_like._work import FutureWork, future_for
 from torchft_like.process_group.base import SUPPORTED_OPS, _reduce_op, _Registrable, _unsupported
 from torchft_like.process_group.gloo import (
     _is_loopback,
@@ -131,6 +131,10 @@ class _Op:
     """(caller's tensor, its staged view), copied back on success."""
     buf_ids: list[int] = field(default_factory=list)
     divide_by: int | None = None
+    device_buf_ids: list[int] = field(default_factory=list)
+    """ProcessGroupBabyNCCL's CUDA staging buffers."""
+    device_done: Any = None
+    """ProcessGroupBabyNCCL: the child's event after the collective."""
 
 
 def _opts(name: str, **fields: Any) -> tuple[str, str, dict[str, Any]]:
@@ -193,21 +197,22 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
             RuntimeError: gloo refused (the child's error).
         """
         host, port, prefix = parse_store_addr(store_addr)
-        self._drop_child(RuntimeError("ProcessGroupBabyGloo reconfigured"))
+        self._drop_child(RuntimeError(f"{type(self).__name__} reconfigured"))
         child, self._standby = self._standby or _Child(), None
         local = self._hostname
         if local is None and _is_loopback(host):
             local = host
         elif local is None and not os.environ.get("GLOO_SOCKET_IFNAME"):
             local = _local_address_towards(host, port)
-        msg = ("configure", host, port, prefix, rank, world_size, self._timeout_s, local)
+        msg = ("configure", host, port, prefix, rank, world_size, self._child_timeout_s(), local)
+        msg += self._child_backend()
         with self._lock:
             self._joining = child  # abort() kills it too: a member is gone
         try:
             child.conn.send(msg)
             if not child.conn.poll(self._timeout_s):
                 raise TimeoutError(
-                    f"ProcessGroupBabyGloo configure timed out after {self._timeout_s} seconds"
+                    f"{type(self).__name__} configure timed out after {self._timeout_s} seconds"
                 )
             reply = child.conn.recv()
         except BaseException:
@@ -218,7 +223,7 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
                 self._joining = None
         if reply is not None:
             child.close()
-            raise RuntimeError(f"ProcessGroupBabyGloo configure failed in its child: {reply}")
+            raise RuntimeError(f"{type(self).__name__} configure failed in its child: {reply}")
         with self._lock:
             self._child, self._buffers, self._error = child, _Buffers(), None
             self._rank, self._world_size = rank, world_size
@@ -233,10 +238,48 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
         self._finalizer = weakref.finalize(self, _kill_all, [child, self._standby])
         logger.debug("%s configured: rank %d of %d at %s", replica_id, rank, world_size, store_addr)
 
+    # What the subclass for NCCL (baby_nccl.py) changes.
+
+    def _child_backend(self) -> tuple[str, int | None]:
+        """The child's backend and CUDA device index (none for gloo)."""
+        return ("gloo", None)
+
+    def _child_timeout_s(self) -> float:
+        """The timeout of the child's own backend: gloo's is ours."""
+        return self._timeout_s
+
+    def _stage(self, x: torch.Tensor, op: _Op, buffers: _Buffers, child: _Child) -> Any:
+        """`x` copied into a shared buffer (host memory: a CUDA tensor's copy
+        waits for the device); its wire form. Under the child's send lock."""
+        dtype = str(x.dtype).removeprefix("torch.")
+        buf_id, buf = buffers.take(x.numel() * x.element_size(), child)
+        view = buf[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
+        view.copy_(x)
+        op.staged.append((x, view))
+        op.buf_ids.append(buf_id)
+        return ("T", buf_id, dtype, tuple(x.shape))
+
+    def _issued(self, op: _Op) -> Any:
+        """Sent with the op, after its tensors were staged (NCCL: an event)."""
+        return None
+
+    def _before_copy_back(self, op: _Op, done: Any) -> None:
+        """The child reported `op` done (`done`: what it sent with it)."""
+
+    def _give_back(self, op: _Op, buffers: _Buffers, child: _Child) -> None:
+        """`op`'s buffers are free again (it finished, or its child is gone)."""
+        with child.send_lock:
+            for buf_id in op.buf_ids:
+                buffers.give_back(buf_id)
+
+    def _forget(self, op: _Op) -> None:
+        """`op` was failed because its child is gone (its shared buffers go
+        with the child's; NCCL's device buffers outlive children)."""
+
     def abort(self, errored: bool = True) -> None:
         """Kills the child now: every collective in flight fails at once,
         later ones raise until configure()."""
-        error = RuntimeError("ProcessGroupBabyGloo aborted: its child process was killed")
+        error = RuntimeError(f"{type(self).__name__} aborted: its child process was killed")
         with self._lock:
             if errored:
                 self._error = self._error or error
@@ -247,7 +290,7 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
 
     def shutdown(self) -> None:
         """Kills the child and the standby; configure() starts over."""
-        self._drop_child(RuntimeError("ProcessGroupBabyGloo shut down"))
+        self._drop_child(RuntimeError(f"{type(self).__name__} shut down"))
         standby, self._standby = self._standby, None
         if standby is not None:
             standby.close()
@@ -263,6 +306,7 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
             except OSError:
                 pass
         for op in pending.values():
+            self._forget(op)
             if not op.future.done():
                 op.future.set_exception(error)
         if child is None or child.closed():
@@ -277,40 +321,40 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
         """Completes each collective as the child reports it done."""
         while True:
             try:
-                _, op_id, error = child.conn.recv()
+                _, op_id, error, done = child.conn.recv()
             except (EOFError, OSError):
                 break
             with self._lock:
                 op = self._pending.pop(op_id, None) if child is self._child else None
             if op is None:
                 continue
-            self._finish(op, error, child)
-        gone = RuntimeError("ProcessGroupBabyGloo: its child process is gone")
+            self._finish(op, error, child, done)
+        gone = RuntimeError(f"{type(self).__name__}: its child process is gone")
         with self._lock:
             if child is not self._child:
                 return
             pending, self._pending = self._pending, {}
             self._error = self._error or gone
         for op in pending.values():
+            self._forget(op)
             op.future.set_exception(gone)
 
-    def _finish(self, op: _Op, error: str | None, child: _Child) -> None:
+    def _finish(self, op: _Op, error: str | None, child: _Child, done: Any = None) -> None:
         if error is None:
+            self._before_copy_back(op, done)
             for tensor, staged in op.staged:
                 tensor.copy_(staged)
                 if op.divide_by is not None:
                     tensor.div_(op.divide_by)
-        with child.send_lock:
-            for buf_id in op.buf_ids:
-                self._buffers.give_back(buf_id)
+        self._give_back(op, self._buffers, child)
         if error is None:
             op.future.set_result(op.value)
             return
-        failure = RuntimeError(f"ProcessGroupBabyGloo collective failed: {error}")
+        name = type(self).__name__
+        failure = RuntimeError(f"{name} collective failed: {error}")
         with self._lock:
             self._error = self._error or RuntimeError(
-                f"ProcessGroupBabyGloo aborted after a failed collective ({error}); "
-                "configure() builds a new one"
+                f"{name} aborted after a failed collective ({error}); configure() builds a new one"
             )
         op.future.set_exception(failure)
         # As ProcessGroupGloo: a gloo group that failed once is broken for
@@ -329,19 +373,13 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
                 "collective before configure(): this process group has no members "
                 "(configure() was not called, or it failed)"
             )
-        op = _Op(torch.futures.Future(), value, divide_by=divide_by)
+        op = _Op(future_for(value), value, divide_by=divide_by)
 
         def stage(x: Any) -> Any:
             if isinstance(x, torch.Tensor):
-                dtype = str(x.dtype).removeprefix("torch.")
                 if x.numel() == 0:
-                    return ("T", -1, dtype, tuple(x.shape))
-                buf_id, buf = buffers.take(x.numel() * x.element_size(), child)
-                view = buf[: x.numel() * x.element_size()].view(x.dtype).view(x.shape)
-                view.copy_(x)
-                op.staged.append((x, view))
-                op.buf_ids.append(buf_id)
-                return ("T", buf_id, dtype, tuple(x.shape))
+                    return ("T", -1, str(x.dtype).removeprefix("torch."), tuple(x.shape))
+                return self._stage(x, op, buffers, child)
             if isinstance(x, list):
                 return [stage(i) for i in x]
             return x
@@ -351,12 +389,16 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
             with self._lock:
                 self._pending[op_id] = op
             try:
-                child.conn.send(("op", op_id, wire))
+                child.conn.send(("op", op_id, wire, self._issued(op)))
             except BaseException:
                 with self._lock:
                     self._pending.pop(op_id, None)
                 raise
+        self._watch(op)
         return FutureWork(op.future)
+
+    def _watch(self, op: _Op) -> None:
+        """`op` was sent to the child (NCCL: its watchdog times it)."""
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         op = _reduce_op(opts)

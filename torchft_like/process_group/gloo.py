@@ -28,7 +28,7 @@ from torch.distributed import ReduceOp
 
 from torchft_like._work import FutureWork
 from torchft_like.process_group.base import _reduce_op, _Registrable, _unsupported
-from torchft_like.process_group.gloo_work import _all_of, _P2PWork, _then
+from torchft_like.process_group.gloo_work import HostStage, _all_of, _P2PWork, _then
 
 logger = logging.getLogger(__name__)
 
@@ -81,6 +81,11 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
     `PrefixStore(prefix, TCPStore(host, port))`. Every collective fails
     (instead of hanging) within `timeout` when a peer is gone, and the failure
     is kept for `errored()`.
+
+    CUDA tensors are taken too (torchft registers gloo for `cuda` as well):
+    gloo's allreduce, broadcast, allgather and alltoall run on them itself,
+    the other collectives are staged through host memory (HostStage).
+    Slower than NCCL, but correct, and what one GPU can run across groups.
 
     Use it through the Manager: torch gives a ProcessGroup no way to change
     its C++ size, so C++ code that reads it (torch DDP given this group
@@ -173,7 +178,11 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
         name: str,
         start: Callable[[Any], dist.Work],
         p2p_tensors: list[torch.Tensor] | None = None,
+        after: Callable[[], None] | None = None,
     ) -> dist.Work:
+        """Issues `start(backend)`. `p2p_tensors`: the work has no future
+        (gloo's send, recv, reduce_scatter), its value; `after` runs once it
+        succeeded (a staged result's copy back)."""
         with self._lock:
             backend, generation = self._backend, self._generation
         if backend is None:
@@ -190,7 +199,7 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
             record(e)
             raise
         if p2p_tensors is not None:  # gloo's send/recv (and reduce_scatter) work has no future
-            return _P2PWork(work, p2p_tensors, record)
+            return _P2PWork(work, p2p_tensors, record, after)
 
         def record_failure(fut: torch.futures.Future[Any]) -> None:
             try:
@@ -228,7 +237,7 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
                     t.div_(size)
                 return tensors
 
-            return FutureWork(_then(work.get_future(), divide))
+            return FutureWork(_then(work.get_future(), divide, tensors))
         options = dist.AllreduceOptions()
         options.reduceOp = op
         return self._run("allreduce", lambda b: b.allreduce(tensors, options))
@@ -240,7 +249,10 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
             if not isinstance(opts, dist.AllreduceCoalescedOptions)
             else opts.reduceOp
         )
-        return self._run("allreduce_coalesced", lambda b: b.allreduce_coalesced(tensors, options))
+        stage = HostStage()
+        host = stage.hosts(tensors)
+        work = self._run("allreduce_coalesced", lambda b: b.allreduce_coalesced(host, options))
+        return _back_to_device(work, stage, tensors)
 
     def allgather(
         self,
@@ -257,14 +269,15 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
         opts: Any = None,
     ) -> dist.Work:
         """Each output gathers its input of every rank (gloo: one by one)."""
+        stage = HostStage()
         works = [
             self._run(
                 "allgather_into_tensor_coalesced",
-                functools.partial(_call, "_allgather_base", o, i),
+                functools.partial(_call, "_allgather_base", stage.host(o), stage.host(i, False)),
             )
             for o, i in zip(output_tensors, input_tensors, strict=True)
         ]
-        return _all_of(works, output_tensors)
+        return _back_to_device(_all_of(works, output_tensors), stage, output_tensors)
 
     def reduce_scatter(
         self,
@@ -276,10 +289,14 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
         options.reduceOp = (
             opts.reduceOp if isinstance(opts, dist.ReduceScatterOptions) else _reduce_op(opts)
         )
+        stage = HostStage()
+        host_out = stage.hosts(output_tensors)
+        host_in = [stage.hosts(ins, result=False) for ins in input_tensors]
         return self._run(
             "reduce_scatter",
-            lambda b: b.reduce_scatter(output_tensors, input_tensors, options),
+            lambda b: b.reduce_scatter(host_out, host_in, options),
             output_tensors,  # gloo's reduce_scatter work has no future
+            stage.copy_back,
         )
 
     def reduce_scatter_tensor_coalesced(
@@ -293,14 +310,14 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
         options.reduceOp = (
             opts.reduceOp if isinstance(opts, dist.ReduceScatterOptions) else _reduce_op(opts)
         )
-        works = [
-            self._run(
-                "reduce_scatter_tensor_coalesced",
-                functools.partial(_call, "_reduce_scatter_base", o, i, options),
-                [o],  # gloo's reduce_scatter work has no future
+        works = []
+        for o, i in zip(output_tensors, input_tensors, strict=True):
+            stage = HostStage()
+            start = functools.partial(
+                _call, "_reduce_scatter_base", stage.host(o), stage.host(i, False), options
             )
-            for o, i in zip(output_tensors, input_tensors, strict=True)
-        ]
+            # gloo's reduce_scatter work has no future
+            works.append(self._run("reduce_scatter_tensor_coalesced", start, [o], stage.copy_back))
         return _all_of(works, output_tensors)
 
     def alltoall_base(
@@ -335,10 +352,13 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
         return self._run("barrier", lambda b: b.barrier(dist.BarrierOptions()))
 
     def send(self, tensors: list[torch.Tensor], dst_rank: int, tag: int = 0) -> dist.Work:
-        return self._run("send", lambda b: b.send(tensors, dst_rank, tag), tensors)
+        host = HostStage().hosts(tensors, result=False)
+        return self._run("send", lambda b: b.send(host, dst_rank, tag), tensors)
 
     def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist.Work:
-        return self._run("recv", lambda b: b.recv(tensors, src_rank, tag), tensors)
+        stage = HostStage()
+        host = stage.hosts(tensors)
+        return self._run("recv", lambda b: b.recv(host, src_rank, tag), tensors, stage.copy_back)
 
     alltoall = _unsupported("alltoall")
     gather = _unsupported("gather")
@@ -377,6 +397,19 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
         deadline = time.monotonic() + self._timeout.total_seconds()
         for dropper in self._droppers:
             dropper.join(max(0.0, deadline - time.monotonic()))
+
+
+def _back_to_device(work: dist.Work, stage: HostStage, value: Any) -> dist.Work:
+    """`work`, whose staged results are copied back to the device before its
+    future completes; `work` itself when nothing was staged (CPU tensors)."""
+    if not stage.staged:
+        return work
+
+    def back(_: Any) -> Any:
+        stage.copy_back()
+        return value
+
+    return FutureWork(_then(work.get_future(), back, value))
 
 
 def _abort_and_drop(retired: list[Any]) -> None:
