@@ -9,8 +9,11 @@ from torchft_like.optim import Optimizer, OptimizerWrapper
 from torchft_like.process_group import (
     ErrorSwallowingProcessGroupWrapper,
     ManagedProcessGroup,
+    ProcessGroupBabyGloo,
+    ProcessGroupBabyNCCL,
     ProcessGroupDummy,
     ProcessGroupGloo,
+    ProcessGroupNCCL,
 )
 from torchft_like.step_batches import StepBatches
 from torchft_like.torchft_alias import install_as_torchft
@@ -30,8 +33,11 @@ __all__ = [
     "Manager",
     "Optimizer",
     "OptimizerWrapper",
+    "ProcessGroupBabyGloo",
+    "ProcessGroupBabyNCCL",
     "ProcessGroupDummy",
     "ProcessGroupGloo",
+    "ProcessGroupNCCL",
     "PureDistributedDataParallel",
     "StepBatches",
     "WorldSizeMode",

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from torchft_like import quantization
-from torchft_like._work import FutureWork, completed_work
+from torchft_like._work import FutureWork, completed_work, future_for
 
 
 def allreduce_quantized(
@@ -69,15 +69,17 @@ def allreduce_quantized(
             for chunk in padded.split(chunk_numel)
         ]
     )
-    # The codec runs on the tensor's device; only bytes go through gloo (CPU).
-    send = send.cpu()
+    # The codec runs on the tensor's device; the bytes travel from there over
+    # NCCL, through host memory over gloo.
+    wire = tensor.device if tensor.is_cuda and _device_native(pg) else torch.device("cpu")
+    send = send.to(wire)
     received = torch.empty_like(send)
     splits = [chunk_bytes] * world
     pg.alltoall_base(received, send, splits, splits).wait()
     own = torch.zeros(chunk_numel, dtype=torch.float32, device=tensor.device)
     for piece in received.to(tensor.device).split(chunk_bytes):  # rank order: same sum everywhere
         own += quantization.unpack(piece, block_size)
-    packed = quantization.pack(*quantization.quantize_int8(own, block_size)).cpu()
+    packed = quantization.pack(*quantization.quantize_int8(own, block_size)).to(wire)
     gathered = [torch.empty_like(packed) for _ in range(world)]
 
     def decode(fut: torch.futures.Future[Any]) -> torch.Tensor:
@@ -88,6 +90,14 @@ def allreduce_quantized(
         return tensor
 
     return FutureWork(pg.allgather([gathered], [packed]).get_future().then(decode))
+
+
+def _device_native(pg: Any) -> bool:
+    """Whether `pg` moves CUDA tensors device to device (NCCL's groups)."""
+    try:
+        return "nccl" in str(pg.getBackendName()).lower()
+    except (AttributeError, NotImplementedError, RuntimeError):
+        return False
 
 
 class InOrderCollectives:
@@ -123,15 +133,20 @@ class InOrderCollectives:
         """id -> (its future, its tensor, its on_error, in place), until settled."""
         self._next_id = 0
         self._broken: Exception | None = None
-        self._spare: dict[tuple[Any, ...], list[torch.Tensor]] = {}
-        """(dtype, device, shape) -> private copies free for the next allreduce."""
+        self._spare: dict[tuple[Any, ...], list[tuple[torch.Tensor, Any]]] = {}
+        """(dtype, device, shape) -> private copies free for the next
+        allreduce, each with the CUDA event after which it may be written
+        (None on CPU): its last copy out ran on a callback's stream."""
         self.abandoned = 0
         """In-place tensors left to an abandoned collective so far (`abort`)."""
 
-    def issue(self, start: Callable[[], dist.Work], two_rounds: bool) -> dist.Work:
+    def issue(
+        self, start: Callable[[], dist.Work], two_rounds: bool, like: Any = None
+    ) -> dist.Work:
         """`start()` issues the collective and returns its Work. Returns a
         Work that completes with it; errors from `start` fail that Work
-        when it is queued, and raise here when it is not."""
+        when it is queued, and raise here when it is not. `like`: what its
+        value will hold (a CUDA tensor makes the future CUDA-aware)."""
         with self._lock:
             if not two_rounds and self._queued == 0:
                 return start()
@@ -139,7 +154,14 @@ class InOrderCollectives:
             if self._executor is None:
                 self._executor = ThreadPoolExecutor(1, thread_name_prefix="torchft_collectives")
             executor, generation = self._executor, self._generation
-        result: torch.futures.Future[Any] = torch.futures.Future()
+        result = future_for(like)
+        # The worker issues on the caller's stream, as an unqueued call would:
+        # that stream wrote the tensors it reads.
+        stream = (
+            torch.cuda.current_stream(like.device)
+            if isinstance(like, torch.Tensor) and like.is_cuda
+            else None
+        )
 
         def settle(fut: torch.futures.Future[Any]) -> None:
             try:
@@ -149,7 +171,11 @@ class InOrderCollectives:
 
         def job() -> None:
             try:
-                work = start()
+                if stream is None:
+                    work = start()
+                else:
+                    with torch.cuda.stream(stream):
+                        work = start()
             except Exception as e:
                 result.set_exception(e)
                 return
@@ -194,11 +220,15 @@ class InOrderCollectives:
         else:
             with self._lock:
                 free = self._spare.get(shape)
-                private = (
-                    free.pop() if free else torch.empty(shape[2], dtype=shape[0], device=shape[1])
+                private, read = (
+                    free.pop()
+                    if free
+                    else (torch.empty(shape[2], dtype=shape[0], device=shape[1]), None)
                 )
+            if read is not None:
+                torch.cuda.current_stream(tensor.device).wait_event(read)
             private.copy_(tensor)
-        out: torch.futures.Future[Any] = torch.futures.Future()
+        out = future_for(tensor)
         with self._lock:  # in flight before it is issued: an abort between counts it
             key, self._next_id = self._next_id, self._next_id + 1
             self._in_flight[key] = (out, tensor, on_error, in_place)
@@ -208,6 +238,7 @@ class InOrderCollectives:
                 if quantize
                 else (lambda: pg.allreduce([private], dist.ReduceOp.SUM)),
                 two_rounds=quantize,
+                like=private,
             )
         except Exception as e:
             with self._lock:
@@ -231,8 +262,12 @@ class InOrderCollectives:
             except Exception as e:
                 on_error(e)
             if not in_place:
+                read = None
+                if private.is_cuda:  # the copy out ran on this callback's stream
+                    read = torch.cuda.Event()
+                    read.record(torch.cuda.current_stream(private.device))
                 with self._lock:
-                    self._spare.setdefault(shape, []).append(private)
+                    self._spare.setdefault(shape, []).append((private, read))
             out.set_result(tensor)
 
         work.get_future().add_done_callback(finish)

@@ -58,23 +58,14 @@ MISSING_MODULES = {
 }
 """torchft modules torchft_like does not have, and what to use instead."""
 
-_NO_NCCL = (
-    "no NCCL/XCCL process groups (nor their Baby subprocess forms) yet; use ProcessGroupGloo "
-    "or ProcessGroupBabyGloo"
+_NO_XCCL = (
+    "no XCCL process groups (Intel GPUs), nor their Baby subprocess form; on NVIDIA GPUs use "
+    "ProcessGroupNCCL or ProcessGroupBabyNCCL, on CPUs ProcessGroupGloo"
 )
 MISSING_NAMES = {
-    "torchft_like": dict.fromkeys(
-        ("ProcessGroupNCCL", "ProcessGroupXCCL", "ProcessGroupBabyNCCL", "ProcessGroupBabyXCCL"),
-        _NO_NCCL,
-    ),
+    "torchft_like": dict.fromkeys(("ProcessGroupXCCL", "ProcessGroupBabyXCCL"), _NO_XCCL),
     "torchft_like.process_group": dict.fromkeys(
-        (
-            "ProcessGroupNCCL",
-            "ProcessGroupXCCL",
-            "ProcessGroupBabyNCCL",
-            "ProcessGroupBabyXCCL",
-        ),
-        _NO_NCCL,
+        ("ProcessGroupXCCL", "ProcessGroupBabyXCCL"), _NO_XCCL
     ),
     "torchft_like.device_mesh": {
         "ManagedDeviceMesh": "ft_init_device_mesh returns a real torch DeviceMesh instead",

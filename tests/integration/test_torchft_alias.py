@@ -59,8 +59,8 @@ def test_with_the_variable_every_torchft_path_is_torchft_likes_module():
         with mock.patch("torchft.manager.ManagerClient") as patched:
             seen = torchft_like.manager.ManagerClient is patched
         errors = {{}}
-        for statement in ("from torchft import ProcessGroupNCCL",
-                          "from torchft.process_group import ProcessGroupBabyNCCL",
+        for statement in ("from torchft import ProcessGroupXCCL",
+                          "from torchft.process_group import ProcessGroupBabyXCCL",
                           "import torchft.otel", "import torchft.nonesuch"):
             try:
                 exec(statement)
@@ -69,6 +69,9 @@ def test_with_the_variable_every_torchft_path_is_torchft_likes_module():
         print(json.dumps({{
             "found": found, "same": same, "patched": seen,
             "classes": [torchft.Manager is torchft_like.Manager,
+                        torchft.ProcessGroupNCCL is torchft_like.ProcessGroupNCCL,
+                        torchft.process_group.ProcessGroupBabyNCCL
+                        is torchft_like.ProcessGroupBabyNCCL,
                         PGTransport is torchft_like.checkpointing.pg_transport.PGTransport,
                         torchft.Optimizer is torchft_like.Optimizer,
                         ProcessGroupBabyGloo is torchft_like.process_group.ProcessGroupBabyGloo],
@@ -84,12 +87,13 @@ def test_with_the_variable_every_torchft_path_is_torchft_likes_module():
     errors = got["errors"]
     assert len(errors) == 4, errors
     assert (
-        "torchft.ProcessGroupNCCL (torchft_like stands in"
-        in errors["from torchft import ProcessGroupNCCL"]
+        "torchft.ProcessGroupXCCL (torchft_like stands in"
+        in errors["from torchft import ProcessGroupXCCL"]
     )
+    assert "use ProcessGroupNCCL" in errors["from torchft import ProcessGroupXCCL"]
     assert (
-        "torchft.process_group.ProcessGroupBabyNCCL"
-        in errors["from torchft.process_group import ProcessGroupBabyNCCL"]
+        "torchft.process_group.ProcessGroupBabyXCCL"
+        in errors["from torchft.process_group import ProcessGroupBabyXCCL"]
     )
     assert MISSING_MODULES["torchft.otel"] in errors["import torchft.otel"]
     assert "torchft.nonesuch" in errors["import torchft.nonesuch"]
