@@ -29,7 +29,7 @@ class FutureWork(dist.Work):
         return self._future.done()
 
 
-def cuda_devices(value: Any) -> list[torch.device]:
+def cuda_devices(value: Any) -> list[int | str | torch.device]:
     """The CUDA devices of the tensors in `value` (nested lists, tuples, dicts)."""
     found: set[torch.device] = set()
 

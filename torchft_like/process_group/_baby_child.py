@@ -46,9 +46,9 @@ def _backend(msg: tuple[Any, ...]) -> Any:
         import torch.multiprocessing  # noqa: F401 (CUDA IPC pickling of events)
 
         torch.cuda.set_device(device)
-        opts = dist.ProcessGroupNCCL.Options()  # type: ignore[attr-defined]
+        opts = dist.ProcessGroupNCCL.Options()
         opts._timeout = timeout
-        backend = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)  # type: ignore[attr-defined]
+        backend = dist.ProcessGroupNCCL(prefixed, rank, world_size, opts)
         backend.eager_connect_single_device(torch.device("cuda", device))
         return backend
     if hostname is None:

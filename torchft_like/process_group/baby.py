@@ -204,8 +204,9 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
             local = host
         elif local is None and not os.environ.get("GLOO_SOCKET_IFNAME"):
             local = _local_address_towards(host, port)
-        msg = ("configure", host, port, prefix, rank, world_size, self._child_timeout_s(), local)
-        msg += self._child_backend()
+        kind, device = self._child_backend()
+        timeout_s = self._child_timeout_s()
+        msg = ("configure", host, port, prefix, rank, world_size, timeout_s, local, kind, device)
         with self._lock:
             self._joining = child  # abort() kills it too: a member is gone
         try:

@@ -79,7 +79,7 @@ def nccl_backend(store: dist.Store, rank: int, world_size: int, timeout: timedel
     communicator connected now (a failed join shows in configure, not in
     the first collective), with torch's watchdog timeout past ours."""
     require_nccl("ProcessGroupNCCL")
-    backend_class = dist.ProcessGroupNCCL  # type: ignore[attr-defined]
+    backend_class = dist.ProcessGroupNCCL
     opts = backend_class.Options()
     opts.config.blocking = False
     opts._timeout = timeout * 2 + timedelta(seconds=30)
@@ -448,7 +448,7 @@ def _future_of(work: Any) -> torch.futures.Future[Any]:
     """The work's future; gloo's send/recv works (the tests' stand-in) have
     none, so a helper thread waits for them."""
     try:
-        return work.get_future()  # type: ignore[no-any-return]
+        return work.get_future()
     except RuntimeError:
         fut: torch.futures.Future[Any] = torch.futures.Future()
 
