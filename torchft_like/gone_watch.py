@@ -49,6 +49,10 @@ sockets close.) So the Manager's default stays in process
 back within the collective timeout must find its collective failed: in
 process it may complete with our abandoned ones (it is told it is gone,
 lighthouse.gone, but may commit first; the next quorum heals it).
+
+On GPUs, ProcessGroupNCCL's abort is ncclCommAbort on a non-blocking
+communicator: it ends the collective in flight on the device, so nothing
+runs on; ProcessGroupBabyNCCL kills its child as the gloo baby does.
 """
 
 from __future__ import annotations
