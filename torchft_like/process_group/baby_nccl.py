@@ -25,6 +25,7 @@ buffers): what the tests drive on a machine without a GPU.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from datetime import timedelta
 from typing import Any
@@ -43,36 +44,42 @@ class DeviceStaging:
     """CUDA staging buffers, reused by (device, size) and shared with each
     child by CUDA IPC once. A buffer given back carries the event after
     which it may be written again; `take` makes the caller's stream wait
-    for it. Called under the child's send lock."""
+    for it. `take` runs under the child's send lock (it may send a buffer);
+    its own lock covers `give_back` from a reader or a reaper."""
 
     def __init__(self) -> None:
         import torch.multiprocessing  # noqa: F401 (CUDA IPC pickling of tensors and events)
 
+        self._lock = threading.Lock()
         self._tensors: dict[int, torch.Tensor] = {}
         self._free: dict[tuple[torch.device, int], list[int]] = {}
         self._reusable_after: dict[int, Any] = {}
         self._shared_with: dict[int, _Child] = {}
 
     def take(self, nbytes: int, device: torch.device, child: _Child) -> tuple[int, torch.Tensor]:
-        free = self._free.get((device, nbytes))
-        if free:
-            buf_id = free.pop()
-        else:
-            buf_id = len(self._tensors)
-            self._tensors[buf_id] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        after = self._reusable_after.pop(buf_id, None)
+        with self._lock:
+            free = self._free.get((device, nbytes))
+            if free:
+                buf_id = free.pop()
+            else:
+                buf_id = len(self._tensors)
+                self._tensors[buf_id] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            after = self._reusable_after.pop(buf_id, None)
+            tensor = self._tensors[buf_id]
+            shared = self._shared_with.get(buf_id) is child
+            self._shared_with[buf_id] = child
         if after is not None:
             torch.cuda.current_stream(device).wait_event(after)
-        if self._shared_with.get(buf_id) is not child:
-            child.conn.send(("map_cuda", buf_id, self._tensors[buf_id]))
-            self._shared_with[buf_id] = child
-        return buf_id, self._tensors[buf_id]
+        if not shared:
+            child.conn.send(("map_cuda", buf_id, tensor))
+        return buf_id, tensor
 
     def give_back(self, buf_id: int, reusable_after: Any = None) -> None:
-        tensor = self._tensors[buf_id]
-        if reusable_after is not None:
-            self._reusable_after[buf_id] = reusable_after
-        self._free.setdefault((tensor.device, tensor.numel()), []).append(buf_id)
+        with self._lock:
+            tensor = self._tensors[buf_id]
+            if reusable_after is not None:
+                self._reusable_after[buf_id] = reusable_after
+            self._free.setdefault((tensor.device, tensor.numel()), []).append(buf_id)
 
 
 class ProcessGroupBabyNCCL(ProcessGroupBabyGloo):
@@ -156,9 +163,8 @@ class ProcessGroupBabyNCCL(ProcessGroupBabyGloo):
             return
         copied = torch.cuda.Event()
         copied.record(torch.cuda.current_stream(op.staged[0][0].device))  # after the copies out
-        with child.send_lock:
-            for buf_id in op.device_buf_ids:
-                self._staging.give_back(buf_id, copied)
+        for buf_id in op.device_buf_ids:
+            self._staging.give_back(buf_id, copied)
 
     def _forget(self, op: _Op) -> None:
         # Its child is dead: nothing writes into its buffers any more, and
