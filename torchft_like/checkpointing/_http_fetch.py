@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from lighthouse.rpc import auth
-from torchft_like.checkpointing import _checksum, _format
+from torchft_like.checkpointing import _checksum, _format, _staging
 
 logger = logging.getLogger(__name__)
 
@@ -100,11 +100,14 @@ class Fetch:
         secret: str | None = None,
         context: ssl.SSLContext | None = None,
         on_begun: Callable[[], None] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         """`context`: fetch over HTTPS with it; None: plain HTTP. `on_begun`:
         called once the source has accepted every stream (from then on it
-        serves them to the end)."""
+        serves them to the end). `device`: where leaves the source held on
+        CUDA go (`_staging.target_device`)."""
         self._host, self._port, self._step, self._deadline = host, port, step, deadline
+        self._device = device
         self._context = context
         self._on_begun = on_begun
         self._accepted = 0
@@ -169,9 +172,7 @@ class Fetch:
             if verifier is not None:
                 verifier.stop()
             self.close()
-        for i, spec in enumerate(header.specs):
-            if spec.device.startswith("cuda") and torch.cuda.is_available():
-                tensors[i] = tensors[i].to("cuda")
+        tensors = _staging.place(header.specs, tensors, self._device)
         return _format.unflatten(header.tree, tensors), sum(nbytes)
 
     def _verify(

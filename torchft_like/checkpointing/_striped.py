@@ -31,7 +31,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from torchft_like.checkpointing import _checksum, _format
+from torchft_like.checkpointing import _checksum, _format, _staging
 from torchft_like.checkpointing._http_fetch import (
     ChecksumMismatch,
     Fetch,
@@ -283,6 +283,8 @@ class StripedFetch:
         stall_s: a source whose socket stays silent this long is dropped.
         progress: called as progress(source index, bytes) after every
             piece received (for reports and tests).
+        device: where leaves the sources held on CUDA go
+            (`_staging.target_device`).
     """
 
     def __init__(
@@ -296,6 +298,7 @@ class StripedFetch:
         streams_per_source: int = 1,
         stall_s: float = 10.0,
         progress: Callable[[int, int], None] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         if not sources:
             raise ValueError("a striped fetch needs at least one source")
@@ -314,6 +317,7 @@ class StripedFetch:
         self._step, self._deadline = step, deadline
         self._streams = streams_per_source
         self._progress = progress
+        self._device = device
         self._fetches = [
             _SourceFetch(s, step, deadline, stall_s, secret, context) for s in self.sources
         ]
@@ -372,10 +376,7 @@ class StripedFetch:
             for fetch in self._fetches:
                 fetch.abort()
                 fetch.close()
-        tensors = self._tensors
-        for i, spec in enumerate(header.specs):
-            if spec.device.startswith("cuda") and torch.cuda.is_available():
-                tensors[i] = tensors[i].to("cuda")
+        tensors = _staging.place(header.specs, self._tensors, self._device)
         report = StripeReport(
             sources=[s.label for s in self.sources],
             bytes_by_source=list(self._bytes),

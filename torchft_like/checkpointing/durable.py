@@ -8,6 +8,13 @@ user state, the Manager's progress and the data position (every registered
 state dict). One writer per piece of state across the job: only the replica
 group with participating rank 0 of the step writes, each of its group ranks
 its own part, since ranks of a group may hold different state.
+
+CUDA state: each tensor's device is saved with it, and a restore puts it
+back on the GPU (this rank's own, see `_staging.target_device`) where it
+was saved from a GPU, on the CPU otherwise, so a restored optimizer state
+is on the device its optimizer steps on. Saving copies CUDA tensors into
+pinned host memory without blocking, then waits once per device: the
+training thread pays one device round trip, not one per tensor.
 """
 
 from __future__ import annotations
@@ -27,6 +34,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+from torchft_like.checkpointing import _staging
 from torchft_like.checkpointing import durable_layout as layout
 
 logger = logging.getLogger(__name__)
@@ -46,34 +54,60 @@ class _Checkpointed(Protocol):
 
 @dataclass(frozen=True)
 class _Ref:
-    """Stands for the tensor saved under key `t{index}`."""
+    """Stands for the tensor saved under key `t{index}`, taken from `device`
+    (checkpoints written before devices were recorded read as "cpu")."""
 
     index: int
+    device: str = "cpu"
 
 
 def _split(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     """The structure of `obj` with each tensor replaced by a _Ref, tensors
     copied to CPU into `tensors`. DCP alone would turn integer dict keys
     (an optimizer's per-parameter state) into strings; the structure, saved
-    pickled as one item, keeps every key and type as it was."""
+    pickled as one item, keeps every key and type as it was. CUDA tensors
+    are copied into pinned memory without blocking; the copies have all
+    finished when this returns."""
+    devices: set[torch.device] = set()
+    structure = _split_into(obj, tensors, devices)
+    for device in devices:
+        with _staging.on_device(device):
+            torch.cuda.current_stream(device).synchronize()
+    return structure
+
+
+def _split_into(obj: Any, tensors: dict[str, torch.Tensor], devices: set[torch.device]) -> Any:
     if isinstance(obj, torch.Tensor):
         key = f"t{len(tensors)}"
-        tensors[key] = obj.detach().to("cpu", copy=True)
+        tensor = obj.detach()
+        if tensor.is_cuda and type(tensor) is torch.Tensor:  # a DTensor keeps the plain copy
+            with _staging.on_device(tensor.device):
+                host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+                host.copy_(tensor, non_blocking=True)
+            devices.add(tensor.device)
+            tensors[key] = host
+            return _Ref(len(tensors) - 1, str(tensor.device))
+        tensors[key] = tensor.to("cpu", copy=True)
         return _Ref(len(tensors) - 1)
     if isinstance(obj, dict):
-        return {k: _split(v, tensors) for k, v in obj.items()}
+        return {k: _split_into(v, tensors, devices) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return type(obj)(_split(v, tensors) for v in obj)
+        return type(obj)(_split_into(v, tensors, devices) for v in obj)
     return obj
 
 
-def _join(obj: Any, tensors: dict[str, Any]) -> Any:
+def _join(obj: Any, tensors: dict[str, Any], device: torch.device | None = None) -> Any:
     if isinstance(obj, _Ref):
-        return tensors[f"t{obj.index}"]
+        tensor = tensors[f"t{obj.index}"]
+        target = _staging.target_device(obj.device, device)
+        if target.type == "cpu":
+            return tensor
+        with _staging.on_device(target):
+            return tensor.to(target)
     if isinstance(obj, dict):
-        return {k: _join(v, tensors) for k, v in obj.items()}
+        return {k: _join(v, tensors, device) for k, v in obj.items()}
     if isinstance(obj, list | tuple):
-        return type(obj)(_join(v, tensors) for v in obj)
+        return type(obj)(_join(v, tensors, device) for v in obj)
     return obj
 
 
@@ -89,8 +123,10 @@ def _write(flat: dict[str, Any], path: Path) -> None:
     dcp.save(flat, storage_writer=dcp.FileSystemWriter(path), no_dist=True)
 
 
-def load_state(path: Path) -> dict[str, Any]:
-    """Reads a state written by `save_state`."""
+def load_state(path: Path, device: torch.device | None = None) -> dict[str, Any]:
+    """Reads a state written by `save_state`: tensors saved from a GPU onto
+    `device` (None: this process's GPU; the CPU without CUDA), the others
+    on the CPU."""
     reader = dcp.FileSystemReader(path)
     meta = reader.read_metadata().state_dict_metadata
     template: dict[str, Any] = {}
@@ -102,7 +138,7 @@ def load_state(path: Path) -> dict[str, Any]:
     dcp.load(template, storage_reader=reader, no_dist=True)
     # Our own files: the structure is the state's own pickled skeleton (ints,
     # strings, lists), as trusted as the tensors DCP unpickles beside it.
-    result: dict[str, Any] = _join(pickle.loads(template["structure"]), template)
+    result: dict[str, Any] = _join(pickle.loads(template["structure"]), template, device)
     return result
 
 
@@ -125,6 +161,10 @@ class DurableCheckpointer:
         every_steps: save at committed steps that are multiples of this.
         keep: complete checkpoints kept per rank (at least 1).
         group_rank, group_world_size: this rank and its group's size.
+        device: where `load_newest` puts tensors saved from a GPU (the
+            device this rank's model lives on); None: the current CUDA
+            device when CUDA is initialized in the thread building the
+            checkpointer, else cuda:(LOCAL_RANK % GPUs); the CPU without CUDA.
     """
 
     def __init__(
@@ -135,6 +175,7 @@ class DurableCheckpointer:
         keep: int = 2,
         group_rank: int | None = None,
         group_world_size: int | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         if every_steps < 1:
             raise ValueError(f"every_steps ({every_steps}) must be at least 1")
@@ -150,6 +191,7 @@ class DurableCheckpointer:
             if group_world_size is not None
             else int(os.environ.get("WORLD_SIZE", 1))
         )
+        self._device = _staging.resolve_device(device)
         self._dir.mkdir(parents=True, exist_ok=True)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -182,7 +224,7 @@ class DurableCheckpointer:
             logger.info("no complete checkpoint in %s: starting fresh", self._dir)
             return None
         path = self._dir / layout.step_dir(step) / layout.rank_dir(self._rank)
-        self._manager.load_full_state_dict(load_state(path))
+        self._manager.load_full_state_dict(load_state(path, self._device))
         logger.info("resumed from %s at step %d", path, step)
         return step
 

@@ -36,8 +36,14 @@ Speed comes from touching each byte once on either side: the source sends
 slices of the live tensors' memory with socket sendall (contiguous CPU
 tensors are not copied; others are copied one slice at a time), and the
 receiver preallocates every tensor from the header and reads the socket
-straight into its memory. Received tensors are on the CPU, or on the current
-CUDA device when the source's were on CUDA and this process has CUDA.
+straight into its memory.
+
+CUDA state: a source copies its CUDA tensors to host through a few pinned
+buffers on a side stream, each slice copied while the previous one is on
+the wire (`_staging.HostRing`). A receiver puts each leaf the source held
+on CUDA onto its own GPU (the transport's `device`), through pinned buffers
+too, and leaves CPU leaves (optimizer step counters) on the CPU; without
+CUDA everything stays on the CPU.
 """
 
 from __future__ import annotations
@@ -53,10 +59,12 @@ from datetime import timedelta
 from typing import Any
 from urllib.parse import SplitResult, urlsplit
 
+import torch
+
 from lighthouse.rpc import auth
 from lighthouse.rpc.address import BIND_HOST_ENV
 from lighthouse.rpc.tls import FIX, TLSConfig, check_scheme, is_refusal, scheme
-from torchft_like.checkpointing import _striped, _torchft_http
+from torchft_like.checkpointing import _staging, _striped, _torchft_http
 from torchft_like.checkpointing._http_fetch import (
     GONE_AFTER_S,
     ChecksumMismatch,
@@ -115,6 +123,11 @@ class HTTPTransport(CheckpointTransport[Any]):
         tls: serve HTTPS and fetch over HTTPS (lighthouse.rpc.tls), with
             client certificates when `tls.client_auth`; `metadata()` is then
             ``https://...``. None: plain HTTP.
+        device: where received leaves that the source held on CUDA go: the
+            device this rank's model lives on. None: the current CUDA device
+            when CUDA is initialized in the thread building the transport,
+            else cuda:(LOCAL_RANK % GPUs) at receive time; the CPU without
+            CUDA (see `_staging`). Leaves the source held on the CPU stay there.
 
     Raises:
         ValueError: a negative num_chunks or timeout, or a port out of range.
@@ -133,6 +146,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         secret: str | None = None,
         bind_host: str | None = None,
         tls: TLSConfig | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         if timeout <= timedelta(0):
             raise ValueError(f"timeout ({timeout}) must be positive")
@@ -142,6 +156,8 @@ class HTTPTransport(CheckpointTransport[Any]):
             raise ValueError(f"port ({port}) must be in [0, 65535]; 0 picks a free one")
         self._timeout = timeout
         self._num_chunks = max(1, num_chunks)
+        self.device = _staging.resolve_device(device)
+        """Where received CUDA leaves go (None: resolved at receive time)."""
         if secret is not None:
             auth.validate_secret(secret, "HTTPTransport's `secret` argument")
         self.secret = secret
@@ -261,7 +277,14 @@ class HTTPTransport(CheckpointTransport[Any]):
                 return _torchft_http.fetch(metadata, step, deadline, where)
             assert url.hostname and url.port
             fetch = Fetch(
-                url.hostname, url.port, step, deadline, self.secret, self._client_context, on_begun
+                url.hostname,
+                url.port,
+                step,
+                deadline,
+                self.secret,
+                self._client_context,
+                on_begun,
+                self.device,
             )
             return fetch.run(self._num_chunks)
 
@@ -344,6 +367,7 @@ class HTTPTransport(CheckpointTransport[Any]):
                 ranges_per_source=ranges_per_source,
                 streams_per_source=self._num_chunks,
                 stall_s=stall_timeout.total_seconds(),
+                device=self.device,
             )
             state, nbytes, report = fetch.run()
             reports.append(report)
