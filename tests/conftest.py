@@ -20,6 +20,23 @@ def _interrupted(signum: int, frame: object) -> None:
 signal.signal(signal.SIGTERM, _interrupted)
 
 
+NO_CUDA = "no CUDA device: torch.cuda.is_available() is False"
+"""The reason every `cuda` test is skipped with on a machine without a GPU
+(scripts/gpu_check.py reports its checks skipped with the same words)."""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Skips the tests marked `cuda` when there is no GPU, saying so."""
+    marked = [item for item in items if item.get_closest_marker("cuda") is not None]
+    if not marked:
+        return
+    import torch  # only when a cuda test was collected
+
+    if not torch.cuda.is_available():
+        for item in marked:
+            item.add_marker(pytest.mark.skip(reason=NO_CUDA))
+
+
 @pytest.fixture
 def children():
     """Spawns child processes and kills every one of them at teardown."""
