@@ -19,6 +19,14 @@ Manager, so a restarted group copies it from a live one at its first sync
 pseudo-gradient weighs twice that once, as in torchft). DiLoCo needs
 `use_async_quorum=False`: the heal must land before the pseudo-gradient is
 taken.
+
+CUDA streams: like torchft, each DiLoCo fragment on CUDA gets a side stream
+that waits for the pseudo-gradient (taken on the training stream) and carries
+the allreduce and bucket copies. Better: the training stream, not the host,
+waits for the averaging's end (but for a sync serving a healing peer); the
+backup goes to the device non_blocking from pinned memory, and a host read or
+write of the backup first waits for the stream's last use of it. LocalSGD
+averages on the training stream, as torchft's. None of it runs on CPU.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ from typing import Any, TypeVar
 import torch
 from torch import nn, optim
 from torch.utils.hooks import RemovableHandle
+
+from torchft_like._cuda_streams import mark, on, side_stream
 
 logger = logging.getLogger(__name__)
 
@@ -217,6 +227,9 @@ class _StreamingDiLoCoFragment:
             local = _local(p.data)
             backup = torch.empty(local.shape, dtype=local.dtype, device=device)
             self.original_parameters[name] = backup.pin_memory() if pin else backup
+        self._stream: Any = side_stream(model_fragment)  # None unless on CUDA
+        self._stop_event: Any = None  # on the side stream: the averaging is done
+        self._backup_event: Any = None  # see _backup_used
 
     # ---- outer state ---------------------------------------------------------
 
@@ -225,12 +238,14 @@ class _StreamingDiLoCoFragment:
         and the outer optimizer) from a live one."""
 
         def load(state: dict[str, Any]) -> None:
+            self._backup_settled()
             for name, value in state["original_parameters"].items():
                 if name in self.original_parameters:
                     self.original_parameters[name].copy_(value)
             self._outer_optimizer.load_state_dict(state["outer_optimizer"])
 
         def save() -> dict[str, Any]:
+            self._backup_settled()
             return {
                 "original_parameters": {
                     name: extract_local_tensor(t) for name, t in self.original_parameters.items()
@@ -247,6 +262,19 @@ class _StreamingDiLoCoFragment:
         with torch.no_grad():
             for name, p in self._model_fragment.named_parameters():
                 self.original_parameters[name].copy_(_local(p.data), non_blocking=True)
+        self._backup_used()
+
+    def _backup_used(self) -> None:
+        """Marks the stream's last non_blocking copy from or into the backup."""
+        if self._stream is not None:
+            self._backup_event = mark(torch.cuda.current_stream(self._stream.device))
+
+    def _backup_settled(self) -> None:
+        """The host waits for those copies before it reads or writes a pinned
+        backup itself (a heal's state dict, a load)."""
+        event, self._backup_event = self._backup_event, None
+        if event is not None:
+            event.synchronize()
 
     def restore_parameters(self) -> None:
         """Puts the backed-up global parameters back into the fragment."""
@@ -273,11 +301,14 @@ class _StreamingDiLoCoFragment:
     # ---- pseudo-gradients ----------------------------------------------------
 
     def _save_grads(self) -> None:
-        """Pseudo-gradient = global parameters - local parameters."""
+        """Pseudo-gradient = global parameters - local parameters (on the training stream)."""
         with torch.no_grad():
             for name, p in self._model_fragment.named_parameters():
                 local = _local(p.data)
-                self._grads[name] = self.original_parameters[name].to(local.device) - local
+                backup = self.original_parameters[name]
+                # From a pinned backup the copy is queued, not waited for.
+                self._grads[name] = backup.to(local.device, non_blocking=True) - local
+        self._backup_used()
 
     def _set_grads(self) -> None:
         """Hands the averaged pseudo-gradients to the outer optimizer as grads."""
@@ -342,12 +373,22 @@ class _StreamingDiLoCoFragment:
         inner steps go on while they travel (`fragment_sync_delay`)."""
         assert not self._allreduce_work, "a sync of this fragment is already in flight"
         self._save_grads()
-        self._average_grads()
+        if self._stream is not None:  # it starts after the pseudo-gradients were taken
+            self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))
+        with on(self._stream):
+            self._average_grads()
 
-    def _wait_averaged(self) -> None:
-        """Waits for the averaging in flight, which perform_sync still finishes."""
-        for work in self._allreduce_work:
-            work.wait()
+    def _wait_averaged(self, host: bool = False) -> None:
+        """Waits for the averaging in flight, which perform_sync still finishes.
+        On CUDA the training stream waits for the side stream; `host`: the host too."""
+        with on(self._stream):
+            for work in self._allreduce_work:
+                work.wait()
+        if self._stream is not None:
+            self._stop_event = mark(self._stream)
+            torch.cuda.current_stream(self._stream.device).wait_event(self._stop_event)
+            if host:
+                self._stop_event.synchronize()
 
     def wait(self) -> None:
         """Waits for the averaging started by prepare_sync."""
@@ -542,7 +583,7 @@ class DiLoCo(_InnerStepHooks):
                 # this averaging only once it has them all: wait for it here
                 # rather than let the next inner steps write them under it.
                 logger.info("serving a healing group: fragment %d's sync not overlapped", fragment)
-                self._fragments[fragment]._wait_averaged()
+                self._fragments[fragment]._wait_averaged(host=True)
         if self._local_step == self._sync_every:
             fragment = self._current_fragment()
             committed = self._fragments[fragment].perform_sync()
