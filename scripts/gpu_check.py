@@ -283,6 +283,7 @@ def run_one(planned: Planned, deadline_s: float, logs: Path, python: str) -> dic
     assert planned.variant is not None
     node = planned.variant.node
     name = planned.check.name
+    logs.mkdir(parents=True, exist_ok=True)
     xml, log = logs / f"{name}.xml", logs / f"{name}.log"
     xml.unlink(missing_ok=True)
     timeout = max(1, int(deadline_s - KILL_GRACE_S))
@@ -365,10 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     probe = probe_machine()
     planned = plan(probe, checks)
-    logs = Path(args.logs).resolve()
-    if any(p.variant is not None for p in planned):
-        logs.mkdir(parents=True, exist_ok=True)
-    entries = run(planned, args.budget_s, logs, sys.executable)
+    entries = run(planned, args.budget_s, Path(args.logs).resolve(), sys.executable)
     report = {
         "gpus": probe.gpus,
         **probe.info,
