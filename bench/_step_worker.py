@@ -44,6 +44,8 @@ parser.add_argument("--hidden", type=int, required=True)
 parser.add_argument("--layers", type=int, default=4)
 parser.add_argument("--batch", type=int, default=32)
 parser.add_argument("--pin", action="store_true", help="pin rank r (group g) to core r (g)")
+parser.add_argument("--device", choices=["cpu", "cuda"], default="cpu")
+parser.add_argument("--process-group", choices=["gloo", "nccl"], default="gloo")
 args = parser.parse_args()
 torch.set_num_threads(1)
 _rpc_count.install()
@@ -57,16 +59,31 @@ if args.pin:
     cores = sorted(os.sched_getaffinity(0))
     os.sched_setaffinity(0, {cores[slot % len(cores)]})
 
+# On CUDA, rank r of plain DDP and replica group g each take GPU r (g)
+# modulo the GPUs: one GPU holds every rank over gloo; NCCL needs two.
+device = torch.device("cpu")
+if args.device == "cuda":
+    slot = rank if args.mode == "plain" else int(group)
+    device = torch.device("cuda", slot % torch.cuda.device_count())
+    torch.cuda.set_device(device)
 torch.manual_seed(0)
 layers: list[nn.Module] = []
 for _ in range(args.layers):
     layers += [nn.Linear(args.hidden, args.hidden), nn.ReLU()]
-model = nn.Sequential(*layers)
+model = nn.Sequential(*layers).to(device)
 inner = torch.optim.AdamW(model.parameters(), lr=1e-4)
-x = torch.randn(args.batch, args.hidden)
+x = torch.randn(args.batch, args.hidden).to(device)
+
+
+def make_pg(ft: object) -> object:
+    """The replicas' group: gloo (on CUDA tensors too), or NCCL (ours)."""
+    if args.process_group == "nccl":
+        return ft.ProcessGroupNCCL(timeout=timedelta(seconds=120))  # type: ignore[attr-defined]
+    return ft.ProcessGroupGloo(timeout=timedelta(seconds=120))  # type: ignore[attr-defined]
+
 
 if args.mode == "plain":
-    dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    dist.init_process_group(args.process_group, timeout=timedelta(seconds=120))
     ddp = nn.parallel.DistributedDataParallel(model)
     optimizer = inner
     manager = None
@@ -77,7 +94,7 @@ else:
         import torchft as ft  # type: ignore[no-redef]
 
     manager = ft.Manager(
-        pg=ft.ProcessGroupGloo(timeout=timedelta(seconds=120)),
+        pg=make_pg(ft),
         load_state_dict=lambda sd: (model.load_state_dict(sd["m"]), inner.load_state_dict(sd["o"])),
         state_dict=lambda: {"m": model.state_dict(), "o": inner.state_dict()},
         min_replica_size=2,
@@ -103,6 +120,8 @@ def train_step() -> tuple[float, ...]:
     loss.backward()
     backward = time.perf_counter()
     optimizer.step()
+    if device.type == "cuda":  # the step ends when the GPU is done with it
+        torch.cuda.synchronize(device)
     return zero, forward, backward, time.perf_counter()
 
 

@@ -2,6 +2,11 @@
 
     python -m bench.step_overhead [--hidden 1000 2500] [--allocator default keep]
         [--rounds 12] [--steps 20] [--launches 1] [--pin] [--out DIR] [--smoke]
+        [--device cpu|cuda] [--process-group gloo|nccl]
+
+On CUDA (--device cuda) the model and data are on the GPU, both contenders
+use gloo (torch's for plain DDP, ours across the groups) unless
+--process-group nccl, and a step's time ends when the GPU is done with it.
 
 Contenders: plain = torch DDP over 2 gloo ranks (one torchrun with 2
 processes); ft = torchft_like, 2 replica groups of one rank each (our
@@ -392,6 +397,8 @@ def measure(hidden: int, modes: list[str], allocators: list[str], args: argparse
     server = socket.create_server(("127.0.0.1", 0))
     control = f"127.0.0.1:{server.getsockname()[1]}"
     worker_args = ["--control", control, "--hidden", str(hidden)] + (["--pin"] if args.pin else [])
+    if args.device != "cpu" or args.process_group != "gloo":  # the CPU run's workers as before
+        worker_args += ["--device", args.device, "--process-group", args.process_group]
     names = [(m, a) for a in allocators for m in modes]
     blocks: dict[str, list[dict]] = {f"{m}/{a}": [] for m, a in names}
     try:
@@ -439,8 +446,27 @@ def main() -> None:
         help="a checkout (e.g. `git archive HEAD`) whose lighthouse package serves ft and "
         "ftbase: work under way in this tree's lighthouse/ then does not change the run",
     )  # fmt: skip
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu",
+        help="cuda: the model and data on the GPU (rank r of plain DDP and replica group g on "
+        "GPU r (g) modulo the GPUs), both contenders' groups gloo unless --process-group nccl",
+    )  # fmt: skip
+    parser.add_argument(
+        "--process-group", choices=("gloo", "nccl"), default="gloo",
+        help="plain DDP's backend and our replicas' group (ProcessGroupNCCL); nccl needs "
+        "--device cuda and two GPUs (NCCL takes one rank per GPU)",
+    )  # fmt: skip
     add_common_args(parser)
     args = parser.parse_args()
+    if args.device == "cuda" or args.process_group == "nccl":
+        import torch
+
+        if args.device != "cuda":
+            parser.error("--process-group nccl needs --device cuda")
+        if not torch.cuda.is_available():
+            parser.error("--device cuda, but torch.cuda.is_available() is False on this machine")
+        if args.process_group == "nccl" and torch.cuda.device_count() < 2:
+            parser.error("--process-group nccl needs two GPUs: NCCL takes one rank per GPU")
     if args.lighthouse_code:
         if not (Path(args.lighthouse_code) / "lighthouse").is_dir():
             raise ValueError(f"--lighthouse-code {args.lighthouse_code} has no lighthouse/")

@@ -77,6 +77,13 @@ parser.add_argument("--restart-after", type=float, default=1.0, help="seconds be
 parser.add_argument("--step-sleep", type=float, default=0.05, help="seconds each step sleeps")
 parser.add_argument("--out", default="demo_out", help="folder for logs, JSON and the PNG")
 parser.add_argument("--timeout", type=float, default=600, help="give up after this many seconds")
+parser.add_argument(
+    "--device",
+    choices=("cpu", "cuda"),
+    default="cpu",
+    help="where every group trains: cuda puts each rank on cuda:(LOCAL_RANK %% GPUs) (one GPU "
+    "can hold every group); the replicas' process group is gloo, which takes CUDA tensors",
+)
 
 
 class Job:
@@ -130,6 +137,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             parser.error(f"{flag} ({getattr(args, name)}) must not be negative")
     if args.timeout <= 0:
         parser.error(f"--timeout ({args.timeout}) must be positive (seconds)")
+    if args.device == "cuda":
+        import torch  # only here: the demo itself runs nothing on a device
+
+        if not torch.cuda.is_available():
+            parser.error("--device cuda, but torch.cuda.is_available() is False on this machine")
     return args
 
 
@@ -163,6 +175,16 @@ class Progress:
         if self.tty:
             self.stream.write("\n")
             self.stream.flush()
+
+
+def device_args(example: str, device: str) -> list[str]:
+    """The training script's options for `device`. On the CPU, none but the
+    device itself (train_ddp and train_fsdp would pick a GPU where there is
+    one); on CUDA, gloo between the groups: NCCL refuses two groups' ranks
+    on one GPU, and gloo gives the same bits on any number of GPUs."""
+    if device == "cpu":
+        return [] if example == "diloco" else ["--device", "cpu"]
+    return ["--device", "cuda"] + (["--process-group", "gloo"] if example == "ddp" else [])
 
 
 def main() -> int:
@@ -208,6 +230,7 @@ def main() -> int:
             script = ["examples/train_fsdp.py"]
         else:
             script = ["examples/train_ddp.py", "--hidden", str(args.hidden)]
+        script += device_args(args.example, args.device)
 
         def launch(group: int) -> subprocess.Popen:
             return job.spawn(

@@ -30,6 +30,7 @@ import os
 import sys
 import time
 from datetime import timedelta
+from typing import Any
 
 START_TIME = time.time()  # before the heavy imports: start-up includes them
 # Start-up creates millions of long-lived objects (torch, then torch._dynamo
@@ -151,6 +152,20 @@ parser.add_argument(
     help="how a healing group copies the live state: http (HTTPTransport, striped over every "
     "up-to-date group) or pg (PGTransport over the replicas' process group, one source)",
 )
+parser.add_argument(
+    "--device",
+    choices=("auto", "cpu", "cuda"),
+    default="auto",
+    help="where the model trains: auto is cuda (cuda:LOCAL_RANK) when CUDA is available, else cpu",
+)
+parser.add_argument(
+    "--process-group",
+    choices=("auto", "gloo", "nccl", "baby-nccl"),
+    default="auto",
+    help="the replicas' process group: auto is torchft's rule (ProcessGroupBabyNCCL on "
+    "cuda, else ProcessGroupGloo); gloo takes CUDA tensors too (one GPU can hold two groups); "
+    "NCCL needs a GPU per group",
+)
 args = parser.parse_args()
 if missing := [name for name in TORCHRUN_ENV if name not in os.environ]:
     parser.exit(
@@ -166,11 +181,13 @@ REPLICA_GROUP_ID_ENV = "REPLICA_GROUP_ID"
 NUM_REPLICA_GROUPS = int(os.environ.get("NUM_REPLICA_GROUPS", 2))
 RANK = int(os.environ.get("RANK", 0))
 torch.set_num_threads(1)
-device = (
-    torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    if torch.cuda.is_available()
-    else torch.device("cpu")
-)
+if args.device == "cuda" and not torch.cuda.is_available():
+    parser.exit(2, "train_ddp.py: error: --device cuda, but torch.cuda.is_available() is False\n")
+if args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available()):
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    torch.cuda.set_device(device)  # NCCL and the checkpoint transport use the current device
+else:
+    device = torch.device("cpu")
 
 
 def log_as(group: str) -> None:
@@ -288,7 +305,27 @@ if args.loader == "stateful":
 else:
     loader = DataLoader(dataset, batch_size=args.batch_size, sampler=sampler)
 timeout = timedelta(seconds=args.timeout_s)
-pg = ProcessGroupGloo(timeout=timeout)
+
+
+def make_process_group(choice: str) -> Any:
+    """torchft's rule for auto: ProcessGroupBabyNCCL on a GPU, else ProcessGroupGloo.
+    The NCCL groups are imported only here, so a CPU run never touches them."""
+    if choice == "auto":
+        choice = "baby-nccl" if device.type == "cuda" else "gloo"
+    if choice == "gloo":
+        return ProcessGroupGloo(timeout=timeout)
+    if device.type != "cuda":
+        parser.exit(2, f"train_ddp.py: error: --process-group {choice} needs --device cuda\n")
+    if choice == "nccl":
+        from torchft_like.process_group import ProcessGroupNCCL
+
+        return ProcessGroupNCCL(timeout=timeout)
+    from torchft_like.process_group import ProcessGroupBabyNCCL
+
+    return ProcessGroupBabyNCCL(timeout=timeout)
+
+
+pg = make_process_group(args.process_group)
 try:
     manager = Manager(
         pg=pg,

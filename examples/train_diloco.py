@@ -79,6 +79,13 @@ parser.add_argument("--seed", type=int, default=0, help="seed of the weights and
 parser.add_argument("--timeout-s", type=float, default=20, help="collective/transfer timeout")
 parser.add_argument("--step-sleep", type=float, default=0.0, help="seconds to sleep per step")
 parser.add_argument("--log-json", default=None, help="append one JSON line per event here")
+parser.add_argument(
+    "--device",
+    choices=("cpu", "cuda"),
+    default="cpu",
+    help="where the model trains: cuda is cuda:(LOCAL_RANK %% GPUs); the replicas' process "
+    "group stays gloo (it takes CUDA tensors), so one GPU can hold every group",
+)
 args = parser.parse_args()
 for name in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "REPLICA_GROUP_ID"):
     if name not in os.environ:
@@ -94,6 +101,15 @@ logging.basicConfig(
     format=f"%(asctime)s group{GROUP}/rank{RANK} %(levelname)s %(name)s: %(message)s",
 )
 log = logging.getLogger("train_diloco")
+if args.device == "cuda":
+    if not torch.cuda.is_available():
+        parser.exit(
+            2, "train_diloco.py: error: --device cuda, but torch.cuda.is_available() is False\n"
+        )
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)) % torch.cuda.device_count())
+    torch.cuda.set_device(device)
+else:
+    device = torch.device("cpu")
 
 # --- data: bytes of the standard library's .py files ------------------------
 
@@ -169,14 +185,14 @@ class TinyLM(nn.Module):
 
 
 torch.manual_seed(args.seed)
-model = TinyLM()
+model = TinyLM().to(device)
 inner = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.1, betas=(0.9, 0.95))
 criterion = nn.CrossEntropyLoss()
 num_params = sum(p.numel() for p in model.parameters())
 
 
 def lm_loss(net: nn.Module, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    return criterion(net(x).reshape(-1, 256), y.reshape(-1))
+    return criterion(net(x.to(device)).reshape(-1, 256), y.to(device).reshape(-1))
 
 
 @torch.no_grad()

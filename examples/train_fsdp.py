@@ -48,7 +48,7 @@ from torchft_like import (  # noqa: E402
     StepBatches,
 )
 from torchft_like.checkpointing.pg_transport import PGTransport  # noqa: E402
-from torchft_like.hsdp import HSDPState  # noqa: E402
+from torchft_like.hsdp import HSDPState, init_group_process_group  # noqa: E402
 
 # --- arguments --------------------------------------------------------------
 
@@ -73,6 +73,13 @@ parser.add_argument("--timeout-s", type=float, default=10, help="collective/tran
 parser.add_argument(
     "--transport", choices=("http", "pg"), default="http", help="how a healing rank gets its shard"
 )
+parser.add_argument(
+    "--device",
+    choices=("auto", "cpu", "cuda"),
+    default="auto",
+    help="auto: cuda (a GPU per rank, cuda:LOCAL_RANK, NCCL inside the group) when CUDA is "
+    "available, else cpu (gloo)",
+)
 args = parser.parse_args()
 if missing := [
     n for n in ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE") if n not in os.environ
@@ -91,15 +98,11 @@ logging.basicConfig(
 log = logging.getLogger("train_fsdp")
 torch.set_num_threads(1)
 
-# The device is chosen at run time: a GPU per rank with NCCL inside the group
-# where there is one, else the CPU with gloo.
-if torch.cuda.is_available():
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
-    torch.cuda.set_device(device)
-    dist.init_process_group("nccl", device_id=device)
-else:
-    device = torch.device("cpu")
-    dist.init_process_group("gloo")
+# The device is chosen at run time: a GPU per rank (cuda:LOCAL_RANK) with
+# NCCL inside the group where there is one, else the CPU with gloo.
+if args.device == "cuda" and not torch.cuda.is_available():
+    parser.exit(2, "train_fsdp.py: error: --device cuda, but torch.cuda.is_available() is False\n")
+device = init_group_process_group(None if args.device == "auto" else args.device)
 
 # --- data: sequences from a fixed random bigram "language" -------------------
 
@@ -181,6 +184,7 @@ except (QuorumError, ValueError) as e:
 # dimension is this group's own world. (torchft_like.device_mesh's
 # ft_init_device_mesh builds the same mesh in one call.)
 managed = ManagedProcessGroup(manager).register("dp_replicate")
+assert dist.group.WORLD is not None  # init_group_process_group made it
 mesh = DeviceMesh.from_group(
     [managed, dist.group.WORLD],
     device.type,

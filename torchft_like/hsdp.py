@@ -13,16 +13,55 @@ another layout would silently train on wrong weights.
 
     state = HSDPState(model, optimizer)
     manager.set_state_dict_fns(state.load_state_dict, state.state_dict)
+
+On GPUs (`init_group_process_group`): FSDP2's all-gathers and
+reduce-scatters inside a group run on NCCL, one GPU per rank; the
+replicate dimension across groups goes through the Manager's own process
+group (gloo on CUDA, or NCCL with a GPU per group), so only it is fault
+tolerant. A received shard is put on this rank's parameters' device.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
+
+
+def group_backend(device: torch.device | str) -> str:
+    """The backend of a replica group's own process group (FSDP's shard
+    dimension): NCCL for CUDA, whose collectives stay on the GPU; gloo for
+    the CPU."""
+    return "nccl" if torch.device(device).type == "cuda" else "gloo"
+
+
+def init_group_process_group(
+    device: torch.device | str | None = None, **kwargs: Any
+) -> torch.device:
+    """Starts this replica group's own default process group (torchrun's
+    environment) on `device` and returns the device.
+
+    Args:
+        device: None: cuda:(LOCAL_RANK % GPUs) where CUDA is available, else
+            the CPU. A CUDA device is made current and the NCCL group is
+            bound to it (`device_id`), so its communicator is made at once.
+        kwargs: passed to `torch.distributed.init_process_group` (timeout, ...).
+    """
+    if device is None:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        cuda = torch.cuda.is_available()
+        device = torch.device("cuda", local % torch.cuda.device_count()) if cuda else "cpu"
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group(group_backend(device), device_id=device, **kwargs)
+    else:
+        dist.init_process_group(group_backend(device), **kwargs)
+    return device
 
 
 def _placements(t: DTensor) -> list[str]:
