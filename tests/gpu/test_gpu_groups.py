@@ -104,6 +104,13 @@ def tail(tmp: Path, group: int) -> str:
     return path.read_text(errors="replace")[-3000:] if path.exists() else ""
 
 
+def running(procs: list, tmp: Path) -> bool:
+    """True; fails at once, with its log, if a group's process has exited."""
+    for group, proc in enumerate(procs):
+        assert proc.poll() is None, f"group {group} exited {proc.returncode}:\n{tail(tmp, group)}"
+    return True
+
+
 def gpus_used(gpus: list[int]) -> int:
     return sum(device_used(g) for g in gpus)
 
@@ -144,8 +151,11 @@ def test_killed_group_heals_bit_identical(children, tmp_path, figure, variant) -
     procs = [start_group(children, tmp_path, lighthouse, g, gpus[g], extra, transport)
              for g in (0, 1)]  # fmt: skip
     log0, log1 = tmp_path / "group0.jsonl", tmp_path / "group1.jsonl"
-    wait_until(lambda: last_step(log1) >= 15 and together(log1) >= 5, 90,
-               lambda: f"both groups to train together; group 1:\n{tail(tmp_path, 1)}")  # fmt: skip
+
+    def trained() -> bool:
+        return running(procs, tmp_path) and last_step(log1) >= 15 and together(log1) >= 5
+
+    wait_until(trained, 90, "both groups to train together")
     held = (gpus_used(sorted(set(gpus))) - before) >> 20
     figure("groups_gpu_mib", held)
     assert held >= 2 * GROUP_GPU_MIB, f"the groups hold {held} MiB of GPU memory: on the CPU?"
@@ -154,8 +164,13 @@ def test_killed_group_heals_bit_identical(children, tmp_path, figure, variant) -
     time.sleep(1.0)
     restarted_at = time.time()
     procs[1] = start_group(children, tmp_path, lighthouse, 1, gpus[1], extra, transport)
-    wait_until(lambda: any(r["t"] > killed_at and r["committed"] for r in steps(log1)), 60,
-               lambda: f"the restarted group to commit:\n{tail(tmp_path, 1)}")  # fmt: skip
+
+    def recommitted() -> bool:
+        return running(procs, tmp_path) and any(
+            r["t"] > killed_at and r["committed"] for r in steps(log1)
+        )
+
+    wait_until(recommitted, 60, lambda: f"the restarted group to commit:\n{tail(tmp_path, 1)}")
     end_together(tmp_path, procs, figure)
     after = [r for r in steps(log1) if r["t"] > killed_at]
     assert after[0]["healed"], "the restarted group did not heal first"
@@ -175,14 +190,13 @@ def test_nccl_across_groups(children, tmp_path, figure) -> None:
     lighthouse = start_lighthouse(children, heartbeat_timeout_ms=1000)
     procs = [start_group(children, tmp_path, lighthouse, g, g, extra) for g in (0, 1)]
     log0 = tmp_path / "group0.jsonl"
-    wait_until(lambda: together(log0) >= 20, 80,
-               lambda: f"20 steps together; group 0:\n{tail(tmp_path, 0)}")  # fmt: skip
+    wait_until(lambda: running(procs, tmp_path) and together(log0) >= 20, 80, "20 steps together")
     both = [r["step_s"] for r in steps(log0) if r["participants"] == 2 and r["committed"]]
     figure("step_ms_median", round(1000 * statistics.median(both[5:] or both), 2))
     end_together(tmp_path, procs, figure)
 
 
-@pytest.mark.timeout(30)
+@pytest.mark.timeout(60)
 def test_http_heal_of_cuda_state(figure) -> None:
     """256 MB, sent from the GPU and received onto it, beside the same state
     on the CPU; the best of 3 fetches each (the first pays for connections)."""
@@ -288,12 +302,17 @@ def test_kill_inside_allreduce_survivor_aborts(children, tmp_path, figure, pg) -
             args += ["--hold-after", "5", "--hold-file", str(hold)]
         procs.append(children.spawn(args, log=tmp_path / f"group{group}.log",
                                     env={"CUDA_VISIBLE_DEVICES": str(group)}))  # fmt: skip
-    wait_until(hold.exists, 90, lambda: f"the victim to hold:\n{tail(tmp_path, 1)}")
+    wait_until(lambda: running(procs, tmp_path) and hold.exists(), 90, "the victim to hold")
     assert not kill_tree(procs[1].pid)
     fault_t = float(hold.read_text())
     survivor = tmp_path / "g0.jsonl"
-    wait_until(lambda: len([r for r in commits(survivor) if r["t"] > fault_t]) >= 5, 45,
-               lambda: f"the survivor to go on:\n{tail(tmp_path, 0)}")  # fmt: skip
+
+    def went_on() -> bool:
+        return (
+            running(procs[:1], tmp_path) and sum(r["t"] > fault_t for r in commits(survivor)) >= 5
+        )
+
+    wait_until(went_on, 45, lambda: f"the survivor to go on:\n{tail(tmp_path, 0)}")
     stall_s = stall_around(commits(survivor), fault_t)
     figure("survivor_stall_s", round(stall_s, 3))
     figure("bound_s", MAX_STALL_S)

@@ -27,18 +27,19 @@ pytestmark = pytest.mark.cuda
 
 CYCLES = int(os.environ.get("GPU_CHECK_CYCLES", "200"))
 """configure-abort cycles (the issue's 200)."""
-CAP_S = {"nccl": 90.0, "baby_nccl": 110.0}
+CAP_S = {"nccl": 60.0, "baby_nccl": 75.0}
 """Each loop stops here even short of CYCLES: the Baby form starts a child
 (torch imported) per configure, whose pace this machine sets. The cycles
 done are a figure; fewer than MIN_CYCLES fail the check."""
-MIN_CYCLES = 50
+MIN_CYCLES = {"nccl": 100, "baby_nccl": 30}
 SKIP = 10
 """First samples left out: the first communicators allocate lazily."""
 WINDOW = 20
 ALLOCATED_SLACK = 1 << 20
 """Our allocator's bytes: the tensors are reused, so any growth is a leak."""
 DEVICE_SLACK = 64 << 20
-"""The whole GPU's: a leaked communicator holds far more than this over 150 cycles."""
+"""The whole GPU's: a communicator leaked per cycle holds far more than this
+between the first and the last window."""
 FD_SLACK = 2
 TIMEOUT_S = 2.0
 """The collective timeout of the timeout test."""
@@ -52,7 +53,7 @@ def mib(n: float) -> float:
     return round(n / (1 << 20), 1)
 
 
-@pytest.mark.timeout(135)
+@pytest.mark.timeout(95)
 @pytest.mark.parametrize("kind", ["nccl", "baby_nccl"])
 def test_reconfigure_leaves_memory_and_fds_flat(kind, tcp_store, figure) -> None:
     torch.cuda.set_device(0)
@@ -84,7 +85,7 @@ def test_reconfigure_leaves_memory_and_fds_flat(kind, tcp_store, figure) -> None
     cycles = len(cycle_s)
     figure("cycles", cycles)
     figure("cycle_ms_median", round(1000 * statistics.median(cycle_s), 1))
-    assert cycles >= MIN_CYCLES, f"only {cycles} cycles within {CAP_S[kind]} s"
+    assert cycles >= MIN_CYCLES[kind], f"only {cycles} cycles within {CAP_S[kind]} s"
     window = min(WINDOW, (cycles - SKIP) // 2)
     grew = {
         "allocated_mib": mib(growth(allocated[SKIP:], window)),
