@@ -108,6 +108,31 @@ def record_ready(tensors: Iterable[torch.Tensor]) -> dict[torch.device, Any]:
     return events
 
 
+def streams_done(state: Any) -> Any:
+    """`state`, once the calling thread's current streams of its CUDA devices
+    have finished writing it. Called on the training thread where a healing
+    peer's state is read (manager.settling): the transport copies it from
+    another thread, whose current streams are not the training's. A host
+    wait, only when serving a heal; no CUDA call without CUDA tensors."""
+    devices: set[torch.device] = set()
+
+    def visit(x: Any) -> None:
+        if isinstance(x, torch.Tensor):
+            if x.is_cuda:
+                devices.add(x.device)
+        elif isinstance(x, dict):
+            for v in x.values():
+                visit(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                visit(v)
+
+    visit(state)
+    for device in devices:
+        torch.cuda.current_stream(device).synchronize()
+    return state
+
+
 class HostRing:
     """`depth` reusable host buffers of `slice_bytes` for copies between a
     device tensor and host memory, one slice at a time.

@@ -19,6 +19,7 @@ from typing import Any
 
 from lighthouse.rpc.errors import DuplicateGroupError, IncompatibleGroupError, QuorumError
 from torchft_like.checkpointing import CheckpointTransport
+from torchft_like.checkpointing._staging import streams_done
 from torchft_like.checkpointing.transport import capable
 from torchft_like.gone_watch import GoneWatch, MemberGoneError
 from torchft_like.manager import healing, threads
@@ -150,8 +151,11 @@ class QuorumSettlement:
             step_state.serving = True
             self._log.info("serving state to replica ranks %s", list(plan.serve_to))
             # Read by the training thread (manager.training_thread): no gate,
-            # it cannot be writing the state while it waits on us.
-            state = self._training_thread.read(self._read_state, config.timeout.total_seconds())
+            # it cannot be writing the state while it waits on us; its CUDA
+            # streams finish writing it there (a transport's copies run here).
+            state = self._training_thread.read(
+                lambda: streams_done(self._read_state()), config.timeout.total_seconds()
+            )
             transport.send_checkpoint(list(plan.serve_to), step, state, config.timeout)
         step_state.quorum_max_step = result.max_step
         if not (allow_heal and result.heal):
