@@ -116,6 +116,8 @@ def test_abort_fails_a_collective_in_flight_at_once_and_configure_builds_anew(
     members[1].abort(errored=False)
     assert members[1].errored() is None
     configure(store, members, "q/2")
+    # the aborted communicator is gone before the next one is built
+    assert not any(t.is_alive() for pg in members for t in pg._droppers)
     assert [pg.errored() for pg in members] == [None, None]
     works = [pg.allreduce([torch.ones(3)], ReduceOp.AVG) for pg in members]
     assert all(torch.equal(w.get_future().wait()[0], torch.ones(3)) for w in works)

@@ -207,20 +207,24 @@ class ProcessGroupNCCL(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
         for fut in pending.values():
             if not fut.done():
                 fut.set_exception(error)
-        if not retired:
-            return
-        # Off this thread: the caller (the watchdog, a gone notice) must not
-        # wait on an abort; configure() waits for it, bounded, so that the
-        # old communicator's memory is back before the next one is built.
-        dropper = threading.Thread(
-            target=_abort_and_drop, args=(retired,), name="torchft-nccl-abort", daemon=True
-        )
-        dropper.start()
-        self._droppers = [t for t in self._droppers if t.is_alive()] + [dropper]
+        if retired:
+            # Off this thread: the caller (the watchdog, a gone notice) must
+            # not wait on an abort.
+            dropper = threading.Thread(
+                target=_abort_and_drop, args=(retired,), name="torchft-nccl-abort", daemon=True
+            )
+            dropper.start()
+            self._droppers = [t for t in self._droppers if t.is_alive()] + [dropper]
         if wait_s > 0:
-            dropper.join(wait_s)
-            if dropper.is_alive():
-                logger.warning("the previous NCCL communicator's abort is still running")
+            # configure() and shutdown() wait (bounded) for every drop still
+            # running, an earlier abort's too: the old communicator's memory
+            # is back before the next is built, and no backend is still being
+            # destroyed on a daemon thread when the interpreter exits.
+            deadline = time.monotonic() + wait_s
+            for dropper in self._droppers:
+                dropper.join(max(0.0, deadline - time.monotonic()))
+            if any(t.is_alive() for t in self._droppers):
+                logger.warning("a previous communicator's abort is still running")
 
     def errored(self) -> Exception | None:
         """The failure since the last configure(), once this group's
