@@ -110,6 +110,14 @@ CHECKS: tuple[Check, ...] = (
         60,
     ),
     Check(
+        "cuda_paths",
+        "every path on CUDA tensors, one GPU: the process groups (gloo on CUDA, NCCL and "
+        "Baby NCCL at world size 1), the Manager's allreduce, heals over HTTP and the "
+        "process group, durable checkpoints, LocalSGD/DiLoCo, HSDP (tests/gpu/test_cuda_*.py)",
+        (Variant("tests/gpu/test_cuda_*.py", 1, "paths", True),),
+        120,
+    ),
+    Check(
         "http_heal_cuda",
         "heal of a CUDA state over HTTPTransport, received onto the GPU, beside a CPU "
         "heal of the same state (MB/s)",
@@ -289,7 +297,8 @@ def run_one(planned: Planned, deadline_s: float, logs: Path, python: str) -> dic
     xml, log = logs / f"{name}.xml", logs / f"{name}.log"
     xml.unlink(missing_ok=True)
     timeout = max(1, int(deadline_s - KILL_GRACE_S))
-    args = [python, "-m", "pytest", node, "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider",
+    nodes = sorted(str(p.relative_to(REPO)) for p in REPO.glob(node)) if "*" in node else [node]
+    args = [python, "-m", "pytest", *nodes, "-m", "cuda", "-q", "-rs", "-p", "no:cacheprovider",
             f"--junitxml={xml}", f"--timeout={timeout}", "-o", "timeout_method=thread"]  # fmt: skip
     with open(log, "wb") as out:
         proc = subprocess.Popen(

@@ -24,11 +24,12 @@ _spec.loader.exec_module(gc)
 ONE_GPU_CHECKS = {
     "kill_heal_gloo_cuda", "http_heal_cuda", "nccl_reconfigure_flat",
     "baby_nccl_reconfigure_flat", "collective_timeout", "demo_cuda", "step_overhead_cuda",
+    "cuda_paths",
 }  # fmt: skip
 TWO_GPU_CHECKS = {
     "nccl_across_groups", "kill_in_allreduce_nccl", "heal_over_nccl", "step_overhead_nccl"
 }  # fmt: skip
-NEEDS_NCCL = {"nccl_reconfigure_flat", "baby_nccl_reconfigure_flat"} | TWO_GPU_CHECKS
+NEEDS_NCCL = {"nccl_reconfigure_flat", "baby_nccl_reconfigure_flat", "cuda_paths"} | TWO_GPU_CHECKS
 
 
 def test_the_checks_are_the_issues_list() -> None:
@@ -167,6 +168,12 @@ def test_every_check_names_a_cuda_test_whose_gpu_need_matches_the_plan() -> None
     needs N >= 2 GPUs calls need_gpus(N) (the skip a hand run gets)."""
     for check in gc.CHECKS:
         for variant in check.variants:
+            if "*" in variant.node:  # a glob of whole files: each one marked cuda
+                paths = sorted(REPO.glob(variant.node))
+                assert paths, variant.node
+                for p in paths:
+                    assert "pytest.mark.cuda" in p.read_text(), f"{p} is not marked cuda"
+                continue
             path, _, rest = variant.node.partition("::")
             name, _, param = rest.partition("[")
             tree = module_ast(path)
