@@ -88,6 +88,14 @@ def test_collectives_then_errored_is_none_once_they_finished(store, groups) -> N
     for w in works:
         w.wait()
     assert all(torch.equal(torch.stack(o), torch.tensor([[0.0, 0.0], [1.0, 1.0]])) for o in outs)
+    gathered = [torch.zeros(4) for _ in members]
+    works = [
+        pg.allgather_into_tensor_coalesced([gathered[i]], [torch.full((2,), float(i))])
+        for i, pg in enumerate(members)
+    ]
+    for w in works:
+        w.get_future().wait()
+    assert all(torch.equal(g, torch.tensor([0.0, 0.0, 1.0, 1.0])) for g in gathered)
     received = torch.zeros(3)
     sent = members[0].send([torch.arange(3.0)], 1)
     members[1].recv([received], 0).wait()

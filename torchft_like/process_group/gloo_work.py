@@ -42,7 +42,13 @@ def _then(
 
 def _all_of(works: list[dist.Work], value: Any) -> dist.Work:
     """One Work for several: done when all are, failing with the first failure."""
-    futures = [w.get_future() for w in works]
+    return FutureWork(all_of([w.get_future() for w in works], value))
+
+
+def all_of(futures: list[torch.futures.Future[Any]], value: Any) -> torch.futures.Future[Any]:
+    """A future with `value` once all `futures` are done, failing with the
+    first failure. It completes in the callback of the last one, on that
+    callback's streams (CUDA: they waited for that future's events)."""
     out = future_for(value)
     remaining = [len(futures)]
     lock = threading.Lock()
@@ -64,7 +70,7 @@ def _all_of(works: list[dist.Work], value: Any) -> dist.Work:
         out.set_result(value)
     for fut in futures:
         fut.add_done_callback(settle)
-    return FutureWork(out)
+    return out
 
 
 class _P2PWork(dist.Work):

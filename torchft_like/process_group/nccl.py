@@ -38,6 +38,7 @@ import torch.distributed as dist
 from torchft_like._work import FutureWork, future_for
 from torchft_like.process_group.base import _reduce_op, _Registrable, _unsupported
 from torchft_like.process_group.gloo import parse_store_addr
+from torchft_like.process_group.gloo_work import all_of
 from torchft_like.process_group.in_flight import Issued
 from torchft_like.process_group.watchdog import Watchdog
 
@@ -500,29 +501,7 @@ class _Several(dist.Work):
         return True
 
     def get_future(self) -> torch.futures.Future[Any]:
-        out: torch.futures.Future[Any] = torch.futures.Future()
-        remaining = [len(self._works)]
-        lock = threading.Lock()
-
-        def one(fut: torch.futures.Future[Any]) -> None:
-            try:
-                fut.value()
-            except Exception as e:
-                with lock:
-                    if not out.done():
-                        out.set_exception(e)
-                return
-            with lock:
-                remaining[0] -= 1
-                last = remaining[0] == 0 and not out.done()
-            if last:
-                out.set_result(None)
-
-        if not self._works:
-            out.set_result(None)
-        for work in self._works:
-            _future_of(work).add_done_callback(one)
-        return out
+        return all_of([_future_of(w) for w in self._works], None)
 
 
 def _abort_and_drop(retired: list[Any]) -> None:
