@@ -62,11 +62,15 @@ _NO_XCCL = (
     "no XCCL process groups (Intel GPUs), nor their Baby subprocess form; on NVIDIA GPUs use "
     "ProcessGroupNCCL or ProcessGroupBabyNCCL, on CPUs ProcessGroupGloo"
 )
+REFUSED_WHEN_BUILT = {
+    module: dict.fromkeys(("ProcessGroupXCCL", "ProcessGroupBabyXCCL"), _NO_XCCL)
+    for module in ("torchft_like", "torchft_like.process_group")
+}
+"""torchft names that import but refuse to be built, by module, and why:
+torchft's own examples import ProcessGroupXCCL on every machine and build
+it only on an Intel GPU (its train_ddp.py)."""
+
 MISSING_NAMES = {
-    "torchft_like": dict.fromkeys(("ProcessGroupXCCL", "ProcessGroupBabyXCCL"), _NO_XCCL),
-    "torchft_like.process_group": dict.fromkeys(
-        ("ProcessGroupXCCL", "ProcessGroupBabyXCCL"), _NO_XCCL
-    ),
     "torchft_like.device_mesh": {
         "ManagedDeviceMesh": "ft_init_device_mesh returns a real torch DeviceMesh instead",
         "extend_device_mesh": "build the mesh with ft_init_device_mesh",
@@ -112,16 +116,23 @@ _ALIAS = _Alias()
 def _guard_missing_names(module: types.ModuleType) -> None:
     """Makes a torchft name `module` lacks fail naming it, at attribute access
     and at `from ... import` (an ImportError raised by the module's
-    __getattr__ is what `from` passes on); other names keep the module's own
-    __getattr__ or a plain AttributeError."""
-    missing = MISSING_NAMES.get(module.__name__)
+    __getattr__ is what `from` passes on), or, for a name refused when
+    built, import as a class whose construction fails naming it; other names
+    keep the module's own __getattr__ or a plain AttributeError."""
+    missing = MISSING_NAMES.get(module.__name__, {})
+    refused = REFUSED_WHEN_BUILT.get(module.__name__, {})
     own: Callable[[str], Any] | None = module.__dict__.get("__getattr__")
-    if not missing or getattr(own, "_torchft_alias", False):
+    if not (missing or refused) or getattr(own, "_torchft_alias", False):
         return
+    torchft_name = "torchft" + module.__name__.removeprefix("torchft_like")
+    refusing = {
+        name: _refused_class(f"{torchft_name}.{name}", why) for name, why in refused.items()
+    }
 
     def __getattr__(name: str) -> Any:  # noqa: N807 (PEP 562's name)
+        if name in refusing:
+            return refusing[name]
         if name in missing:
-            torchft_name = "torchft" + module.__name__.removeprefix("torchft_like")
             raise ImportError(
                 f"{torchft_name}.{name} (torchft_like stands in for torchft): "
                 f"{missing[name]}; {DIFFERENCES}",
@@ -133,6 +144,18 @@ def _guard_missing_names(module: types.ModuleType) -> None:
 
     __getattr__._torchft_alias = True  # type: ignore[attr-defined]
     module.__getattr__ = __getattr__  # type: ignore[method-assign]
+
+
+def _refused_class(torchft_name: str, why: str) -> type:
+    """A class of that name whose construction raises, naming why."""
+
+    def __init__(self: Any, *args: Any, **kwargs: Any) -> None:  # noqa: N807
+        raise RuntimeError(
+            f"{torchft_name} (torchft_like stands in for torchft): {why}; {DIFFERENCES}"
+        )
+
+    name = torchft_name.rsplit(".", 1)[1]
+    return type(name, (), {"__init__": __init__, "__qualname__": name})
 
 
 def install_as_torchft() -> None:
