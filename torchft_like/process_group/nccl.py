@@ -91,6 +91,23 @@ def nccl_backend(store: dist.Store, rank: int, world_size: int, timeout: timedel
     return backend
 
 
+ABORT_NCCL = (2, 25)
+"""The NCCL from which ncclCommAbort of a non-blocking communicator ends
+its kernels in flight (torchft's bound too)."""
+
+
+def _check_abort_support() -> None:
+    version = tuple(torch.cuda.nccl.version())
+    if version < ABORT_NCCL:
+        logger.warning(
+            "NCCL %s: abort() of a collective in flight needs NCCL >= %s; with this one an "
+            "abort (a timeout, a gone member) may hang instead. Use ProcessGroupBabyNCCL, "
+            "whose abort kills a child process, or a torch build with a newer NCCL",
+            ".".join(map(str, version)),
+            ".".join(map(str, ABORT_NCCL)),
+        )
+
+
 def _set_nonblocking_timeout(timeout: timedelta) -> None:
     """A non-blocking communicator's setup waits TORCH_NCCL_NONBLOCKING_TIMEOUT
     (30 minutes by default) for a peer: bound it by ours, unless set."""
@@ -128,6 +145,7 @@ class ProcessGroupNCCL(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
     ) -> None:
         if backend_factory is None:
             require_nccl(type(self).__name__)
+            _check_abort_support()
             _set_nonblocking_timeout(timeout)
         super().__init__(0, 1)
         self._timeout = timeout
