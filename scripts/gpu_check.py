@@ -321,9 +321,15 @@ def run_one(planned: Planned, deadline_s: float, logs: Path, python: str) -> dic
 
 
 def run(
-    planned: list[Planned], budget_s: float, logs: Path, python: str, say: Any = print
+    planned: list[Planned],
+    budget_s: float,
+    logs: Path,
+    python: str,
+    say: Any = print,
+    min_start_s: float = MIN_START_S,
 ) -> list[dict[str, Any]]:
-    """Every check's JSON entry; runs those planned to run, within the budget."""
+    """Every check's JSON entry; runs those planned to run, within the budget
+    (a check is not started with less than `min_start_s` of it left)."""
     start = time.monotonic()
     entries = []
     for p in planned:
@@ -338,9 +344,9 @@ def run(
         if p.note:
             entry["note"] = p.note
         left = budget_s - (time.monotonic() - start)
-        if left < MIN_START_S:
+        if left < min_start_s:
             entry.update(status="fail", reason=BUDGET_SPENT.format(
-                left=left, budget=budget_s, need=MIN_START_S))  # fmt: skip
+                left=left, budget=budget_s, need=min_start_s))  # fmt: skip
             entries.append(entry)
             continue
         say(f"gpu_check: {p.check.name} ({p.variant.label}) ...", file=sys.stderr, flush=True)
