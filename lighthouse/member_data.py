@@ -15,7 +15,7 @@ keys, in this order:
   other groups, for the mixed-version check (lighthouse.compat);
 - `"slot"`: the participating rank the group predicted when it took its
   batch (-1: none), for the exactly-once data check
-  (torchft_like.recovery.batch_slots_wrong).
+  (lighthouse.views.batch_slots_wrong).
 
 One module owns them because both sides read and write them: the library's
 group rule writes, the library's recovery and the lighthouse read, and the

@@ -2,7 +2,7 @@
 
 from importlib import metadata as _metadata
 
-from torchft_like.data import DistributedSampler
+from torchft_like.data import DistributedSampler, StepBatches
 from torchft_like.ddp import BufferSync, DistributedDataParallel, PureDistributedDataParallel
 from torchft_like.manager import Manager, WorldSizeMode
 from torchft_like.optim import Optimizer, OptimizerWrapper
@@ -15,7 +15,6 @@ from torchft_like.process_group import (
     ProcessGroupGloo,
     ProcessGroupNCCL,
 )
-from torchft_like.step_batches import StepBatches
 from torchft_like.torchft_alias import install_as_torchft
 
 try:

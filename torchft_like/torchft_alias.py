@@ -108,7 +108,7 @@ class _Alias(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         module.__spec__ = _OWN_SPECS.pop(module.__spec__.name)
 
 
-_PACKAGES = {"torchft", "torchft.checkpointing"}
+_PACKAGES = {"torchft", "torchft.checkpointing", "torchft.data"}
 _OWN_SPECS: dict[str, importlib.machinery.ModuleSpec | None] = {}
 _ALIAS = _Alias()
 

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader, RandomSampler, TensorDataset
 from torch.utils.data.distributed import DistributedSampler as TorchSampler
 
-from torchft_like.step_batches import StepBatches
+from torchft_like.data import StepBatches
 
 NUM_SAMPLES, BATCH, GROUPS = 40, 4, 2  # 5 batches per shard per epoch
 DATASET = TensorDataset(torch.arange(NUM_SAMPLES))

@@ -24,15 +24,8 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lighthouse.member_data import group_data
 from lighthouse.quorum import Quorum, QuorumMember
-from torchft_like.data import DistributedSampler
-from torchft_like.recovery import (
-    BatchSlot,
-    QuorumResult,
-    compute_quorum_result,
-    participation,
-    slot_forecast,
-)
-from torchft_like.step_batches import StepBatches
+from torchft_like.data import BatchSlot, DistributedSampler, StepBatches, slot_forecast
+from torchft_like.recovery import QuorumResult, compute_quorum_result, participation
 
 NUM_SAMPLES, BATCH = 96, 4
 

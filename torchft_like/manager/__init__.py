@@ -6,7 +6,8 @@ one concept each (docs/architecture.md has the map):
 
 - the rank: `rank` (the Manager's step machine), `config`, `startup`,
   `step_state`, `user_state`, `state_gate`, `training_thread`, `threads`,
-  `batch_claims`, `fingerprint`, `parent_watch`, `metrics`;
+  `fingerprint`, `parent_watch`, `metrics` (its data claims are
+  `torchft_like.data.claims`);
 - its quorum and healing: `asking` (how a rank asks), `settling` (the
   answer applied off the training thread), `healing`, `commit`;
 - the group's server on group rank 0: `server` (the quorum and vote

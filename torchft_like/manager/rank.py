@@ -31,10 +31,10 @@ from lighthouse.rpc.tls import TLSConfig
 from torchft_like._work import completed_work, or_default
 from torchft_like.checkpointing import CheckpointTransport
 from torchft_like.collectives import InOrderCollectives
+from torchft_like.data.claims import BatchClaims, BatchSlot
 from torchft_like.gone_watch import GoneWatch
 from torchft_like.manager import healing, parent_watch, threads
 from torchft_like.manager.asking import ask_quorum
-from torchft_like.manager.batch_claims import BatchClaims
 from torchft_like.manager.client import ManagerClientProtocol
 from torchft_like.manager.commit import check_retries, rank_vote
 from torchft_like.manager.config import WorldSizeMode, config_arguments, resolve_config
@@ -50,7 +50,6 @@ from torchft_like.manager.state_gate import StateReadGate
 from torchft_like.manager.step_state import StepState
 from torchft_like.manager.training_thread import TrainingThreadReads
 from torchft_like.manager.user_state import UserState
-from torchft_like.recovery import BatchSlot
 
 logger = logging.getLogger("torchft_like.manager")
 
@@ -579,7 +578,7 @@ class Manager:
 
     def claim_batch_slot(self) -> BatchSlot:
         """Our participating rank next step, forecast from the last quorum,
-        claimed in the next quorum request (torchft_like.manager.batch_claims):
+        claimed in the next quorum request (torchft_like.data.claims):
         StepBatches trains unit `batches_committed() + slot`."""
         participating = (self._settled.num_participants, self._settled.participating_rank)
         return self._claims.claim(self._commit_failures == 0, participating)

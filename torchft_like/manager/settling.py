@@ -21,9 +21,9 @@ from lighthouse.rpc.errors import DuplicateGroupError, IncompatibleGroupError, Q
 from torchft_like.checkpointing import CheckpointTransport
 from torchft_like.checkpointing._staging import streams_done
 from torchft_like.checkpointing.transport import capable
+from torchft_like.data.claims import BatchClaims
 from torchft_like.gone_watch import GoneWatch, MemberGoneError
 from torchft_like.manager import healing, threads
-from torchft_like.manager.batch_claims import BatchClaims
 from torchft_like.manager.config import ManagerConfig, WorldSizeMode
 from torchft_like.manager.metrics import ManagerMetrics
 from torchft_like.manager.step_state import StepState

@@ -38,10 +38,10 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from torchft_like._work import FutureWork, future_for
-from torchft_like.process_group.base import SUPPORTED_OPS, _reduce_op, _Registrable, _unsupported
+from torchft_like.process_group.base import SUPPORTED_OPS, Registrable, reduce_op, unsupported
 from torchft_like.process_group.gloo import (
-    _is_loopback,
-    _local_address_towards,
+    is_loopback,
+    local_address_towards,
     parse_store_addr,
 )
 
@@ -51,7 +51,7 @@ CHILD = Path(__file__).with_name("_baby_child.py")
 BABY_OPS = tuple(op for op in SUPPORTED_OPS if not op.startswith("reduce_scatter"))
 
 
-class _Child:
+class Child:
     """A child process running gloo and our end of its socket."""
 
     def __init__(self) -> None:
@@ -92,14 +92,14 @@ class _Child:
                 self.conn.close()
 
 
-class _Buffers:
+class Buffers:
     """Shared staging buffers of one child, reused by size."""
 
     def __init__(self) -> None:
         self.tensors: dict[int, torch.Tensor] = {}
         self.free: dict[int, list[int]] = {}
 
-    def take(self, nbytes: int, child: _Child) -> tuple[int, torch.Tensor]:
+    def take(self, nbytes: int, child: Child) -> tuple[int, torch.Tensor]:
         """A buffer of `nbytes` (a new one is sent to `child`; call under its send lock)."""
         ids = self.free.get(nbytes)
         if ids:
@@ -124,7 +124,7 @@ class _Buffers:
 
 
 @dataclass
-class _Op:
+class Op:
     future: torch.futures.Future[Any]
     value: Any
     staged: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
@@ -144,7 +144,7 @@ def _opts(name: str, **fields: Any) -> tuple[str, str, dict[str, Any]]:
     return ("O", name, fields)
 
 
-class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
+class ProcessGroupBabyGloo(Registrable, dist.ProcessGroup):  # type: ignore[misc]
     """Gloo in a child process, rebuilt on every configure; `abort()` kills it.
 
     Collectives copy their tensors into shared buffers, the child runs them
@@ -170,19 +170,19 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
         self._hostname = hostname
         self._use_standby = standby
         self._lock = threading.Lock()
-        self._child: _Child | None = None
-        self._joining: _Child | None = None
+        self._child: Child | None = None
+        self._joining: Child | None = None
         """The child configure() is waiting on, if any."""
-        self._standby: _Child | None = _Child() if standby else None
-        self._buffers = _Buffers()
-        self._pending: dict[int, _Op] = {}
+        self._standby: Child | None = Child() if standby else None
+        self._buffers = Buffers()
+        self._pending: dict[int, Op] = {}
         self._next_op = 0
         self._error: Exception | None = None
         self._rank, self._world_size = 0, 1
         self._future_thread: threading.Thread | None = None
         # torchft's tests read these two (the child and its pipe): both the child here.
-        self._p: _Child | None = None
-        self._future_pipe: _Child | None = None
+        self._p: Child | None = None
+        self._future_pipe: Child | None = None
         self._finalizer = weakref.finalize(self, _kill_all, [self._standby])
 
     def set_timeout(self, timeout: timedelta) -> None:
@@ -198,12 +198,12 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
         """
         host, port, prefix = parse_store_addr(store_addr)
         self._drop_child(RuntimeError(f"{type(self).__name__} reconfigured"))
-        child, self._standby = self._standby or _Child(), None
+        child, self._standby = self._standby or Child(), None
         local = self._hostname
-        if local is None and _is_loopback(host):
+        if local is None and is_loopback(host):
             local = host
         elif local is None and not os.environ.get("GLOO_SOCKET_IFNAME"):
-            local = _local_address_towards(host, port)
+            local = local_address_towards(host, port)
         kind, device = self._child_backend()
         timeout_s = self._child_timeout_s()
         msg = ("configure", host, port, prefix, rank, world_size, timeout_s, local, kind, device)
@@ -226,7 +226,7 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
             child.close()
             raise RuntimeError(f"{type(self).__name__} configure failed in its child: {reply}")
         with self._lock:
-            self._child, self._buffers, self._error = child, _Buffers(), None
+            self._child, self._buffers, self._error = child, Buffers(), None
             self._rank, self._world_size = rank, world_size
             self._p = self._future_pipe = child
         self._future_thread = threading.Thread(
@@ -234,7 +234,7 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
         )
         self._future_thread.start()
         if self._use_standby:
-            self._standby = _Child()
+            self._standby = Child()
         self._finalizer.detach()
         self._finalizer = weakref.finalize(self, _kill_all, [child, self._standby])
         logger.debug("%s configured: rank %d of %d at %s", replica_id, rank, world_size, store_addr)
@@ -249,7 +249,7 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
         """The timeout of the child's own backend: gloo's is ours."""
         return self._timeout_s
 
-    def _stage(self, x: torch.Tensor, op: _Op, buffers: _Buffers, child: _Child) -> Any:
+    def _stage(self, x: torch.Tensor, op: Op, buffers: Buffers, child: Child) -> Any:
         """`x` copied into a shared buffer (host memory: a CUDA tensor's copy
         waits for the device); its wire form. Under the child's send lock."""
         dtype = str(x.dtype).removeprefix("torch.")
@@ -260,20 +260,20 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
         op.buf_ids.append(buf_id)
         return ("T", buf_id, dtype, tuple(x.shape))
 
-    def _issued(self, op: _Op) -> Any:
+    def _issued(self, op: Op) -> Any:
         """Sent with the op, after its tensors were staged (NCCL: an event)."""
         return None
 
-    def _before_copy_back(self, op: _Op, done: Any) -> None:
+    def _before_copy_back(self, op: Op, done: Any) -> None:
         """The child reported `op` done (`done`: what it sent with it)."""
 
-    def _give_back(self, op: _Op, buffers: _Buffers, child: _Child) -> None:
+    def _give_back(self, op: Op, buffers: Buffers, child: Child) -> None:
         """`op`'s buffers are free again (it finished, or its child is gone)."""
         with child.send_lock:
             for buf_id in op.buf_ids:
                 buffers.give_back(buf_id)
 
-    def _forget(self, op: _Op) -> None:
+    def _forget(self, op: Op) -> None:
         """`op` was failed because its child is gone (its shared buffers go
         with the child's; NCCL's device buffers outlive children)."""
 
@@ -318,7 +318,7 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
         else:
             threading.Thread(target=_reap, args=(child, thread), daemon=True).start()
 
-    def _read(self, child: _Child) -> None:
+    def _read(self, child: Child) -> None:
         """Completes each collective as the child reports it done."""
         while True:
             try:
@@ -340,7 +340,7 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
             self._forget(op)
             op.future.set_exception(gone)
 
-    def _finish(self, op: _Op, error: str | None, child: _Child, done: Any = None) -> None:
+    def _finish(self, op: Op, error: str | None, child: Child, done: Any = None) -> None:
         if error is None:
             self._before_copy_back(op, done)
             for tensor, staged in op.staged:
@@ -374,7 +374,7 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
                 "collective before configure(): this process group has no members "
                 "(configure() was not called, or it failed)"
             )
-        op = _Op(future_for(value), value, divide_by=divide_by)
+        op = Op(future_for(value), value, divide_by=divide_by)
 
         def stage(x: Any) -> Any:
             if isinstance(x, torch.Tensor):
@@ -398,18 +398,18 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
         self._watch(op)
         return FutureWork(op.future)
 
-    def _watch(self, op: _Op) -> None:
+    def _watch(self, op: Op) -> None:
         """`op` was sent to the child (NCCL: its watchdog times it)."""
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        op = _reduce_op(opts)
+        op = reduce_op(opts)
         avg = op == ReduceOp.AVG  # gloo has no AVG: SUM, then divide
         options = _opts("AllreduceOptions", reduceOp=ReduceOp.SUM if avg else op)
         divide = self._world_size if avg else None
         return self._run([("allreduce", [tensors, options])], tensors, divide)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        op = opts.reduceOp if isinstance(opts, dist.AllreduceCoalescedOptions) else _reduce_op(opts)
+        op = opts.reduceOp if isinstance(opts, dist.AllreduceCoalescedOptions) else reduce_op(opts)
         options = _opts("AllreduceCoalescedOptions", reduceOp=op)
         return self._run([("allreduce_coalesced", [tensors, options])], tensors)
 
@@ -473,11 +473,11 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
     def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist.Work:
         return self._run([("recv", [tensors, src_rank, tag])], tensors)
 
-    reduce_scatter = _unsupported("reduce_scatter", BABY_OPS)
-    reduce_scatter_tensor_coalesced = _unsupported("reduce_scatter_tensor_coalesced", BABY_OPS)
-    alltoall = _unsupported("alltoall", BABY_OPS)
-    gather = _unsupported("gather", BABY_OPS)
-    scatter = _unsupported("scatter", BABY_OPS)
+    reduce_scatter = unsupported("reduce_scatter", BABY_OPS)
+    reduce_scatter_tensor_coalesced = unsupported("reduce_scatter_tensor_coalesced", BABY_OPS)
+    alltoall = unsupported("alltoall", BABY_OPS)
+    gather = unsupported("gather", BABY_OPS)
+    scatter = unsupported("scatter", BABY_OPS)
 
     def num_active_work(self) -> int:
         """Collectives issued and not completed yet."""
@@ -498,14 +498,14 @@ class ProcessGroupBabyGloo(_Registrable, dist.ProcessGroup):  # type: ignore[mis
         return "torchft-baby-gloo"
 
 
-def _reap(child: _Child, reader: threading.Thread | None) -> None:
+def _reap(child: Child, reader: threading.Thread | None) -> None:
     child.kill()
     if reader is not None and reader is not threading.current_thread():
         reader.join(5.0)
     child.close_conn()
 
 
-def _kill_all(children: list[_Child | None]) -> None:
+def _kill_all(children: list[Child | None]) -> None:
     """At collection or exit: no child outlives its process group."""
     for child in children:
         if child is not None and not child.closed():

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from torchft_like.process_group.baby import ProcessGroupBabyGloo, _Buffers, _Child, _Op
+from torchft_like.process_group.baby import Buffers, Child, Op, ProcessGroupBabyGloo
 from torchft_like.process_group.in_flight import Issued
 from torchft_like.process_group.nccl import require_nccl
 from torchft_like.process_group.watchdog import Watchdog
@@ -54,9 +54,9 @@ class DeviceStaging:
         self._tensors: dict[int, torch.Tensor] = {}
         self._free: dict[tuple[torch.device, int], list[int]] = {}
         self._reusable_after: dict[int, Any] = {}
-        self._shared_with: dict[int, _Child] = {}
+        self._shared_with: dict[int, Child] = {}
 
-    def take(self, nbytes: int, device: torch.device, child: _Child) -> tuple[int, torch.Tensor]:
+    def take(self, nbytes: int, device: torch.device, child: Child) -> tuple[int, torch.Tensor]:
         with self._lock:
             free = self._free.get((device, nbytes))
             if free:
@@ -132,7 +132,7 @@ class ProcessGroupBabyNCCL(ProcessGroupBabyGloo):
         self._watchdog.clear()
         super().configure(store_addr, replica_id, rank, world_size)
 
-    def _stage(self, x: torch.Tensor, op: _Op, buffers: _Buffers, child: _Child) -> Any:
+    def _stage(self, x: torch.Tensor, op: Op, buffers: Buffers, child: Child) -> Any:
         if not x.is_cuda:
             return super()._stage(x, op, buffers, child)
         if self._staging is None:
@@ -145,19 +145,19 @@ class ProcessGroupBabyNCCL(ProcessGroupBabyGloo):
         op.device_buf_ids.append(buf_id)
         return ("C", buf_id, str(x.dtype).removeprefix("torch."), tuple(x.shape))
 
-    def _issued(self, op: _Op) -> Any:
+    def _issued(self, op: Op) -> Any:
         if not op.device_buf_ids:
             return None
         ready = torch.cuda.Event(interprocess=True)
         ready.record()  # after the copies in, on the caller's stream
         return ready
 
-    def _before_copy_back(self, op: _Op, done: Any) -> None:
+    def _before_copy_back(self, op: Op, done: Any) -> None:
         if done is not None:
             torch.cuda.current_stream(op.staged[0][0].device).wait_event(done)
             op.device_done = done
 
-    def _give_back(self, op: _Op, buffers: _Buffers, child: _Child) -> None:
+    def _give_back(self, op: Op, buffers: Buffers, child: Child) -> None:
         super()._give_back(op, buffers, child)
         if not op.device_buf_ids or self._staging is None:
             return
@@ -166,14 +166,14 @@ class ProcessGroupBabyNCCL(ProcessGroupBabyGloo):
         for buf_id in op.device_buf_ids:
             self._staging.give_back(buf_id, copied)
 
-    def _forget(self, op: _Op) -> None:
+    def _forget(self, op: Op) -> None:
         # Its child is dead: nothing writes into its buffers any more, and
         # the caller's stream orders its own copies in.
         if self._staging is not None:
             for buf_id in op.device_buf_ids:
                 self._staging.give_back(buf_id)
 
-    def _watch(self, op: _Op) -> None:
+    def _watch(self, op: Op) -> None:
         def finished() -> bool:
             done = op.device_done
             return op.future.done() and (done is None or bool(done.query()))

@@ -29,7 +29,7 @@ SUPPORTED_OPS = (
 )
 
 
-def _reduce_op(opts: Any) -> Any:
+def reduce_op(opts: Any) -> Any:
     """The ReduceOp of `opts` (None, AllreduceOptions or a ReduceOp)."""
     if opts is None:
         return ReduceOp.SUM
@@ -38,7 +38,7 @@ def _reduce_op(opts: Any) -> Any:
     return opts
 
 
-def _unsupported(name: str, supported: tuple[str, ...] = SUPPORTED_OPS) -> Callable[..., Any]:
+def unsupported(name: str, supported: tuple[str, ...] = SUPPORTED_OPS) -> Callable[..., Any]:
     """A method that refuses `name`. NotImplementedError is a RuntimeError,
     and "does not support <op>" is what callers (torchft's tests among them)
     match to skip an op a backend lacks."""
@@ -51,7 +51,7 @@ def _unsupported(name: str, supported: tuple[str, ...] = SUPPORTED_OPS) -> Calla
     return method
 
 
-class _Registrable:
+class Registrable:
     """`register(name)` / `unregister()`: makes a Python process group known
     to torch by name, which functional collectives (and DeviceMesh) need to
     find it from C++."""

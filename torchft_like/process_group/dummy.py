@@ -16,10 +16,10 @@ import torch
 import torch.distributed as dist
 
 from torchft_like._work import completed_work
-from torchft_like.process_group.base import _Registrable
+from torchft_like.process_group.base import Registrable
 
 
-class ProcessGroupDummy(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
+class ProcessGroupDummy(Registrable, dist.ProcessGroup):  # type: ignore[misc]
     """Completes every collective at once without communicating.
 
     DDP is built over it so that its init-time parameter check and broadcast

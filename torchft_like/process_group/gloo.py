@@ -27,8 +27,8 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from torchft_like._work import FutureWork
-from torchft_like.process_group.base import _reduce_op, _Registrable, _unsupported
-from torchft_like.process_group.gloo_work import HostStage, _all_of, _P2PWork, _then
+from torchft_like.process_group.base import Registrable, reduce_op, unsupported
+from torchft_like.process_group.gloo_work import HostStage, P2PWork, all_works, then
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ def parse_store_addr(store_addr: str) -> tuple[str, int, str]:
     return host.strip("[]"), int(port), prefix
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback(host: str) -> bool:
     if host == "localhost":
         return True
     try:
@@ -54,7 +54,7 @@ def _is_loopback(host: str) -> bool:
         return False
 
 
-def _local_address_towards(host: str, port: int) -> str | None:
+def local_address_towards(host: str, port: int) -> str | None:
     """The address of this machine that the kernel routes to `host` from,
     or None when `host` does not resolve or has no route. A UDP connect
     only looks the route up; nothing is sent."""
@@ -74,7 +74,7 @@ def _call(method: str, *args_then_backend: Any) -> dist.Work:
     return getattr(backend, method)(*args)
 
 
-class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
+class ProcessGroupGloo(Registrable, dist.ProcessGroup):  # type: ignore[misc]
     """Gloo process group that is rebuilt on every new quorum.
 
     `configure()` drops the previous gloo group and meets the new members in
@@ -131,13 +131,13 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
         )
         prefixed = dist.PrefixStore(prefix, store)
         local = self._hostname
-        if local is None and _is_loopback(host):
+        if local is None and is_loopback(host):
             # Every peer reaches the store over loopback, so all are on this
             # host: bind gloo there too rather than depend on this machine's
             # hostname resolving (it does not in some containers).
             local = host
         elif local is None and not os.environ.get("GLOO_SOCKET_IFNAME"):
-            local = _local_address_towards(host, port)
+            local = local_address_towards(host, port)
         if local is not None:
             options = dist.ProcessGroupGloo._Options()
             options._timeout = self._timeout
@@ -199,7 +199,7 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
             record(e)
             raise
         if p2p_tensors is not None:  # gloo's send/recv (and reduce_scatter) work has no future
-            return _P2PWork(work, p2p_tensors, record, after)
+            return P2PWork(work, p2p_tensors, record, after)
 
         def record_failure(fut: torch.futures.Future[Any]) -> None:
             try:
@@ -227,7 +227,7 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
         logger.debug("ignoring a failure from a replaced gloo group: %s", e)
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        op = _reduce_op(opts)
+        op = reduce_op(opts)
         if op == ReduceOp.AVG:  # gloo has no AVG: SUM, then divide
             work = self._run("allreduce", lambda b: b.allreduce(tensors, dist.AllreduceOptions()))
             size = self._world_size
@@ -237,7 +237,7 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
                     t.div_(size)
                 return tensors
 
-            return FutureWork(_then(work.get_future(), divide, tensors))
+            return FutureWork(then(work.get_future(), divide, tensors))
         options = dist.AllreduceOptions()
         options.reduceOp = op
         return self._run("allreduce", lambda b: b.allreduce(tensors, options))
@@ -245,7 +245,7 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         options = dist.AllreduceCoalescedOptions()
         options.reduceOp = (
-            _reduce_op(opts)
+            reduce_op(opts)
             if not isinstance(opts, dist.AllreduceCoalescedOptions)
             else opts.reduceOp
         )
@@ -277,7 +277,7 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
             )
             for o, i in zip(output_tensors, input_tensors, strict=True)
         ]
-        return _back_to_device(_all_of(works, output_tensors), stage, output_tensors)
+        return _back_to_device(all_works(works, output_tensors), stage, output_tensors)
 
     def reduce_scatter(
         self,
@@ -287,7 +287,7 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
     ) -> dist.Work:
         options = dist.ReduceScatterOptions()
         options.reduceOp = (
-            opts.reduceOp if isinstance(opts, dist.ReduceScatterOptions) else _reduce_op(opts)
+            opts.reduceOp if isinstance(opts, dist.ReduceScatterOptions) else reduce_op(opts)
         )
         stage = HostStage()
         host_out = stage.hosts(output_tensors)
@@ -308,7 +308,7 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
         """Each input is summed over the ranks and split by rank (gloo: one by one)."""
         options = dist.ReduceScatterOptions()
         options.reduceOp = (
-            opts.reduceOp if isinstance(opts, dist.ReduceScatterOptions) else _reduce_op(opts)
+            opts.reduceOp if isinstance(opts, dist.ReduceScatterOptions) else reduce_op(opts)
         )
         works = []
         for o, i in zip(output_tensors, input_tensors, strict=True):
@@ -318,7 +318,7 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
             )
             # gloo's reduce_scatter work has no future
             works.append(self._run("reduce_scatter_tensor_coalesced", start, [o], stage.copy_back))
-        return _all_of(works, output_tensors)
+        return all_works(works, output_tensors)
 
     def alltoall_base(
         self,
@@ -360,9 +360,9 @@ class ProcessGroupGloo(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
         host = stage.hosts(tensors)
         return self._run("recv", lambda b: b.recv(host, src_rank, tag), tensors, stage.copy_back)
 
-    alltoall = _unsupported("alltoall")
-    gather = _unsupported("gather")
-    scatter = _unsupported("scatter")
+    alltoall = unsupported("alltoall")
+    gather = unsupported("gather")
+    scatter = unsupported("scatter")
 
     def abort(self, errored: bool = True) -> None:
         """Drops the group now (a member is gone, torchft_like.gone_watch):
@@ -409,7 +409,7 @@ def _back_to_device(work: dist.Work, stage: HostStage, value: Any) -> dist.Work:
         stage.copy_back()
         return value
 
-    return FutureWork(_then(work.get_future(), back, value))
+    return FutureWork(then(work.get_future(), back, value))
 
 
 def _abort_and_drop(retired: list[Any]) -> None:

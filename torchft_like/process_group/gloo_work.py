@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torchft_like._work import FutureWork, future_for
 
 
-def _then(
+def then(
     fut: torch.futures.Future[Any], fn: Callable[[Any], Any], like: Any = None
 ) -> torch.futures.Future[Any]:
     """Like `fut.then(fn)`, but a failure of `fut` passes through unwrapped
@@ -40,7 +40,7 @@ def _then(
     return out
 
 
-def _all_of(works: list[dist.Work], value: Any) -> dist.Work:
+def all_works(works: list[dist.Work], value: Any) -> dist.Work:
     """One Work for several: done when all are, failing with the first failure."""
     return FutureWork(all_of([w.get_future() for w in works], value))
 
@@ -73,7 +73,7 @@ def all_of(futures: list[torch.futures.Future[Any]], value: Any) -> torch.future
     return out
 
 
-class _P2PWork(dist.Work):
+class P2PWork(dist.Work):
     """Gloo's send/recv work has no future: this one records a failure seen
     by wait(), and builds a future on demand from a helper thread."""
 

@@ -15,10 +15,10 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from torchft_like.process_group.base import _reduce_op, _Registrable, _unsupported
+from torchft_like.process_group.base import Registrable, reduce_op, unsupported
 
 
-class ManagedProcessGroup(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
+class ManagedProcessGroup(Registrable, dist.ProcessGroup):  # type: ignore[misc]
     """A process group whose allreduce goes through `manager.allreduce`, for
     libraries that want a process group; its size is the quorum's.
 
@@ -39,21 +39,17 @@ class ManagedProcessGroup(_Registrable, dist.ProcessGroup):  # type: ignore[misc
         # that only settles through the Manager's, so whatever holds the
         # Manager's up (or a Manager double whose work never completes)
         # would hang every wait() on ours. Its future holds the tensor.
-        return self._manager.allreduce(tensors[0], reduce_op=_reduce_op(opts))
+        return self._manager.allreduce(tensors[0], reduce_op=reduce_op(opts))
 
-    allreduce_coalesced = _unsupported("allreduce_coalesced", ("allreduce",))
-    allgather = _unsupported("allgather", ("allreduce",))
-    allgather_into_tensor_coalesced = _unsupported(
-        "allgather_into_tensor_coalesced", ("allreduce",)
-    )
-    alltoall_base = _unsupported("alltoall_base", ("allreduce",))
-    broadcast = _unsupported("broadcast", ("allreduce",))
-    broadcast_one = _unsupported("broadcast_one", ("allreduce",))
-    barrier = _unsupported("barrier", ("allreduce",))
-    reduce_scatter = _unsupported("reduce_scatter", ("allreduce",))
-    reduce_scatter_tensor_coalesced = _unsupported(
-        "reduce_scatter_tensor_coalesced", ("allreduce",)
-    )
+    allreduce_coalesced = unsupported("allreduce_coalesced", ("allreduce",))
+    allgather = unsupported("allgather", ("allreduce",))
+    allgather_into_tensor_coalesced = unsupported("allgather_into_tensor_coalesced", ("allreduce",))
+    alltoall_base = unsupported("alltoall_base", ("allreduce",))
+    broadcast = unsupported("broadcast", ("allreduce",))
+    broadcast_one = unsupported("broadcast_one", ("allreduce",))
+    barrier = unsupported("barrier", ("allreduce",))
+    reduce_scatter = unsupported("reduce_scatter", ("allreduce",))
+    reduce_scatter_tensor_coalesced = unsupported("reduce_scatter_tensor_coalesced", ("allreduce",))
 
     def _before_first_quorum(self) -> bool:
         # FSDP2 reads rank() when fully_shard() builds the model, before the

@@ -36,7 +36,7 @@ import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
 from torchft_like._work import FutureWork, future_for
-from torchft_like.process_group.base import _reduce_op, _Registrable, _unsupported
+from torchft_like.process_group.base import Registrable, reduce_op, unsupported
 from torchft_like.process_group.gloo import parse_store_addr
 from torchft_like.process_group.gloo_work import all_of
 from torchft_like.process_group.in_flight import Issued
@@ -117,7 +117,7 @@ def _set_nonblocking_timeout(timeout: timedelta) -> None:
         logger.info("%s set to %s s (this group's timeout)", name, os.environ[name])
 
 
-class ProcessGroupNCCL(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
+class ProcessGroupNCCL(Registrable, dist.ProcessGroup):  # type: ignore[misc]
     """NCCL process group that is rebuilt on every new quorum.
 
     `configure()` aborts the previous communicator and builds one under the
@@ -333,13 +333,13 @@ class ProcessGroupNCCL(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         options = dist.AllreduceOptions()
-        options.reduceOp = _reduce_op(opts)
+        options.reduceOp = reduce_op(opts)
         return self._run("allreduce", lambda b: b.allreduce(tensors, options), tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
         options = dist.AllreduceCoalescedOptions()
         options.reduceOp = (
-            opts.reduceOp if isinstance(opts, dist.AllreduceCoalescedOptions) else _reduce_op(opts)
+            opts.reduceOp if isinstance(opts, dist.AllreduceCoalescedOptions) else reduce_op(opts)
         )
         return self._run(
             "allreduce_coalesced", lambda b: b.allreduce_coalesced(tensors, options), tensors
@@ -441,9 +441,9 @@ class ProcessGroupNCCL(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
     def recv(self, tensors: list[torch.Tensor], src_rank: int, tag: int = 0) -> dist.Work:
         return self._run("recv", lambda b: b.recv(tensors, src_rank, tag), tensors)
 
-    alltoall = _unsupported("alltoall")
-    gather = _unsupported("gather")
-    scatter = _unsupported("scatter")
+    alltoall = unsupported("alltoall")
+    gather = unsupported("gather")
+    scatter = unsupported("scatter")
 
     def num_active_work(self) -> int:
         """Collectives issued whose completion the watchdog has not seen yet."""
@@ -462,7 +462,7 @@ class ProcessGroupNCCL(_Registrable, dist.ProcessGroup):  # type: ignore[misc]
 def _reduce_scatter_options(opts: Any) -> Any:
     options = dist.ReduceScatterOptions()
     options.reduceOp = (
-        opts.reduceOp if isinstance(opts, dist.ReduceScatterOptions) else _reduce_op(opts)
+        opts.reduceOp if isinstance(opts, dist.ReduceScatterOptions) else reduce_op(opts)
     )
     return options
 

@@ -16,7 +16,7 @@ and the forward pass overlap the quorum as before: each group takes the
 unit of the rank it forecasts from its last quorum, and says so in its
 quorum request. When the participants changed (a group died, or one failed
 to commit), the forecast is wrong; every replica sees that in the same
-quorum (torchft_like.recovery.batch_slots_wrong), none commits the step,
+quorum (lighthouse.views.batch_slots_wrong), none commits the step,
 and the retry takes the units of the new quorum. That costs one step per
 change of the participants, as does the death of a group within a step.
 """
@@ -27,17 +27,17 @@ import logging
 from collections.abc import Iterator
 from typing import Any, Protocol
 
-from torchft_like._aligned_batches import AlignedBatches, Position, _is_stateful, _Stepper
-from torchft_like.data import DistributedSampler
-from torchft_like.recovery import BatchSlot
+from torchft_like.data.aligned import AlignedBatches, Position, Stepper, is_stateful
+from torchft_like.data.claims import BatchSlot
+from torchft_like.data.sampler import DistributedSampler
 
 __all__ = ["Position", "StepBatches"]
 
 logger = logging.getLogger(__name__)
 
 
-class _Manager(_Stepper, Protocol):
-    """What steering needs of the Manager, beyond _Stepper."""
+class _Manager(Stepper, Protocol):
+    """What steering needs of the Manager, beyond Stepper."""
 
     def batches_committed(self) -> int: ...
 
@@ -56,7 +56,7 @@ class StepBatches:
     group is away, as the number of gradients averaged does.
 
     A stateful loader over another sampler keeps each group on its own shard,
-    one batch per committed step (torchft_like._aligned_batches): aligned,
+    one batch per committed step (data.aligned): aligned,
     but the batches of a group's dead or healing steps are skipped.
 
     With several loader workers, pass `persistent_workers=True`: a change of
@@ -76,7 +76,7 @@ class StepBatches:
         sampler = getattr(loader, "sampler", None)
         self._aligned: AlignedBatches | None = None
         if not isinstance(sampler, DistributedSampler):
-            if not _is_stateful(loader):
+            if not is_stateful(loader):
                 raise ValueError(
                     f"cannot assign batches of {type(loader).__name__} (sampler "
                     f"{type(sampler).__name__}) by step: use a DataLoader or torchdata's "

@@ -3,12 +3,45 @@
 StepBatches takes unit `batches_committed + slot` of the data before the
 step's quorum is known, by the slot forecast from the last quorum; the claim
 travels in the next quorum request, and the quorum says whether every
-participant's claim was its participating rank (recovery.batch_slots_wrong).
+participant's claim was its participating rank (the lighthouse's verdict,
+lighthouse.views.batch_slots_wrong).
 """
 
 from __future__ import annotations
 
-from torchft_like.recovery import BatchSlot, QuorumResult, slot_forecast
+from dataclasses import dataclass
+
+from lighthouse.views import QuorumResult
+
+
+@dataclass(frozen=True)
+class BatchSlot:
+    """A forecast of the next step's participation (Manager.claim_batch_slot)."""
+
+    slot: int
+    """Our participating rank: the unit of data we train is
+    batches_committed + slot. -1 before any quorum."""
+    participants: int
+    """How many participate, each taking the next unit: the stride between
+    our units of consecutive steps."""
+
+
+def slot_forecast(
+    result: QuorumResult, cap: int | None, committed: bool, participating: tuple[int, int | None]
+) -> BatchSlot:
+    """Next step's participation, forecast from this step's quorum `result`.
+
+    If this step `committed`, every member of the quorum is likely to be at
+    one step next and count, in replica_id order (spares, ranked past `cap`,
+    keep their rank; they train no unit). If it did not, no one is likely
+    to have committed, and the participants stay this step's
+    (`participating`: their count and our rank, None when we do not count).
+    """
+    if not committed:
+        count, rank = participating
+        return BatchSlot(slot=-1 if rank is None else rank, participants=max(count, 1))
+    count = result.replica_world_size if cap is None else min(cap, result.replica_world_size)
+    return BatchSlot(slot=result.replica_rank, participants=max(count, 1))
 
 
 class BatchClaims:

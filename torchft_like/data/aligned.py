@@ -8,7 +8,7 @@ does not commit re-runs it; a group that heals or restarts goes on from its
 own shard at the position of the step it was given (the position travels
 with the Manager's state). The batches of a group's shard for the steps it
 was dead or healing are skipped, so an epoch does not cover its data set:
-that takes the quorum's assignment (torchft_like.step_batches).
+that takes the quorum's assignment (data.step_batches).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Protocol
 logger = logging.getLogger(__name__)
 
 
-class _Stepper(Protocol):
+class Stepper(Protocol):
     """What StepBatches needs of the Manager."""
 
     def current_step(self) -> int: ...
@@ -46,7 +46,8 @@ class Position:
     """The unit of data (steered loaders: batches_committed + participating rank)."""
 
 
-def _is_stateful(loader: Any) -> bool:
+def is_stateful(loader: Any) -> bool:
+    """Whether `loader` has a position of its own (state_dict and load_state_dict)."""
     return callable(getattr(loader, "state_dict", None)) and callable(
         getattr(loader, "load_state_dict", None)
     )
@@ -59,7 +60,7 @@ class AlignedBatches:
     ours (true of the samplers in torch and torchdata).
     """
 
-    def __init__(self, manager: _Stepper, loader: Any, key: str = "data") -> None:
+    def __init__(self, manager: Stepper, loader: Any, key: str = "data") -> None:
         self._manager = manager
         self._loader = loader
         self._sampler = getattr(loader, "sampler", None)
