@@ -1,6 +1,6 @@
 """The rules of one rank's commit vote: what it votes, and when to give up.
 
-Apart from manager.py so that the rules are pure and table-tested; the
+Apart from rank.py (the Manager's step machine) so that the rules are pure and table-tested; the
 Manager gathers the step's facts (an error, the participants, a heal not
 applied), asks the group's ManagerServer for the decision and keeps the
 counters.

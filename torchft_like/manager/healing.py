@@ -1,11 +1,12 @@
 """Receiving a healing rank's state from up-to-date peers, and the record of one heal.
 
-Apart from manager.py because it is the one part of a step that talks to
+Apart from rank.py (the Manager's step machine) because it is the one part of a step that talks to
 other groups' checkpoint servers: ask every source for its checkpoint
 metadata at once, fetch over one stream or striped over several, and
 measure what the heal cost (the metrics and the report the lighthouse's
-heal log gets). The Manager keeps the decisions: whether this step heals,
-which peers (recovery.transfer_plan), and when the state is applied.
+heal log gets). The decisions are elsewhere: whether this step heals and
+from which peers is settling's (recovery.transfer_plan), when the state is
+applied is rank's (should_commit).
 """
 
 from __future__ import annotations

@@ -57,7 +57,7 @@ class QuorumGate:
         a round now complete goes to the lighthouse (see when_complete).
 
         Raises:
-            ValueError, QuorumError: the call is refused (quorum_admission.admit).
+            ValueError, QuorumError: the call is refused (admission.admit).
         """
         rank = request.group_rank
         waiting = rnd.calls.get(rank)

@@ -1,7 +1,7 @@
 """The gRPC face of a group's ManagerServer: ManagerService's four calls,
 each turned into the server's own call and its errors into statuses
 (lighthouse.rpc.errors). Peers and other ranks call it; rank 0 calls the
-server in process (manager_client.LocalManagerClient)."""
+server in process (client.LocalManagerClient)."""
 
 from __future__ import annotations
 

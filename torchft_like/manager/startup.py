@@ -1,6 +1,6 @@
 """Starting one rank's servers and clients for its Manager.
 
-Apart from manager.py because it runs once, at construction, and touches
+Apart from rank.py (the Manager's step machine) because it runs once, at construction, and touches
 nothing of the training step: connect to the group's TCPStore, start the
 checkpoint server, start the group's ManagerServer on rank 0 and publish its
 address and the group's replica id in the store, connect every rank to it,

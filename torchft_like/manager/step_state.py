@@ -1,6 +1,6 @@
 """What one step of a Manager has done so far; each start_quorum starts a new one.
 
-Apart from manager.py so that beginning a step is one assignment rather
+Apart from rank.py (the Manager's step machine) so that beginning a step is one assignment rather
 than a reset of each field (a field forgotten there would leak into the
 next step). The fields torchft's tests and our wrappers read or set
 (`_errored`, `_healing`, `_participating_rank`, ...) stay on the Manager.

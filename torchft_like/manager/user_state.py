@@ -1,6 +1,6 @@
 """The user state a Manager heals: state dict functions registered by key.
 
-Apart from manager.py because it is plain bookkeeping with one rule that
+Apart from rank.py (the Manager's step machine) because it is plain bookkeeping with one rule that
 matters (every registered key must be in a state loaded from a peer or a
 checkpoint, or the replicas would train on different state) and an error
 that says how to fix it.
