@@ -54,8 +54,8 @@ class Pair:
 def pair():
     made: list[Pair] = []
 
-    def make(timeout_s: float = 30.0) -> Pair:
-        made.append(Pair(timeout_s))
+    def make() -> Pair:
+        made.append(Pair(30.0))
         return made[-1]
 
     yield make
@@ -76,8 +76,10 @@ def test_collectives_use_the_standby_child_and_errored_is_none(pair) -> None:
 
 
 def test_an_overdue_collective_kills_the_child_then_configure_works(pair) -> None:
-    p = pair(timeout_s=1.0)
+    p = pair()  # configure with room for a child that starts on a loaded machine
     p.configure("q/1")
+    for pg in p.pgs:
+        pg.set_timeout(timedelta(seconds=1))  # the collectives' bound from now on
     child = p.pgs[0]._child
     assert child is not None
     stuck = torch.zeros(4)
@@ -90,6 +92,8 @@ def test_an_overdue_collective_kills_the_child_then_configure_works(pair) -> Non
     assert isinstance(p.pgs[0].errored(), TimeoutError)
     assert torch.equal(stuck, torch.zeros(4)), "a killed collective leaves the tensor alone"
     p.pgs[1].abort(errored=False)
+    for pg in p.pgs:
+        pg.set_timeout(timedelta(seconds=30))
     p.configure("q/2")
     assert [pg.errored() for pg in p.pgs] == [None, None]
     assert all(torch.equal(t, torch.full((3,), 3.0)) for t in p.allreduce())

@@ -44,10 +44,9 @@ def store() -> dist.TCPStore:
 def groups() -> Any:
     made: list[ProcessGroupNCCL] = []
 
-    def make(n: int, timeout_s: float = 10.0) -> list[ProcessGroupNCCL]:
+    def make(n: int) -> list[ProcessGroupNCCL]:
         made.extend(
-            ProcessGroupNCCL(timedelta(seconds=timeout_s), backend_factory=gloo_standin)
-            for _ in range(n)
+            ProcessGroupNCCL(timedelta(seconds=10), backend_factory=gloo_standin) for _ in range(n)
         )
         return made[-n:]
 
@@ -134,8 +133,9 @@ def test_abort_fails_a_collective_in_flight_at_once_and_configure_builds_anew(
 @pytest.mark.timeout(60)
 def test_a_collective_past_its_timeout_aborts_the_communicator(store, groups) -> None:
     timeout_s = 1.0
-    members = groups(2, timeout_s)
+    members = groups(2)  # the join has room on a loaded machine
     configure(store, members, "q/1")
+    members[0].set_timeout(timedelta(seconds=timeout_s))  # the collectives' bound from now on
     started = time.monotonic()
     work = members[0].allreduce([torch.ones(3)], ReduceOp.SUM)  # rank 1 never joins
     with pytest.raises(TimeoutError, match="did not finish within 1 s"):
@@ -150,8 +150,9 @@ def test_a_collective_past_its_timeout_aborts_the_communicator(store, groups) ->
 
 @pytest.mark.timeout(60)
 def test_errored_waits_for_the_collectives_in_flight(store, groups) -> None:
-    members = groups(2, 2.0)
+    members = groups(2)
     configure(store, members, "q/1")
+    members[0].set_timeout(timedelta(seconds=2))
     work = members[0].allreduce([torch.ones(3)], ReduceOp.SUM)
     late = threading.Timer(0.5, lambda: members[1].allreduce([torch.ones(3)], ReduceOp.SUM))
     late.start()

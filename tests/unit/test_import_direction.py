@@ -165,8 +165,6 @@ THIRD_PARTY_PRIVATE = frozenset(
         "_Options",  # torch's ProcessGroupGloo options: timeout and devices
         "_timeout",
         "_devices",
-        "_allgather_base",  # a c10d backend's tensor forms, what torch's own
-        "_reduce_scatter_base",  # all_gather_into_tensor / reduce_scatter_tensor call
         "_set_sequence_number_for_group",  # a new c10d backend's collective numbering
         "_load",  # torch.serialization._load: a stream torch.load cannot take
         "_torchft_alias",  # a marker this project sets on its own function

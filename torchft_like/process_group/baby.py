@@ -38,7 +38,13 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from torchft_like._work import FutureWork, future_for
-from torchft_like.process_group.base import SUPPORTED_OPS, Registrable, reduce_op, unsupported
+from torchft_like.process_group.base import (
+    SUPPORTED_OPS,
+    Registrable,
+    broadcast_options,
+    reduce_op,
+    unsupported,
+)
 from torchft_like.process_group.gloo import (
     is_loopback,
     local_address_towards,
@@ -409,7 +415,7 @@ class ProcessGroupBabyGloo(Registrable, dist.ProcessGroup):  # type: ignore[misc
         return self._run([("allreduce", [tensors, options])], tensors, divide)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        op = opts.reduceOp if isinstance(opts, dist.AllreduceCoalescedOptions) else reduce_op(opts)
+        op = reduce_op(opts)
         options = _opts("AllreduceCoalescedOptions", reduceOp=op)
         return self._run([("allreduce_coalesced", [tensors, options])], tensors)
 
@@ -452,12 +458,10 @@ class ProcessGroupBabyGloo(Registrable, dist.ProcessGroup):  # type: ignore[misc
         return self._run([("alltoall_base", args)], output_buffer)
 
     def broadcast(self, tensor_list: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        root, root_tensor = 0, 0
-        if isinstance(opts, dist.BroadcastOptions):
-            root, root_tensor = opts.rootRank, opts.rootTensor
-        elif isinstance(opts, int):
-            root = opts
-        options = _opts("BroadcastOptions", rootRank=root, rootTensor=root_tensor)
+        torch_options = broadcast_options(opts)
+        options = _opts(
+            "BroadcastOptions", rootRank=torch_options.rootRank, rootTensor=torch_options.rootTensor
+        )
         return self._run([("broadcast", [tensor_list, options])], tensor_list)
 
     def broadcast_one(self, tensor: torch.Tensor, root: int) -> dist.Work:

@@ -29,13 +29,31 @@ SUPPORTED_OPS = (
 )
 
 
+_WITH_REDUCE_OP = (dist.AllreduceOptions, dist.AllreduceCoalescedOptions, dist.ReduceScatterOptions)
+
+
 def reduce_op(opts: Any) -> Any:
-    """The ReduceOp of `opts` (None, AllreduceOptions or a ReduceOp)."""
+    """The ReduceOp of `opts`: None (SUM), a ReduceOp, or torch's options of
+    an allreduce, a coalesced allreduce or a reduce-scatter."""
     if opts is None:
         return ReduceOp.SUM
-    if isinstance(opts, dist.AllreduceOptions):
+    if isinstance(opts, _WITH_REDUCE_OP):
         return opts.reduceOp
     return opts
+
+
+def with_reduce_op(options: Any, opts: Any) -> Any:
+    """`options` (a fresh torch options object) with the ReduceOp of `opts`."""
+    options.reduceOp = reduce_op(opts)
+    return options
+
+
+def broadcast_options(opts: Any) -> Any:
+    """torch's BroadcastOptions from `opts`: themselves, a root rank, or None."""
+    options = opts if isinstance(opts, dist.BroadcastOptions) else dist.BroadcastOptions()
+    if isinstance(opts, int):
+        options.rootRank = opts
+    return options
 
 
 def unsupported(name: str, supported: tuple[str, ...] = SUPPORTED_OPS) -> Callable[..., Any]:

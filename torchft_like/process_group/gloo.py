@@ -27,7 +27,13 @@ import torch.distributed as dist
 from torch.distributed import ReduceOp
 
 from torchft_like._work import FutureWork
-from torchft_like.process_group.base import Registrable, reduce_op, unsupported
+from torchft_like.process_group.base import (
+    Registrable,
+    broadcast_options,
+    reduce_op,
+    unsupported,
+    with_reduce_op,
+)
 from torchft_like.process_group.gloo_work import HostStage, P2PWork, all_works, then
 
 logger = logging.getLogger(__name__)
@@ -243,12 +249,7 @@ class ProcessGroupGloo(Registrable, dist.ProcessGroup):  # type: ignore[misc]
         return self._run("allreduce", lambda b: b.allreduce(tensors, options))
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        options = dist.AllreduceCoalescedOptions()
-        options.reduceOp = (
-            reduce_op(opts)
-            if not isinstance(opts, dist.AllreduceCoalescedOptions)
-            else opts.reduceOp
-        )
+        options = with_reduce_op(dist.AllreduceCoalescedOptions(), opts)
         stage = HostStage()
         host = stage.hosts(tensors)
         work = self._run("allreduce_coalesced", lambda b: b.allreduce_coalesced(host, options))
@@ -285,10 +286,7 @@ class ProcessGroupGloo(Registrable, dist.ProcessGroup):  # type: ignore[misc]
         input_tensors: list[list[torch.Tensor]],
         opts: Any = None,
     ) -> dist.Work:
-        options = dist.ReduceScatterOptions()
-        options.reduceOp = (
-            opts.reduceOp if isinstance(opts, dist.ReduceScatterOptions) else reduce_op(opts)
-        )
+        options = with_reduce_op(dist.ReduceScatterOptions(), opts)
         stage = HostStage()
         host_out = stage.hosts(output_tensors)
         host_in = [stage.hosts(ins, result=False) for ins in input_tensors]
@@ -306,10 +304,7 @@ class ProcessGroupGloo(Registrable, dist.ProcessGroup):  # type: ignore[misc]
         opts: Any = None,
     ) -> dist.Work:
         """Each input is summed over the ranks and split by rank (gloo: one by one)."""
-        options = dist.ReduceScatterOptions()
-        options.reduceOp = (
-            opts.reduceOp if isinstance(opts, dist.ReduceScatterOptions) else reduce_op(opts)
-        )
+        options = with_reduce_op(dist.ReduceScatterOptions(), opts)
         works = []
         for o, i in zip(output_tensors, input_tensors, strict=True):
             stage = HostStage()
@@ -343,9 +338,7 @@ class ProcessGroupGloo(Registrable, dist.ProcessGroup):  # type: ignore[misc]
         return self.broadcast([tensor], options)
 
     def broadcast(self, tensor_list: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        options = opts if isinstance(opts, dist.BroadcastOptions) else dist.BroadcastOptions()
-        if isinstance(opts, int):
-            options.rootRank = opts
+        options = broadcast_options(opts)
         return self._run("broadcast", lambda b: b.broadcast(tensor_list, options))
 
     def barrier(self, opts: Any = None) -> dist.Work:

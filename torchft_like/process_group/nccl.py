@@ -36,7 +36,12 @@ import torch._C._distributed_c10d as c10d
 import torch.distributed as dist
 
 from torchft_like._work import FutureWork, future_for
-from torchft_like.process_group.base import Registrable, reduce_op, unsupported
+from torchft_like.process_group.base import (
+    Registrable,
+    broadcast_options,
+    unsupported,
+    with_reduce_op,
+)
 from torchft_like.process_group.gloo import parse_store_addr
 from torchft_like.process_group.gloo_work import all_of
 from torchft_like.process_group.in_flight import Issued
@@ -332,15 +337,11 @@ class ProcessGroupNCCL(Registrable, dist.ProcessGroup):  # type: ignore[misc]
     # ---- collectives -------------------------------------------------------
 
     def allreduce(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        options = dist.AllreduceOptions()
-        options.reduceOp = reduce_op(opts)
+        options = with_reduce_op(dist.AllreduceOptions(), opts)
         return self._run("allreduce", lambda b: b.allreduce(tensors, options), tensors)
 
     def allreduce_coalesced(self, tensors: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        options = dist.AllreduceCoalescedOptions()
-        options.reduceOp = (
-            opts.reduceOp if isinstance(opts, dist.AllreduceCoalescedOptions) else reduce_op(opts)
-        )
+        options = with_reduce_op(dist.AllreduceCoalescedOptions(), opts)
         return self._run(
             "allreduce_coalesced", lambda b: b.allreduce_coalesced(tensors, options), tensors
         )
@@ -363,16 +364,8 @@ class ProcessGroupNCCL(Registrable, dist.ProcessGroup):  # type: ignore[misc]
         input_tensors: list[torch.Tensor],
         opts: Any = None,
     ) -> dist.Work:
-        """Each output gathers its input of every rank, issued in one call each
-        on one stream: the last one's completion is all of theirs."""
-
-        def start(backend: Any) -> dist.Work:
-            works = [
-                backend._allgather_base(o, i, c10d.AllgatherOptions())
-                for o, i in zip(output_tensors, input_tensors, strict=True)
-            ]
-            return _Several(works)
-
+        """Each output gathers its input of every rank (one backend call each)."""
+        start = _pairwise("_allgather_base", output_tensors, input_tensors, c10d.AllgatherOptions())
         return self._run("allgather_into_tensor_coalesced", start, output_tensors)
 
     def reduce_scatter(
@@ -381,7 +374,7 @@ class ProcessGroupNCCL(Registrable, dist.ProcessGroup):  # type: ignore[misc]
         input_tensors: list[list[torch.Tensor]],
         opts: Any = None,
     ) -> dist.Work:
-        options = _reduce_scatter_options(opts)
+        options = with_reduce_op(dist.ReduceScatterOptions(), opts)
         return self._run(
             "reduce_scatter",
             lambda b: b.reduce_scatter(output_tensors, input_tensors, options),
@@ -394,15 +387,8 @@ class ProcessGroupNCCL(Registrable, dist.ProcessGroup):  # type: ignore[misc]
         input_tensors: list[torch.Tensor],
         opts: Any = None,
     ) -> dist.Work:
-        options = _reduce_scatter_options(opts)
-
-        def start(backend: Any) -> dist.Work:
-            works = [
-                backend._reduce_scatter_base(o, i, options)
-                for o, i in zip(output_tensors, input_tensors, strict=True)
-            ]
-            return _Several(works)
-
+        options = with_reduce_op(dist.ReduceScatterOptions(), opts)
+        start = _pairwise("_reduce_scatter_base", output_tensors, input_tensors, options)
         return self._run("reduce_scatter_tensor_coalesced", start, output_tensors)
 
     def alltoall_base(
@@ -423,9 +409,7 @@ class ProcessGroupNCCL(Registrable, dist.ProcessGroup):  # type: ignore[misc]
         )
 
     def broadcast(self, tensor_list: list[torch.Tensor], opts: Any = None) -> dist.Work:
-        options = opts if isinstance(opts, dist.BroadcastOptions) else dist.BroadcastOptions()
-        if isinstance(opts, int):
-            options.rootRank = opts
+        options = broadcast_options(opts)
         return self._run("broadcast", lambda b: b.broadcast(tensor_list, options), tensor_list)
 
     def broadcast_one(self, tensor: torch.Tensor, root: int) -> dist.Work:
@@ -459,12 +443,16 @@ class ProcessGroupNCCL(Registrable, dist.ProcessGroup):  # type: ignore[misc]
         return "torchft-nccl"
 
 
-def _reduce_scatter_options(opts: Any) -> Any:
-    options = dist.ReduceScatterOptions()
-    options.reduceOp = (
-        opts.reduceOp if isinstance(opts, dist.ReduceScatterOptions) else reduce_op(opts)
-    )
-    return options
+def _pairwise(
+    method: str, outputs: list[torch.Tensor], inputs: list[torch.Tensor], options: Any
+) -> Callable[[Any], dist.Work]:
+    """Issues `backend.method(output, input, options)` for each pair, read as one work."""
+
+    def start(backend: Any) -> dist.Work:
+        call = getattr(backend, method)
+        return _Several([call(o, i, options) for o, i in zip(outputs, inputs, strict=True)])
+
+    return start
 
 
 def _future_of(work: Any) -> torch.futures.Future[Any]:
