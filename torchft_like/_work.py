@@ -56,7 +56,10 @@ def future_for(value: Any) -> torch.futures.Future[Any]:
     (what torch DDP expects of a comm hook's future), where a plain future
     would let the waiter read the tensors before the setter's kernels ran.
     """
-    devices = cuda_devices(value)
+    if isinstance(value, torch.Tensor):  # the per-bucket case, without a walk
+        devices: list[int | str | torch.device] = [value.device] if value.is_cuda else []
+    else:
+        devices = cuda_devices(value)
     return torch.futures.Future(devices=devices) if devices else torch.futures.Future()
 
 

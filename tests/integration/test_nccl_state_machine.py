@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed import ReduceOp
 
+from tests.waiting import wait_until
 from torchft_like.process_group import ProcessGroupNCCL
 from torchft_like.process_group.nccl import nccl_missing
 
@@ -180,7 +181,8 @@ def test_reconfigure_many_times_holds_no_fds_or_threads(store, groups) -> None:
     fds, threads = open_fds(), threading.active_count()
     for n in range(5, 30):
         round_(n)
-    time.sleep(0.5)  # droppers end
+    droppers = [t for pg in members for t in pg._droppers]
+    wait_until(lambda: not any(t.is_alive() for t in droppers), 10, "the aborts' drops to end")
     assert open_fds() - fds <= 2
     assert threading.active_count() - threads <= 2
 
