@@ -2,15 +2,15 @@
 lighthouse's real membership state machine (bench.fleet_sim).
 
 The lighthouse part is not modelled: every heartbeat, Quorum call, stream
-end, tick, decision and spare request is a call of lighthouse.membership's
-`Membership` (and so of lighthouse.quorum's rule and lighthouse.spares'
+end, tick, decision and spare request is a call of lighthouse.core.membership's
+`Membership` (and so of lighthouse.core.quorum's rule and lighthouse.core.spares'
 placement), the code the server runs, with the virtual time as `now`. What
 is modelled is everything around it, on a virtual clock that only events
 move (a heap of timed events; the wall clock is read only to time the
 membership calls):
 
 - a group's process opens its heartbeat stream, heartbeats at the period the
-  lighthouse advises (`Membership.advice_ms`, lighthouse.pacing), and calls
+  lighthouse advises (`Membership.advice_ms`, lighthouse.core.pacing), and calls
   Quorum at the start of every step;
 - a step: the quorum is issued at virtual time t; the members train
   together until t + step_s * (1 + step_jitter * the slowest member's draw),
@@ -20,7 +20,7 @@ membership calls):
   clock's own cost), not the wall clock, which a shared machine inflates;
 - the server's pacing of decisions: a Quorum call asks for a decision
   (`DecideSoon`), run at once or, with `measured_pacing`, no sooner than 10
-  times the last decision's measured cost after it (lighthouse.server's
+  times the last decision's measured cost after it (lighthouse.shell.server's
   decide_soon); the tick runs every `quorum_tick_ms`;
 - failures (bench._fleet_model): the process dies, its heartbeat stream ends
   (`stream_ended`), a Quorum call it had waiting is withdrawn; a step in
@@ -47,14 +47,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from bench._fleet_model import FAULT_FREE, FailureModel, failure_schedule
-from lighthouse.effects import AdviceChanged, DecideSoon, Fail, Issued, Outcome, Placed
-from lighthouse.membership import Membership
-from lighthouse.quorum import LighthouseConfig, QuorumMember
+from lighthouse.core.effects import AdviceChanged, DecideSoon, Fail, Issued, Outcome, Placed
+from lighthouse.core.membership import Membership
+from lighthouse.core.quorum import LighthouseConfig, QuorumMember
 
 WALL_OFFSET = 1_700_000_000.0
 """Epoch seconds of virtual time 0 (an issued quorum's id is at least the wall clock in ms)."""
 DECIDE_COST_FACTOR = 10
-"""As lighthouse.server: a call-triggered decision waits 10x the previous one's cost."""
+"""As lighthouse.shell.server: a call-triggered decision waits 10x the previous one's cost."""
 RETRY_S = 1.0
 """A Quorum call that failed (superseded, refused) is made again this much later."""
 

@@ -1,5 +1,5 @@
 """The floor under bench.lighthouse_scale: the lean gRPC server (the
-lighthouse's own, lighthouse.rpc.lean_server) serving LighthouseService with
+lighthouse's own, lighthouse.rpc.lean.server) serving LighthouseService with
 handlers that do nothing. Quorum answers a fixed view at once, heartbeats
 are read and dropped. Its CPU per call and its latency at a step's burst
 are what the HTTP/2 server and asyncio cost before any lighthouse logic.

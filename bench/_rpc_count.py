@@ -59,7 +59,7 @@ def install() -> None:
     grpc.insecure_channel = counted_sync
     aio.insecure_channel = counted_aio
 
-    from lighthouse.rpc.lean_client import LeanChannel
+    from lighthouse.rpc.lean.client import LeanChannel
 
     lean_unary = LeanChannel.unary
 

@@ -34,9 +34,9 @@ from typing import Any
 import psutil
 
 from lighthouse.client import HEARTBEAT_PACED_METHOD, QUORUM_METHOD
-from lighthouse.rpc.client_connection import ClientConnection
-from lighthouse.rpc.frames import literal
-from lighthouse.rpc.lean_client import grpc_timeout, request_headers
+from lighthouse.rpc.h2.client_connection import ClientConnection
+from lighthouse.rpc.h2.frames import literal
+from lighthouse.rpc.lean.client import grpc_timeout, request_headers
 from lighthouse.rpc.proto import torchft_pb2 as pb
 
 HEARTBEAT_METHOD = "/torchft.LighthouseService/Heartbeat"

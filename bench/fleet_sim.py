@@ -5,8 +5,8 @@ logic driven by 1,000 to 100,000 simulated replica groups on a virtual clock.
     python -m bench.fleet_sim --quick      # < 20 s: 300, 1000 groups, MTBF 1 h (--smoke: CI)
 
 Every heartbeat, Quorum call, stream end, tick, decision and spare request
-is a call of lighthouse.membership (the server's own state machine, which
-runs lighthouse.quorum's rule and lighthouse.spares' placement); everything
+is a call of lighthouse.core.membership (the server's own state machine, which
+runs lighthouse.core.quorum's rule and lighthouse.core.spares' placement); everything
 else (processes, steps, failures, restarts, spares) is a discrete-event
 simulation (bench._fleet_engine) with a seeded failure model
 (bench._fleet_model). See docs/fleet.md for the method and the results.

@@ -19,7 +19,7 @@ be driven, so one run measures, interleaved per N:
 - `ours_stream`: torchft-lighthouse with the HeartbeatStream RPC,
 - `ours_paced`: torchft-lighthouse with HeartbeatPaced, each group
   heartbeating at the longer of --heartbeat-ms and the lighthouse's advice
-  (lighthouse.pacing), as our ManagerServer does; hb_offered then still
+  (lighthouse.core.pacing), as our ManagerServer does; hb_offered then still
   says what --heartbeat-ms would offer.
 
 Columns: quorum call latency p50/p99 (q_*: from the call; q_last_p99: from

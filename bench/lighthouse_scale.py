@@ -45,7 +45,7 @@ from typing import Any
 import psutil
 
 from bench._report import REPO, add_common_args, pct, report, results_file
-from lighthouse.pacing import advised_interval_ms
+from lighthouse.core.pacing import advised_interval_ms
 from tools.procs import free_port, wait_listening
 
 VENV_BIN = Path(sys.executable).parent

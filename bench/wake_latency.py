@@ -30,7 +30,7 @@ import time
 import psutil
 
 from bench._report import add_common_args, pct, report, results_file
-from lighthouse.rpc.loop import set_batch_policy
+from lighthouse.loop import set_batch_policy
 from tools.procs import kill_tree
 
 POLICIES = ("normal", "batch")

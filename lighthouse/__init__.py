@@ -7,7 +7,7 @@ from importlib import metadata as _metadata
 from typing import Any
 
 from lighthouse.client import LighthouseClient
-from lighthouse.quorum import LighthouseConfig, Quorum, QuorumMember
+from lighthouse.core.quorum import LighthouseConfig, Quorum, QuorumMember
 from lighthouse.rpc.errors import (
     DuplicateGroupError,
     FreshStartRefusedError,
@@ -44,7 +44,7 @@ def __getattr__(name: str) -> Any:
     # package for the client, and the server's Prometheus metrics and status
     # page cost each worker start 50-200 ms it never needs.
     if name == "LighthouseServer":
-        from lighthouse.server import LighthouseServer
+        from lighthouse.shell.server import LighthouseServer
 
         return LighthouseServer
     raise AttributeError(f"module 'lighthouse' has no attribute {name!r}")

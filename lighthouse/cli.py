@@ -12,9 +12,9 @@ import threading
 from typing import NoReturn
 
 from lighthouse import __version__
-from lighthouse.coordinator import Coordinator
 from lighthouse.rpc import auth, serve, tls
-from lighthouse.server import LighthouseServer
+from lighthouse.shell.coordinator import Coordinator
+from lighthouse.shell.server import LighthouseServer
 
 logger = logging.getLogger(__name__)
 

@@ -19,8 +19,10 @@ import grpc
 from grpc import aio
 
 from lighthouse import wire
-from lighthouse.quorum import Quorum, QuorumMember
-from lighthouse.rpc import auth, lean_client
+from lighthouse.core.quorum import Quorum, QuorumMember
+from lighthouse.core.views import QuorumResult
+from lighthouse.loop import wait_within
+from lighthouse.rpc import auth
 from lighthouse.rpc.address import url_to_target
 from lighthouse.rpc.channel import BlockingCalls, aio_channel, tls_refusal, unreachable
 from lighthouse.rpc.errors import (
@@ -30,11 +32,10 @@ from lighthouse.rpc.errors import (
     error_of,
     from_rpc_error,
 )
-from lighthouse.rpc.loop import wait_within
+from lighthouse.rpc.lean import client as lean_client
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.rpc.tls import TLSConfig, check_scheme
-from lighthouse.views import QuorumResult
 
 logger = logging.getLogger(__name__)
 
@@ -224,7 +225,7 @@ class AsyncLighthouseClient:
         self._advice_ms = 0
         self.on_gone: Callable[[int, tuple[str, ...]], None] | None = None
         """Called on the event loop with (quorum_id, replica ids) for each gone
-        notice on our HeartbeatPaced stream (lighthouse.gone)."""
+        notice on our HeartbeatPaced stream (lighthouse.core.gone)."""
 
     async def _ensure_connected(self, limit: timedelta | None = None) -> None:
         """Waits for the connection, at most the connect timeout (or `limit` if shorter)."""

@@ -11,9 +11,9 @@ import json
 from google.protobuf.timestamp_pb2 import Timestamp
 from google.protobuf.unknown_fields import UnknownFieldSet
 
-from lighthouse.quorum import Quorum, QuorumMember
+from lighthouse.core.quorum import Quorum, QuorumMember
+from lighthouse.core.views import MAX_VIEW_RANKS, QuorumResult, QuorumViews
 from lighthouse.rpc.proto import torchft_pb2 as pb
-from lighthouse.views import MAX_VIEW_RANKS, QuorumResult, QuorumViews
 
 
 def member_from_proto(msg: pb.QuorumMember) -> QuorumMember:

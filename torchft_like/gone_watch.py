@@ -3,7 +3,7 @@
 Why: a replica group that dies or hangs (SIGSTOP, a frozen host) inside a
 collective holds every other member of it until the collective timeout,
 though the lighthouse knows within about a heartbeat timeout. The
-lighthouse tells the quorum's live members (lighthouse.gone: a notice
+lighthouse tells the quorum's live members (lighthouse.core.gone: a notice
 "quorum Q: members X gone" on rank 0's HeartbeatPaced stream). The
 ManagerServer keeps only notices about its group's latest quorum that name
 one of its members (`GroupNotices`: one that comes before the group has
@@ -48,7 +48,7 @@ sockets close.) So the Manager's default stays in process
 (ProcessGroupGloo). The baby is for jobs where a gone member that comes
 back within the collective timeout must find its collective failed: in
 process it may complete with our abandoned ones (it is told it is gone,
-lighthouse.gone, but may commit first; the next quorum heals it).
+lighthouse.core.gone, but may commit first; the next quorum heals it).
 
 On GPUs, ProcessGroupNCCL's abort is ncclCommAbort on a non-blocking
 communicator: it ends the collective in flight on the device, so nothing
@@ -67,7 +67,7 @@ from typing import Any
 
 from torch.distributed import TCPStore
 
-from lighthouse.rpc.loop import set_batch_policy
+from lighthouse.loop import set_batch_policy
 from torchft_like.collectives import InOrderCollectives
 from torchft_like.manager.config import ManagerConfig
 

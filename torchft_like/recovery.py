@@ -2,7 +2,7 @@
 slot is, whom it heals from and serves.
 
 The quorum's assignment itself (each group rank's share: its rank, the
-primary store, heal sources, divergence) is lighthouse.views, which the
+primary store, heal sources, divergence) is lighthouse.core.views, which the
 lighthouse also runs to answer a group with its view alone; its names are
 re-exported here, where torchft_like's code and torchft's tests read them.
 """
@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lighthouse.views import (
+from lighthouse.core.views import (
     Divergence,
     QuorumResult,
     batch_claims,

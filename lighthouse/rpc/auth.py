@@ -16,7 +16,7 @@ takes the secret as an argument, None meaning access control is off.
 Protected: the lighthouse's and the ManagerServers' gRPC services (every
 RPC, also ones added later: the interceptor knows no method names) and the
 checkpoint HTTP servers (all paths). Not protected: the lighthouse's status
-page, which is read-only (see lighthouse.status); torch's TCPStore and the
+page, which is read-only (see lighthouse.status.server); torch's TCPStore and the
 gloo connections of the process groups, which torch opens and we cannot
 guard; and a pytorch/torchft lighthouse, which ignores the secret.
 

@@ -54,7 +54,7 @@ class DuplicateGroupError(QuorumError):
 
 class IncompatibleGroupError(QuorumError):
     """This replica group cannot share an allreduce with the job's other
-    groups (another torchft rendezvous, lighthouse.compat); the text names
+    groups (another torchft rendezvous, lighthouse.core.compat); the text names
     both versions and what to do.
 
     Not retried: the other groups keep training without it."""
@@ -62,7 +62,7 @@ class IncompatibleGroupError(QuorumError):
 
 class FreshStartRefusedError(QuorumTimeoutError):
     """No quorum came in time because every waiting group is at step 0 but
-    the job already committed steps (lighthouse.quorum.fresh_start_refusal):
+    the job already committed steps (lighthouse.core.quorum.fresh_start_refusal):
     no live group holds the job's state. The text names the mark and the ways
     on. The lighthouse answers a held call with it after a few seconds; our
     client logs it and asks again until its own deadline."""

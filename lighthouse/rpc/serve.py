@@ -1,7 +1,7 @@
 """Starting the project's asyncio gRPC servers: auth, TLS, guarded decoding, the bound port.
 
 Two server runtimes serve the same handlers: grpcio's (`"grpcio"`) and
-lighthouse.rpc.lean_server (`"lean"`, a fraction of grpcio's CPU per call).
+lighthouse.rpc.lean.server (`"lean"`, a fraction of grpcio's CPU per call).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from grpc import aio
 from lighthouse.rpc import auth
 from lighthouse.rpc.address import join_host_port
 from lighthouse.rpc.decode_guard import add_servicer
-from lighthouse.rpc.lean_server import LeanServer
+from lighthouse.rpc.lean.server import LeanServer
 from lighthouse.rpc.tls import TLSConfig
 
 SERVER_OPTIONS = [

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import hpack
 
-from lighthouse.rpc.frames import encode_int
+from lighthouse.rpc.h2.frames import encode_int
 from lighthouse.rpc.proto import torchft_pb2 as pb
 
 PREFACE = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n"

@@ -1,7 +1,7 @@
 """End to end: a replica group stopped (SIGSTOP) or killed (SIGKILL) inside
 a collective costs the survivors about a heartbeat timeout, not the
 collective timeout (30 s here): the lighthouse tells them the group is gone
-(lighthouse.gone) and their Managers abort the collective
+(lighthouse.core.gone) and their Managers abort the collective
 (torchft_like.gone_watch). A real lighthouse process, one process per
 group (tests/e2e/_stall_worker.py), real signals."""
 

@@ -15,9 +15,9 @@ from grpc import aio
 from torch.distributed import TCPStore
 
 from lighthouse import LighthouseClient, LighthouseServer, QuorumError
+from lighthouse.loop import BackgroundLoop
 from lighthouse.rpc import auth
 from lighthouse.rpc.address import url_to_target
-from lighthouse.rpc.loop import BackgroundLoop
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from tests.integration.test_manager import assert_identical, run_groups

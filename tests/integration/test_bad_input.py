@@ -674,8 +674,8 @@ def test_a_flood_of_hang_ups_and_idle_connections_leaves_the_status_page_quiet_a
 
 
 def test_the_http_servers_bound_their_backlog_and_idle_connections():
-    from lighthouse import status
-    from lighthouse.rpc.http_server import BACKLOG, QuietHTTPServer
+    from lighthouse.status import server as status
+    from lighthouse.web.server import BACKLOG, QuietHTTPServer
     from torchft_like.checkpointing import _http_serve
 
     assert QuietHTTPServer.request_queue_size == BACKLOG >= 128
@@ -690,7 +690,7 @@ def test_the_http_servers_sleep_without_polling_and_stop_at_once(host):
     training); shutdown must not wait for one."""
     from http.server import BaseHTTPRequestHandler
 
-    from lighthouse.rpc.http_server import server_class
+    from lighthouse.web.server import server_class
 
     server = server_class(host)((host, 0), BaseHTTPRequestHandler)
     thread = threading.Thread(target=server.serve_forever, daemon=True)

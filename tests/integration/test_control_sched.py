@@ -14,8 +14,8 @@ import torch
 from torch.distributed import TCPStore
 
 from lighthouse import LighthouseServer
-from lighthouse.rpc import loop as loop_module
-from lighthouse.rpc.loop import BackgroundLoop
+from lighthouse import loop as loop_module
+from lighthouse.loop import BackgroundLoop
 from torchft_like import Manager, ProcessGroupGloo
 
 pytestmark = [

@@ -1,6 +1,6 @@
 """Gone notices end to end in one process: a real lighthouse tells the live
 ManagerServer of a quorum that its other member's process is gone
-(lighthouse.gone), and rank 0 passes it to the group's other ranks through
+(lighthouse.core.gone), and rank 0 passes it to the group's other ranks through
 the group's store (torchft_like.gone_watch)."""
 
 from __future__ import annotations

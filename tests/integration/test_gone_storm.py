@@ -10,7 +10,7 @@ import pytest
 
 from lighthouse import LighthouseServer
 from lighthouse.client import HEARTBEAT_PACED_METHOD, QUORUM_METHOD
-from lighthouse.rpc.lean_client import LeanChannel
+from lighthouse.rpc.lean.client import LeanChannel
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from tests.waiting import wait_until_async
 

@@ -13,7 +13,7 @@ from grpc import aio
 
 from lighthouse import LighthouseClient, LighthouseServer
 from lighthouse.client import AsyncLighthouseClient
-from lighthouse.pacing import advised_interval_ms
+from lighthouse.core.pacing import advised_interval_ms
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from tests.waiting import wait_until, wait_until_async

@@ -20,7 +20,7 @@ import pytest
 
 from lighthouse import LighthouseClient, LighthouseServer, QuorumError, QuorumTimeoutError
 from lighthouse.client import AsyncLighthouseClient
-from lighthouse.quorum import QuorumMember
+from lighthouse.core.quorum import QuorumMember
 from tests.procs import PYTHON, Children, wait_for_line
 from tests.waiting import wait_until, wait_until_async
 from tools.procs import free_port, kill_tree
@@ -332,7 +332,7 @@ def test_a_group_stepping_faster_than_its_heartbeats_sends_fewer_but_keeps_its_s
 
 
 def test_the_quorum_call_goes_lean_to_torchfts_rust_lighthouse(reference_lighthouse):
-    """lighthouse.rpc.lean_client speaks tonic's HTTP/2 (its SETTINGS, HPACK
+    """lighthouse.rpc.lean.client speaks tonic's HTTP/2 (its SETTINGS, HPACK
     table, trailers) as well as ours."""
     address, _ = reference_lighthouse
 

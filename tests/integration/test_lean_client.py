@@ -1,4 +1,4 @@
-"""The lean unary client (lighthouse.rpc.lean_client) against both real
+"""The lean unary client (lighthouse.rpc.lean.client) against both real
 servers, lean and grpcio: the answers, statuses, deadlines and secret
 refusals a grpcio client gets, and `Unavailable` wherever the caller must
 fall back to grpcio."""
@@ -16,11 +16,12 @@ from hpack import Decoder, Encoder
 
 from lighthouse import LighthouseServer
 from lighthouse.client import AsyncLighthouseClient
-from lighthouse.quorum import QuorumMember
-from lighthouse.rpc import auth, lean_client
-from lighthouse.rpc.client_connection import ClientConnection
-from lighthouse.rpc.frames import literal
-from lighthouse.rpc.lean_client import CallFailed, LeanChannel, Unavailable
+from lighthouse.core.quorum import QuorumMember
+from lighthouse.rpc import auth
+from lighthouse.rpc.h2.client_connection import ClientConnection
+from lighthouse.rpc.h2.frames import literal
+from lighthouse.rpc.lean import client as lean_client
+from lighthouse.rpc.lean.client import CallFailed, LeanChannel, Unavailable
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from tests.integration.test_lean_server import SECRET, serving
 from tests.waiting import wait_until_async

@@ -12,8 +12,8 @@ from typing import Any
 import grpc
 import pytest
 
+from lighthouse.loop import BackgroundLoop
 from lighthouse.rpc import auth, serve
-from lighthouse.rpc.loop import BackgroundLoop
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 
@@ -210,7 +210,7 @@ def test_a_handler_whose_task_is_cancelled_before_it_runs_still_runs_its_finally
     """The caller went away between the handler's inline first step and its
     task's first turn: the handler must still clean up (a heartbeat stream
     that never ends in the membership, a writer task left pending)."""
-    from lighthouse.rpc.lean_server import ResumedHandler
+    from lighthouse.rpc.lean.server import ResumedHandler
 
     cleaned = []
 

@@ -1,4 +1,4 @@
-"""Streaming calls on the lean client (lighthouse.rpc.lean_client.LeanStream)
+"""Streaming calls on the lean client (lighthouse.rpc.lean.client.LeanStream)
 against both real servers, lean and grpcio, and the lighthouse client's
 heartbeat stream on it: messages both ways past the first window, statuses
 as grpcio reports them, cancellation, and grpcio's stream wherever the
@@ -17,7 +17,7 @@ from lighthouse import LighthouseServer
 from lighthouse.client import HEARTBEAT_PACED_METHOD, AsyncLighthouseClient
 from lighthouse.rpc import auth
 from lighthouse.rpc.errors import QuorumError
-from lighthouse.rpc.lean_client import CallFailed, LeanChannel, Unavailable
+from lighthouse.rpc.lean.client import CallFailed, LeanChannel, Unavailable
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from tests.integration.test_lean_server import SECRET, serving

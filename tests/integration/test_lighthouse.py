@@ -203,7 +203,7 @@ def test_a_healthy_job_logs_one_line_per_quorum_change_and_a_calm_status_mid_ste
     try:
         for rid, client in clients.items():
             client.heartbeat(rid)
-        with caplog.at_level(logging.INFO, logger="lighthouse.server"):
+        with caplog.at_level(logging.INFO, logger="lighthouse.shell.server"):
             with ThreadPoolExecutor(1) as pool:
                 for _ in range(10):
                     first = pool.submit(clients["a"].quorum, "a", T)
@@ -226,7 +226,7 @@ def test_a_healthy_job_logs_one_line_per_quorum_change_and_a_calm_status_mid_ste
 
 
 def test_a_stalled_quorum_is_logged_once_with_its_reason(make_server, caplog, monkeypatch):
-    from lighthouse import membership
+    from lighthouse.core import membership
 
     monkeypatch.setattr(
         membership,
@@ -237,7 +237,7 @@ def test_a_stalled_quorum_is_logged_once_with_its_reason(make_server, caplog, mo
     client = LighthouseClient(server.address(), connect_timeout=T)
     try:
         client.heartbeat("b")
-        with caplog.at_level(logging.INFO, logger="lighthouse.server"):
+        with caplog.at_level(logging.INFO, logger="lighthouse.shell.server"):
             with pytest.raises(QuorumTimeoutError, match="no majority|min_replicas"):
                 client.quorum("a", timedelta(seconds=1))
         stalls = [r.getMessage() for r in caplog.records if "quorum status" in r.getMessage()]
@@ -253,8 +253,8 @@ def test_a_group_that_asks_for_its_view_gets_its_ranks_shares_and_no_member_list
     import asyncio
 
     from lighthouse.client import AsyncLighthouseClient
-    from lighthouse.quorum import QuorumMember
-    from lighthouse.views import compute_quorum_result
+    from lighthouse.core.quorum import QuorumMember
+    from lighthouse.core.views import compute_quorum_result
 
     server = make_server(min_replicas=2)
 

@@ -3,7 +3,7 @@ real allreduce (each on its side's ProcessGroupGloo) cannot: the nightly
 rendezvouses through reconfigure handles carried in the quorum, we through
 the store. The job must not stall: our lighthouse refuses one side at
 quorum time with an error naming both versions, and the other trains on
-(lighthouse.compat's rule; docs/differences.md).
+(lighthouse.core.compat's rule; docs/differences.md).
 
 A refused torchft_like group raises IncompatibleGroupError at once. A
 refused torchft group's ManagerServer (Rust) logs our error ("lighthouse

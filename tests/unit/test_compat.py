@@ -1,10 +1,10 @@
-"""lighthouse.compat: which members of a mixed-version job may share an allreduce."""
+"""lighthouse.core.compat: which members of a mixed-version job may share an allreduce."""
 
 from __future__ import annotations
 
 import pytest
 
-from lighthouse.compat import (
+from lighthouse.core.compat import (
     HANDLES,
     LOCAL,
     STORE,
@@ -13,7 +13,7 @@ from lighthouse.compat import (
     rendezvous_of,
     training_members,
 )
-from lighthouse.quorum import (
+from lighthouse.core.quorum import (
     LighthouseConfig,
     LighthouseState,
     Participant,

@@ -9,13 +9,13 @@ from xml.etree import ElementTree
 
 import pytest
 
-from lighthouse.chart import MAX_LINES, render_chart
-from lighthouse.dashboard import render_page
-from lighthouse.heals import HealEvent, apply_report, heals_in_quorum, report_of
-from lighthouse.history import quorum_entry, why_absent, why_joined
-from lighthouse.member_data import HealReport
-from lighthouse.progress import MAX_CHARTED, Progress, add_point, goodput, step_rate
-from lighthouse.quorum import ArrivalStats, LighthouseConfig, QuorumMember
+from lighthouse.core.heals import HealEvent, apply_report, heals_in_quorum, report_of
+from lighthouse.core.history import quorum_entry, why_absent, why_joined
+from lighthouse.core.member_data import HealReport
+from lighthouse.core.quorum import ArrivalStats, LighthouseConfig, QuorumMember
+from lighthouse.status.chart import MAX_LINES, render_chart
+from lighthouse.status.dashboard import render_page
+from lighthouse.status.progress import MAX_CHARTED, Progress, add_point, goodput, step_rate
 from torchft_like.manager.metrics import metrics_port_from_env
 
 CONFIG = LighthouseConfig(min_replicas=1, heartbeat_timeout_ms=5000, suspect_min_ms=700)

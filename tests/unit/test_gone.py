@@ -1,4 +1,4 @@
-"""Who of the latest quorum is gone and who hears of it (lighthouse.gone),
+"""Who of the latest quorum is gone and who hears of it (lighthouse.core.gone),
 and what a rank does with a notice (torchft_like.gone_watch): tables, the
 time passed in, no sockets."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from lighthouse import gone as gone_module
-from lighthouse.gone import LOG_NAMES, GoneNotice, GoneWatch, judge_gone
-from lighthouse.quorum import ArrivalStats, LighthouseConfig
+from lighthouse.core import gone as gone_module
+from lighthouse.core.gone import LOG_NAMES, GoneNotice, GoneWatch, judge_gone
+from lighthouse.core.quorum import ArrivalStats, LighthouseConfig
 from torchft_like.gone_watch import GroupNotices, StepBreaks, gone_in_quorum
 
 CONFIG = LighthouseConfig(min_replicas=1, heartbeat_timeout_ms=1000)

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from lighthouse.member_data import FINGERPRINT_KEY, heal_report_of
+from lighthouse.core.member_data import FINGERPRINT_KEY, heal_report_of
 from torchft_like.manager.group_request import QuorumRequest, merge_requests
 
 
@@ -120,7 +120,7 @@ def test_a_rank_request_crosses_the_wire_with_every_field():
 
 
 def test_a_group_whose_collectives_stay_local_says_so_for_lighthouse_compat():
-    from lighthouse.compat import LOCAL, STORE, rendezvous_of
+    from lighthouse.core.compat import LOCAL, STORE, rendezvous_of
 
     local = merge_requests({0: QuorumRequest(0, 3)}, "g:1", "", "", 1, local_collectives=True)
     assert rendezvous_of(local.member) == LOCAL
@@ -138,7 +138,7 @@ def test_a_group_whose_collectives_stay_local_says_so_for_lighthouse_compat():
     ],
 )
 def test_the_group_claims_its_ranks_common_batch_slot(slots, expected):
-    from lighthouse.member_data import batch_slot_of
+    from lighthouse.core.member_data import batch_slot_of
 
     group = merge(*(QuorumRequest(r, 5, batch_slot=s) for r, s in enumerate(slots)))
     assert batch_slot_of(group.member.data) == expected

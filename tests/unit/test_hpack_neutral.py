@@ -8,8 +8,8 @@ from hpack import Decoder, Encoder
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lighthouse.rpc.frames import encode_int, literal, table_neutral
-from lighthouse.rpc.lean_client import grpc_timeout
+from lighthouse.rpc.h2.frames import encode_int, literal, table_neutral
+from lighthouse.rpc.lean.client import grpc_timeout
 
 
 def never_indexed(name: str, value: str, huffman: bool = False) -> bytes:

@@ -1,4 +1,5 @@
-"""lighthouse.rpc.http2 frame by frame: a connection fed bytes, its writes parsed (no sockets)."""
+"""lighthouse.rpc.h2.server_connection frame by frame: a connection fed bytes,
+its writes parsed (no sockets)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,9 @@ import threading
 import hpack
 import pytest
 
-from lighthouse.rpc import corking
-from lighthouse.rpc import frames as http2
-from lighthouse.rpc.frames import (
+from lighthouse.rpc.h2 import corking
+from lighthouse.rpc.h2 import frames as http2
+from lighthouse.rpc.h2.frames import (
     CONTINUATION,
     DATA,
     END_HEADERS,
@@ -24,8 +25,8 @@ from lighthouse.rpc.frames import (
     WINDOW_UPDATE,
     frame,
 )
-from lighthouse.rpc.http2 import Connection
-from lighthouse.rpc.limits import LIMITS
+from lighthouse.rpc.h2.limits import LIMITS
+from lighthouse.rpc.h2.server_connection import Connection
 from tests.unit.h2_fakes import REQUEST, FakeTransport, RecordingHandler
 
 
@@ -193,7 +194,7 @@ def test_a_block_of_never_indexed_literals_is_decoded_once_and_the_cache_is_boun
     """Our lean clients' requests: literals never added to the table repeat
     byte for byte each step, so each is decoded once; a peer's distinct or
     long blocks are decoded but not kept past the cache's bounds."""
-    from lighthouse.rpc.frames import literal
+    from lighthouse.rpc.h2.frames import literal
 
     block = b"\x83\x86" + b"".join(literal(k, v) for k, v in REQUEST[2:])
     for sid in (1, 3, 5):

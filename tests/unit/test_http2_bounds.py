@@ -1,5 +1,5 @@
 """What a peer can make one server connection hold or do, bound by bound
-(lighthouse.rpc.limits), on a connection fed bytes (no sockets)."""
+(lighthouse.rpc.h2.limits), on a connection fed bytes (no sockets)."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import zlib
 import hpack
 import pytest
 
-from lighthouse.rpc import frames
-from lighthouse.rpc.connections import Connections
-from lighthouse.rpc.frames import (
+from lighthouse.rpc.h2 import frames
+from lighthouse.rpc.h2.connections import Connections
+from lighthouse.rpc.h2.frames import (
     CONTINUATION,
     DATA,
     END_HEADERS,
@@ -27,9 +27,9 @@ from lighthouse.rpc.frames import (
     SETTINGS,
     frame,
 )
-from lighthouse.rpc.http2 import Connection
-from lighthouse.rpc.lean_server import MAX_MESSAGE_BYTES, decompressed, echo
-from lighthouse.rpc.limits import LIMITS, Limits, ProcessBudget, TokenBucket
+from lighthouse.rpc.h2.limits import LIMITS, Limits, ProcessBudget, TokenBucket
+from lighthouse.rpc.h2.server_connection import Connection
+from lighthouse.rpc.lean.server import MAX_MESSAGE_BYTES, decompressed, echo
 from tests.unit.h2_fakes import REQUEST, FakeTransport, RecordingHandler
 
 

@@ -1,5 +1,5 @@
-"""RFC 9113 sections 4-6, the server's side: what lighthouse.rpc.http2.Connection must do
-with each thing a client may not send. One row per MUST: the bytes a client sends after
+"""RFC 9113 sections 4-6, the server's side: what lighthouse.rpc.h2.server_connection.Connection
+must do with each thing a client may not send. One row per MUST: the bytes a client sends after
 its preface and SETTINGS, and the outcome the RFC asks for: ("goaway", codes) a
 connection error, ("rst", stream, codes) a stream error, the connection going on,
 ("rst_or_goaway", stream, codes) either, where the RFC leaves the choice, ("ok",) nothing
@@ -15,8 +15,8 @@ from collections.abc import Callable
 import hpack
 import pytest
 
-from lighthouse.rpc.frames import PREFACE, frame
-from lighthouse.rpc.http2 import Connection
+from lighthouse.rpc.h2.frames import PREFACE, frame
+from lighthouse.rpc.h2.server_connection import Connection
 from tests.unit.h2_fakes import REQUEST, FakeTransport, RecordingHandler
 
 # RFC 9113's numbers (sections 6, 7 and 11), spelled out here, not taken from the code under test.

@@ -92,7 +92,12 @@ def test_the_lighthouse_imports_nothing_of_the_library_or_torch(path):
 
 @pytest.mark.parametrize("path", python_files("torchft_like"), ids=str)
 def test_the_library_uses_only_the_lighthouse_client_and_rpc_layer(path):
-    server_side = ("lighthouse.server", "lighthouse.cli", "lighthouse.status", "lighthouse.metrics")
+    server_side = (
+        "lighthouse.shell.server",
+        "lighthouse.cli",
+        "lighthouse.status.server",
+        "lighthouse.shell.metrics",
+    )
     wrong = [
         n
         for n in imports(path, module_level_only=True)

@@ -1,10 +1,10 @@
-"""lighthouse.lateness: deadlines instead of a scan, as a table."""
+"""lighthouse.core.lateness: deadlines instead of a scan, as a table."""
 
 from __future__ import annotations
 
 import pytest
 
-from lighthouse.lateness import Lateness
+from lighthouse.core.lateness import Lateness
 
 # (events, want): events are ("heard", key, at) or ("expired", now, after_s);
 # want is what each "expired" returns, in order.

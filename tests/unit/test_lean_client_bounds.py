@@ -1,4 +1,4 @@
-"""lighthouse.rpc.client_connection.ClientConnection against a server that breaks the rules or
+"""lighthouse.rpc.h2.client_connection.ClientConnection against a server that breaks the rules or
 sends too much: a connection fed bytes through a fake transport, its writes parsed (no
 sockets). Each row: what the server sends while a unary call (stream 1) and a streaming
 call (stream 3) are open, and the outcome: ("aborted", code, pattern) the connection
@@ -17,7 +17,7 @@ from collections.abc import Callable
 import grpc
 import pytest
 
-from lighthouse.rpc.client_connection import (
+from lighthouse.rpc.h2.client_connection import (
     MAX_FRAME,
     MAX_HEADER_BLOCK,
     MAX_MESSAGE_BYTES,
@@ -27,7 +27,7 @@ from lighthouse.rpc.client_connection import (
     ClientConnection,
     Unavailable,
 )
-from lighthouse.rpc.frames import (
+from lighthouse.rpc.h2.frames import (
     ACK,
     CANCEL,
     COMPRESSION_ERROR,

@@ -1,4 +1,4 @@
-"""lighthouse.member_data: the keys of QuorumMember.data, written byte for byte
+"""lighthouse.core.member_data: the keys of QuorumMember.data, written byte for byte
 as before and read leniently (a peer may put anything there)."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from lighthouse.member_data import (
+from lighthouse.core.member_data import (
     FINGERPRINT_KEY,
     HEAL_KEY,
     LOCAL_RENDEZVOUS,

@@ -12,8 +12,8 @@ import logging
 
 import pytest
 
-from lighthouse.compat import HANDLES_FIELD
-from lighthouse.effects import (
+from lighthouse.core.compat import HANDLES_FIELD
+from lighthouse.core.effects import (
     AdviceChanged,
     DecideSoon,
     Effect,
@@ -28,16 +28,16 @@ from lighthouse.effects import (
     Placed,
     TwinRefused,
 )
-from lighthouse.gone import Gone
-from lighthouse.membership import Membership
-from lighthouse.quorum import LighthouseConfig, QuorumMember
+from lighthouse.core.gone import Gone
+from lighthouse.core.membership import Membership
+from lighthouse.core.quorum import LighthouseConfig, QuorumMember
 
 CONFIG = LighthouseConfig(
     min_replicas=2, join_timeout_ms=10_000, heartbeat_timeout_ms=1000, suspect_phi=0
 )
 WALL = 1_000_000.0
 """Wall clock minus monotonic clock in these scripts."""
-# A torchft nightly member: reconfigure handles in field 9 (lighthouse.compat).
+# A torchft nightly member: reconfigure handles in field 9 (lighthouse.core.compat).
 HANDLES = bytes([(HANDLES_FIELD << 3) | 2, 1]) + b"h"
 
 
@@ -111,9 +111,9 @@ def describe(effect: Effect) -> str:
 
 TWO_WAITING = [("heartbeat", 0.0, "g0:a"), ("heartbeat", 0.0, "g1:b"), ("join", 0.1, "g0:a")]
 STALLED = [("join", 0.0, "a"), ("heartbeat", 4.9, "a"), ("heartbeat", 4.9, "b"), ("decide", 5.0)]
-"""a has waited 5 s for b: a stall (lighthouse.quorum_log)."""
+"""a has waited 5 s for b: a stall (lighthouse.core.quorum_log)."""
 AB_QUORUM = [("join", 0.0, "a"), ("join", 0.0, "b"), ("decide", 0.0)]
-"""Quorum 1000000000 of a and b (lighthouse.gone's notices are about it)."""
+"""Quorum 1000000000 of a and b (lighthouse.core.gone's notices are about it)."""
 B_SILENT = AB_QUORUM + [("heartbeat", 1.05, "a"), ("tick", 1.1)]
 """b silent past the heartbeat timeout while a heartbeats."""
 
@@ -256,7 +256,7 @@ B_SILENT = AB_QUORUM + [("heartbeat", 1.05, "a"), ("tick", 1.1)]
             None,
             ["advice 200"],
         ),
-        # -- gone members of the latest quorum (lighthouse.gone) --
+        # -- gone members of the latest quorum (lighthouse.core.gone) --
         # A member's stream closes: judged in the server's next turn (once
         # for every stream that ends meanwhile), and the others hear of it.
         (

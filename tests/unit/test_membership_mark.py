@@ -7,10 +7,9 @@ from __future__ import annotations
 
 import logging
 
-from lighthouse.membership import FRESH_START_HOLD_S, Fail, Issued, Log, Membership
-from lighthouse.quorum import LighthouseConfig, QuorumMember
+from lighthouse.core.membership import FRESH_START_HOLD_S, Fail, Issued, Log, Membership
+from lighthouse.core.quorum import JobMark, LighthouseConfig, QuorumMember
 from lighthouse.rpc.errors import FreshStartRefusedError
-from lighthouse.state_file import JobMark
 
 CONFIG = LighthouseConfig(min_replicas=1, heartbeat_timeout_ms=1000, suspect_phi=0)
 WALL = 1_000_000.0

@@ -1,4 +1,4 @@
-"""Work paced by its own cost (lighthouse.coordinator.Paced): one run for
+"""Work paced by its own cost (lighthouse.shell.coordinator.Paced): one run for
 every request that comes meanwhile, none sooner than 10x the last run's
 cost after it. A real event loop; no sockets."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 import time
 
-from lighthouse.coordinator import COST_FACTOR, Paced
+from lighthouse.shell.coordinator import COST_FACTOR, Paced
 
 
 def test_requests_meanwhile_share_one_run_and_the_next_waits_for_the_pace():

@@ -1,10 +1,10 @@
-"""The advised heartbeat period (lighthouse.pacing) as a pure function."""
+"""The advised heartbeat period (lighthouse.core.pacing) as a pure function."""
 
 from __future__ import annotations
 
 import pytest
 
-from lighthouse.pacing import advised_interval_ms, suspect_floor_ms
+from lighthouse.core.pacing import advised_interval_ms, suspect_floor_ms
 
 
 @pytest.mark.parametrize(

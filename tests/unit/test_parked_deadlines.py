@@ -1,4 +1,4 @@
-"""lighthouse.parked.Deadlines on a real event loop: parked calls' deadlines
+"""lighthouse.shell.parked.Deadlines on a real event loop: parked calls' deadlines
 share a timer per slot, end at most one slot early and never late, and a
 call that ends otherwise is never told it is overdue."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 
-from lighthouse.parked import SLOT_S, Deadlines
+from lighthouse.shell.parked import SLOT_S, Deadlines
 
 
 def test_deadlines_fire_once_within_a_slot_early_never_late_and_not_for_removed_calls():

@@ -7,7 +7,7 @@ from dataclasses import replace
 
 import pytest
 
-from lighthouse.quorum import (
+from lighthouse.core.quorum import (
     ArrivalStats,
     LighthouseConfig,
     LighthouseState,

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from lighthouse.quorum import (
+from lighthouse.core.quorum import (
     LighthouseConfig,
     LighthouseState,
     Participant,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from lighthouse.quorum_log import STALL_AFTER_S, waiting_report
+from lighthouse.core.quorum_log import STALL_AFTER_S, waiting_report
 
 REASON = "no majority: 1 joined of 2 healthy, need more than half to avoid split brain"
 

@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from lighthouse.member_data import fingerprint_entry
-from lighthouse.quorum import Quorum, QuorumMember
+from lighthouse.core.member_data import fingerprint_entry
+from lighthouse.core.quorum import Quorum, QuorumMember
 from torchft_like.recovery import (
     HEAL_SOURCES_ENV,
     BatchSlot,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from lighthouse.spares import SpareRequest, assign_groups
+from lighthouse.core.spares import SpareRequest, assign_groups
 
 NOW, RESERVE_S = 100.0, 5.0
 G01 = {"g0", "g1"}

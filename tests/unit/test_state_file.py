@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from lighthouse.quorum import Quorum, QuorumMember
-from lighthouse.state_file import JobMark, StateFile, decode, encode, load, write_atomic
+from lighthouse.core.quorum import JobMark, Quorum, QuorumMember
+from lighthouse.shell.state_file import StateFile, decode, encode, load, write_atomic
 
 
 def quorum(qid: int, *ids: str) -> Quorum:
@@ -90,7 +90,7 @@ def test_a_failed_write_of_a_new_quorum_removes_the_stale_file(tmp_path, caplog,
     def disk_full(*_: object) -> None:
         raise OSError(28, "No space left on device")
 
-    monkeypatch.setattr("lighthouse.state_file.write_atomic", disk_full)
+    monkeypatch.setattr("lighthouse.shell.state_file.write_atomic", disk_full)
     state.issued(2.0, quorum(2, "a"), 6)  # training goes on: no raise
     # The old quorum's id must not come back after a restart: rather no file.
     assert "could not write the state file" in caplog.text and "No space left" in caplog.text

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import json
 
-from lighthouse.effects import Outcome
-from lighthouse.membership import Membership
-from lighthouse.quorum import LighthouseConfig, QuorumMember
-from lighthouse.status_view import StatusView
+from lighthouse.core.effects import Outcome
+from lighthouse.core.membership import Membership
+from lighthouse.core.quorum import LighthouseConfig, QuorumMember
+from lighthouse.status.view import StatusView
 
 CONFIG = LighthouseConfig(min_replicas=2, heartbeat_timeout_ms=1000, suspect_phi=0)
 WALL = 1_000_000.0

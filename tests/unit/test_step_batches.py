@@ -22,8 +22,8 @@ import pytest
 import torch
 from torch.utils.data import DataLoader, TensorDataset
 
-from lighthouse.member_data import group_data
-from lighthouse.quorum import Quorum, QuorumMember
+from lighthouse.core.member_data import group_data
+from lighthouse.core.quorum import Quorum, QuorumMember
 from torchft_like.data import BatchSlot, DistributedSampler, StepBatches, slot_forecast
 from torchft_like.recovery import QuorumResult, compute_quorum_result, participation
 

@@ -1,4 +1,4 @@
-"""A group's view of a quorum (lighthouse.views, lighthouse.wire): what the
+"""A group's view of a quorum (lighthouse.core.views, lighthouse.wire): what the
 lighthouse answers a group that asks for its share instead of every member."""
 
 from __future__ import annotations
@@ -9,10 +9,10 @@ import json
 import pytest
 
 from lighthouse import wire
-from lighthouse.member_data import fingerprint_entry
-from lighthouse.quorum import Quorum, QuorumMember
+from lighthouse.core.member_data import fingerprint_entry
+from lighthouse.core.quorum import Quorum, QuorumMember
+from lighthouse.core.views import MAX_SOURCES, MAX_VIEW_RANKS, QuorumViews, compute_quorum_result
 from lighthouse.rpc.proto import torchft_pb2 as pb
-from lighthouse.views import MAX_SOURCES, MAX_VIEW_RANKS, QuorumViews, compute_quorum_result
 
 
 def member(i: int, step: int, world_size: int = 8, data: str = "") -> QuorumMember:

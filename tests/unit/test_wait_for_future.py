@@ -1,10 +1,10 @@
-"""lighthouse.rpc.loop.wait_for_future: a bounded wait that leaves the future alone."""
+"""lighthouse.loop.wait_for_future: a bounded wait that leaves the future alone."""
 
 import asyncio
 
 import pytest
 
-from lighthouse.rpc.loop import wait_for_future
+from lighthouse.loop import wait_for_future
 
 
 def late() -> Exception:

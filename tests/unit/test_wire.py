@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from lighthouse import wire
-from lighthouse.quorum import Quorum, QuorumMember
+from lighthouse.core.quorum import Quorum, QuorumMember
 from lighthouse.rpc.proto import torchft_pb2 as pb
 
 

@@ -16,7 +16,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 from lighthouse.rpc import auth
-from lighthouse.rpc.http_server import QuietHTTPServer
+from lighthouse.web.server import QuietHTTPServer
 from torchft_like.checkpointing import _checksum, _format, _staging, _torchft_http
 from torchft_like.checkpointing._http_fetch import NOT_SERVING, SLICE, WRONG_STEP, hang_up
 

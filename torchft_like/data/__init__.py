@@ -12,7 +12,7 @@ The rooms, from the user's loop down to the quorum:
   next request (BatchSlot, BatchClaims, used by the Manager).
 
 The quorum's verdict on the claims is the lighthouse's
-(`lighthouse.views.batch_slots_wrong`): every replica reads it from the same
+(`lighthouse.core.views.batch_slots_wrong`): every replica reads it from the same
 quorum, so none commits a step whose batches were not the quorum's.
 """
 

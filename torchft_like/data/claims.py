@@ -4,14 +4,14 @@ StepBatches takes unit `batches_committed + slot` of the data before the
 step's quorum is known, by the slot forecast from the last quorum; the claim
 travels in the next quorum request, and the quorum says whether every
 participant's claim was its participating rank (the lighthouse's verdict,
-lighthouse.views.batch_slots_wrong).
+lighthouse.core.views.batch_slots_wrong).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lighthouse.views import QuorumResult
+from lighthouse.core.views import QuorumResult
 
 
 @dataclass(frozen=True)

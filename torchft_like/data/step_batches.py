@@ -16,7 +16,7 @@ and the forward pass overlap the quorum as before: each group takes the
 unit of the rank it forecasts from its last quorum, and says so in its
 quorum request. When the participants changed (a group died, or one failed
 to commit), the forecast is wrong; every replica sees that in the same
-quorum (lighthouse.views.batch_slots_wrong), none commits the step,
+quorum (lighthouse.core.views.batch_slots_wrong), none commits the step,
 and the retry takes the units of the new quorum. That costs one step per
 change of the participants, as does the death of a group within a step.
 """

@@ -12,10 +12,10 @@ from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any, Protocol
 
+from lighthouse.loop import LoopStalledError
 from lighthouse.rpc.address import url_to_target
 from lighthouse.rpc.channel import BlockingCalls
 from lighthouse.rpc.errors import QuorumTimeoutError
-from lighthouse.rpc.loop import LoopStalledError
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.rpc.tls import TLSConfig, check_scheme

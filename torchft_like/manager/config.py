@@ -156,7 +156,7 @@ class ManagerConfig:
     TORCHFT_LIKE_CONTROL_SCHED. batch (the default): SCHED_BATCH, woken they
     wait for a free core or the next scheduler tick (4 ms here, bench.wake_latency)
     instead of preempting the training threads
-    (lighthouse.rpc.loop.set_batch_policy); normal: SCHED_OTHER, as every
+    (lighthouse.loop.set_batch_policy); normal: SCHED_OTHER, as every
     thread starts."""
 
     def __post_init__(self) -> None:

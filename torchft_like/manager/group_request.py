@@ -9,8 +9,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from lighthouse.member_data import group_data
-from lighthouse.quorum import QuorumMember
+from lighthouse.core.member_data import group_data
+from lighthouse.core.quorum import QuorumMember
 
 
 @dataclass(frozen=True)
@@ -30,7 +30,7 @@ class QuorumRequest:
     """State fingerprint after `step` commits, or empty (see Manager fingerprint_interval)."""
     heal_report: str = ""
     """JSON of the heal this rank finished last step, or empty
-    (lighthouse.member_data.rank_heal_report)."""
+    (lighthouse.core.member_data.rank_heal_report)."""
     batch_slot: int | None = None
     """The participating rank this rank predicted when it took its batch
     (torchft_like.StepBatches), -1 for none; None: no batch claimed."""
@@ -70,9 +70,9 @@ def merge_requests(
     only those compare with other groups' states; the ranks' heal reports
     travel merged for the status page. A group whose process group never
     talks to other groups (`local_collectives`) says so, for
-    lighthouse.compat. The group's batch slot is its ranks' common claim,
+    lighthouse.core.compat. The group's batch slot is its ranks' common claim,
     -1 when they differ (their batches then cannot all be the quorum's).
-    All of these travel in `QuorumMember.data` (lighthouse.member_data).
+    All of these travel in `QuorumMember.data` (lighthouse.core.member_data).
 
     Raises:
         ValueError: `requests` is empty.

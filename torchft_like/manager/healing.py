@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from lighthouse.member_data import rank_heal_report
+from lighthouse.core.member_data import rank_heal_report
 from lighthouse.rpc.tls import TLSConfig
 from torchft_like.checkpointing import CheckpointTransport
 from torchft_like.checkpointing._http_fetch import GONE_AFTER_S
@@ -39,7 +39,7 @@ class Heal:
     seconds: float
     num_bytes: int
     report: str
-    """JSON sent with the next quorum request (lighthouse.heals)."""
+    """JSON sent with the next quorum request (lighthouse.core.heals)."""
 
 
 def receive_state(

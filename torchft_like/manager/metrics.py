@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
 from lighthouse.rpc.address import join_host_port
-from lighthouse.rpc.metrics_server import MetricsServer
+from lighthouse.web.metrics import MetricsServer
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 The server gathers one Quorum call from every rank of the group, asks the
 lighthouse once for the whole group (group_request, through its session,
 manager.session), and answers each rank with its share of the quorum
-(lighthouse.views). It also collects the group's commit votes. It runs on a
+(lighthouse.core.views). It also collects the group's commit votes. It runs on a
 private asyncio loop, so waiting never holds the GIL.
 """
 
@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
+from lighthouse.loop import BackgroundLoop, wait_for_future
 from lighthouse.rpc import auth, serve
 from lighthouse.rpc.address import advertised_host, join_host_port, parse_bind
 from lighthouse.rpc.errors import (
@@ -24,7 +25,6 @@ from lighthouse.rpc.errors import (
     QuorumError,
     QuorumTimeoutError,
 )
-from lighthouse.rpc.loop import BackgroundLoop, wait_for_future
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.rpc.tls import TLSConfig, scheme
 from torchft_like.manager import threads
@@ -54,7 +54,7 @@ class ManagerServer:
         store_addr: `host:port` of this group's TCPStore.
         world_size: ranks in this replica group.
         heartbeat_interval: period of the lighthouse heartbeats; a lighthouse
-            may advise a longer one on the stream (lighthouse.pacing), followed.
+            may advise a longer one on the stream (lighthouse.core.pacing), followed.
         connect_timeout: bound on reaching the lighthouse.
         quorum_retries: lighthouse quorum failures retried before the ranks see one.
         secret: the job's shared secret: required of our callers and sent to
@@ -63,10 +63,10 @@ class ManagerServer:
             `address()` is then https://. None: plaintext.
         local_collectives: the group's process group never talks to other
             groups (ProcessGroupDummy): it tells the lighthouse so, and
-            lighthouse.compat lets it share a job with any torchft release.
+            lighthouse.core.compat lets it share a job with any torchft release.
         sched_batch: run the server's loop under SCHED_BATCH (the default,
             as ManagerConfig.control_sched), so that its wake-ups never
-            preempt training (lighthouse.rpc.loop.set_batch_policy).
+            preempt training (lighthouse.loop.set_batch_policy).
 
     Raises:
         ValueError: a bad option or bind address.

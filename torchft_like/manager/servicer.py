@@ -9,8 +9,8 @@ from typing import Any, Protocol
 
 from grpc import aio
 
+from lighthouse.loop import reply_budget_s
 from lighthouse.rpc import errors
-from lighthouse.rpc.loop import reply_budget_s
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from torchft_like.manager import wire
 from torchft_like.manager.group_request import QuorumRequest

@@ -2,7 +2,7 @@
 
 The session asks for the group's quorums (retrying an unreachable
 lighthouse with backoff until the ranks' deadline), leaves out members our
-process group cannot rendezvous with (lighthouse.compat), relays the
+process group cannot rendezvous with (lighthouse.core.compat), relays the
 lighthouse's gone notices to the group's ranks, and heartbeats on one stream
 at a pace a Quorum call postpones. Everything here runs on the server's loop.
 """
@@ -19,8 +19,10 @@ from datetime import timedelta
 from functools import partial
 
 from lighthouse.client import AsyncLighthouseClient
-from lighthouse.compat import refusals, training_members
-from lighthouse.quorum import Quorum, QuorumMember
+from lighthouse.core.compat import refusals, training_members
+from lighthouse.core.quorum import Quorum, QuorumMember
+from lighthouse.core.views import QuorumResult, QuorumViews
+from lighthouse.loop import reply_budget_s
 from lighthouse.rpc.errors import (
     DuplicateGroupError,
     IncompatibleGroupError,
@@ -28,9 +30,7 @@ from lighthouse.rpc.errors import (
     QuorumError,
     QuorumTimeoutError,
 )
-from lighthouse.rpc.loop import reply_budget_s
 from lighthouse.rpc.tls import TLSConfig
-from lighthouse.views import QuorumResult, QuorumViews
 from torchft_like.gone_watch import GroupNotices
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class LighthouseSession:
         self._heartbeat_due: tuple[asyncio.Future[None], float, asyncio.TimerHandle] | None = None
         """While the heartbeat loop waits out a Quorum call: its wake-up, period and timer."""
         self._prev_quorum_ids: tuple[str, ...] = ()
-        """The members of the last quorum this group took part in (lighthouse.compat)."""
+        """The members of the last quorum this group took part in (lighthouse.core.compat)."""
         self._notices = GroupNotices()
         """The latest quorum handed to our ranks, and gone notices about it."""
         self._gone_listeners: list[GoneListener] = []
@@ -182,7 +182,7 @@ class LighthouseSession:
         before relayed now. A quorum that came with its members (from a
         lighthouse that does not answer views, pytorch/torchft's) is taken
         in less the members our process group cannot rendezvous with
-        (lighthouse.compat: its nightly's members would stall our
+        (lighthouse.core.compat: its nightly's members would stall our
         configure); ours never mixes them.
 
         Raises:

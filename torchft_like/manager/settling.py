@@ -75,7 +75,7 @@ class QuorumSettlement:
         self.healing = False
         """This step copies the state from a peer (applied in should_commit)."""
         self.heal_report = ""
-        """JSON of the last heal, sent with the next quorum request (lighthouse.heals)."""
+        """JSON of the last heal, sent with the next quorum request (lighthouse.core.heals)."""
         self.fatal: DuplicateGroupError | IncompatibleGroupError | None = None
         """An error that no retry can fix: raised by the next start_quorum/should_commit."""
 

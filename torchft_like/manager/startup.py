@@ -21,8 +21,8 @@ from typing import Any
 from torch.distributed import TCPStore
 
 from lighthouse.rpc.address import join_host_port, loopback_advertisement_warning
-from lighthouse.rpc.metrics_server import MetricsServer
 from lighthouse.rpc.tls import TLSConfig
+from lighthouse.web.metrics import MetricsServer
 from torchft_like.checkpointing import CheckpointTransport, HTTPTransport
 from torchft_like.manager.client import LocalManagerClient, ManagerClientProtocol
 from torchft_like.manager.config import ManagerConfig

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import threading
 
-from lighthouse.rpc.loop import set_batch_policy
+from lighthouse.loop import set_batch_policy
 
 TRAINING = "training"
 QUORUM = "quorum"
@@ -55,6 +55,6 @@ def check(*roles: str, what: str) -> None:
 
 def start_quorum_thread(batch: bool) -> None:
     """The quorum thread's initializer: its role, and SCHED_BATCH when
-    `batch` (lighthouse.rpc.loop.set_batch_policy)."""
+    `batch` (lighthouse.loop.set_batch_policy)."""
     take(QUORUM)
     set_batch_policy(batch)

@@ -1,0 +1,498 @@
+"""Our HTTP/2 client connection (RFC 9113) on an asyncio Protocol, and its
+calls: what lighthouse.rpc.lean.client's channel sends calls over.
+
+Only what calls to a known server need: the client preface, SETTINGS, PING,
+flow control both ways, GOAWAY and RST_STREAM; HPACK decoding by the
+`hpack` library, our headers sent as literals.
+
+The server is not trusted: what it can make a connection hold is bounded
+(frames of MAX_FRAME bytes, header blocks of MAX_HEADER_BLOCK before
+decoding and MAX_HEADER_LIST after, answers of MAX_MESSAGE_BYTES, windows
+given back as messages are taken, MAX_WRITE_BUFFER of our answers unread).
+A message over its bound fails its call with RESOURCE_EXHAUSTED, as
+grpcio's would; a broken rule of RFC 9113 aborts the connection (GOAWAY
+with the RFC's error code), and its calls raise `Unavailable`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import unquote
+
+import grpc
+import hpack
+
+from lighthouse.rpc.h2.frames import (
+    ACK,
+    CANCEL,
+    COMPRESSION_ERROR,
+    CONTINUATION,
+    DATA,
+    DEFAULT_MAX_FRAME,
+    DEFAULT_WINDOW,
+    END_HEADERS,
+    END_STREAM,
+    ENHANCE_YOUR_CALM,
+    ERROR_NAMES,
+    FLOW_CONTROL_ERROR,
+    GOAWAY,
+    HEADERS,
+    INTERNAL_ERROR,
+    MAX_WINDOW,
+    PADDED,
+    PING,
+    PREFACE,
+    PRIORITY_FLAG,
+    PROTOCOL_ERROR,
+    PUSH_PROMISE,
+    RST_STREAM,
+    SETTINGS,
+    SETTINGS_ENABLE_PUSH,
+    SETTINGS_INITIAL_WINDOW_SIZE,
+    SETTINGS_MAX_FRAME_SIZE,
+    SETTINGS_MAX_HEADER_LIST_SIZE,
+    WINDOW_UPDATE,
+    ProtocolError,
+    check_frame,
+    frame,
+    frame_at,
+    header_fragment,
+    settings,
+    unpad,
+    window_increment,
+)
+
+_SETTING = struct.Struct(">HI")
+_U32 = struct.Struct(">I")
+_MESSAGE = struct.Struct(">BI")
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+MAX_FRAME = DEFAULT_MAX_FRAME
+"""The largest frame we accept: we advertise no SETTINGS_MAX_FRAME_SIZE, so
+RFC 9113's initial value; a larger one is a FRAME_SIZE_ERROR."""
+MAX_HEADER_BLOCK = 16 * 1024
+"""Bytes of one header block as sent (HEADERS and CONTINUATIONs), checked
+before it is decoded."""
+MAX_HEADER_LIST = 16 * 1024
+"""Bytes of one decoded header list, counted as RFC 9113 6.5.2 does (hpack's
+max_header_list_size); grpcio's hard limit on received metadata."""
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+"""The largest message of an answer: grpcio's default receive limit; past it
+the call fails with RESOURCE_EXHAUSTED, as grpcio's would."""
+_MAX_ANSWER = 5 + MAX_MESSAGE_BYTES
+"""A unary answer's body: one message and its 5-byte prefix."""
+RECV_WINDOW = 2 * _MAX_ANSWER
+"""What the server may send us, per stream and on the connection, before our
+WINDOW_UPDATE. Given back as messages are taken (handed to `on_message`, or
+a finished answer), once half of it is: a largest message always fits in
+what is left, so no answer waits on flow control."""
+_REFRESH = RECV_WINDOW // 2
+_PADDED_OR_PRIORITY = PADDED | PRIORITY_FLAG
+MAX_WRITE_BUFFER = 1024 * 1024
+"""Bytes of ours waiting to go out past which the connection is aborted: a
+server that asks for answers (PINGs, SETTINGS) and reads none of them."""
+MAX_UNSENT = 65_536
+"""Bytes of a stream's messages the socket may hold back before a send
+fails: a server that takes none of them is as good as gone."""
+CACHED_BLOCKS = 16
+"""Decoded header blocks a connection keeps (ClientConnection._decode)."""
+
+
+class Unavailable(Exception):
+    """The call could not be made (or finished) on this connection: make it another way."""
+
+
+class CallFailed(Exception):
+    """The server ended the call with a status other than OK."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(f"{code.name}: {details}")
+        self.code = code
+        self.details = details
+
+
+class _Call:
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.done: asyncio.Future[bytes] = loop.create_future()
+        self.headers: list[tuple[str, str]] = []
+        self.body = bytearray()
+        self.unacked = 0
+
+    def fail(self, error: Exception) -> None:
+        if not self.done.done():
+            self.done.set_exception(error)
+
+    def take(self, payload: bytes) -> bool:
+        """Bytes of the answer, held until it ends. False: the call failed
+        (an answer over MAX_MESSAGE_BYTES), and its stream is to be reset.
+        A message declared larger fails here once that many bytes came, or
+        in `finish`: the common path reads no prefix but once."""
+        body = self.body
+        body += payload
+        if len(body) > _MAX_ANSWER:
+            declared: int = _MESSAGE.unpack_from(body)[1]
+            return self.too_large(max(declared, len(body) - 5))
+        return True
+
+    def too_large(self, size: int) -> bool:
+        self.fail(
+            CallFailed(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"Received message larger than max ({size} vs. {MAX_MESSAGE_BYTES})",
+            )
+        )
+        return False
+
+    def ending(self, trailers: list[tuple[str, str]]) -> Exception | None:
+        """What the end of the call says went wrong, if anything."""
+        fields = dict(self.headers)
+        fields.update(trailers)
+        if fields.get(":status", "200") != "200":
+            return Unavailable(f"HTTP status {fields[':status']}")
+        try:
+            number = int(fields.get("grpc-status", "2"))
+        except ValueError:
+            number = -1
+        code = _CODES.get(number, grpc.StatusCode.UNKNOWN)
+        if code != grpc.StatusCode.OK:
+            return CallFailed(code, unquote(fields.get("grpc-message", "")))
+        return None
+
+    def finish(self, trailers: list[tuple[str, str]]) -> None:
+        error = self.ending(trailers)
+        if error is not None:
+            self.fail(error)
+            return
+        body = bytes(self.body)
+        if len(body) < 5:
+            self.fail(CallFailed(grpc.StatusCode.INTERNAL, "an answer without a message"))
+            return
+        compressed, size = _MESSAGE.unpack_from(body)
+        if size > MAX_MESSAGE_BYTES:  # an answer cut short by the server
+            self.too_large(size)
+            return
+        if compressed or size != len(body) - 5:  # we accept no encoding: none is sent
+            self.fail(Unavailable("a compressed or malformed answer"))
+            return
+        if not self.done.done():
+            self.done.set_result(body[5:])
+
+
+class StreamingCall(_Call):
+    """A streaming call: each message that arrives goes to `on_message`
+    (which must not raise); `done` is b"" once the server ends it with OK."""
+
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, on_message: Callable[[bytes], None], window: int
+    ) -> None:
+        super().__init__(loop)
+        self.on_message = on_message
+        self.window = window
+        """What we may still send on it (the server's window for the stream)."""
+
+    def take(self, payload: bytes) -> bool:
+        """Hands each whole message on as it arrives. False: the call failed
+        (a message over MAX_MESSAGE_BYTES, or compressed), and its stream is
+        to be reset."""
+        if self.done.done():  # failed on our side: nobody reads on
+            return True
+        body = self.body
+        body += payload
+        while len(body) >= 5:
+            compressed, size = _MESSAGE.unpack_from(body)
+            if size > MAX_MESSAGE_BYTES:
+                return self.too_large(size)
+            if compressed:  # we accept no encoding: none is sent
+                self.fail(Unavailable("a compressed message"))
+                return False
+            if len(body) < 5 + size:
+                return True
+            message = bytes(body[5 : 5 + size])
+            del body[: 5 + size]
+            self.on_message(message)
+        return True
+
+    def finish(self, trailers: list[tuple[str, str]]) -> None:
+        error = self.ending(trailers)
+        if error is not None:
+            self.fail(error)
+        elif not self.done.done():
+            self.done.set_result(b"")
+
+
+class ClientConnection(asyncio.Protocol):
+    """One client connection; streams are our calls in flight."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self._buf = bytearray()
+        self._decoder = hpack.Decoder()
+        self._decoder.max_header_list_size = MAX_HEADER_LIST
+        self._block = bytearray()
+        self._block_stream = 0
+        """The stream of a header block still waiting for CONTINUATIONs (0: none)."""
+        self._block_end = False
+        self._decoded: dict[bytes, list[tuple[str, str]]] = {}
+        self.calls: dict[int, _Call] = {}
+        self._next_stream = 1
+        self._send_window = DEFAULT_WINDOW
+        self._peer_initial_window = DEFAULT_WINDOW
+        self._peer_max_frame = 16_384
+        self._recv_unacked = 0
+        """Bytes of the connection's window taken or dropped and not yet given back."""
+        self.closing = False
+
+    def connection_made(self, transport: Any) -> None:
+        self.transport = transport
+        ours = (
+            (SETTINGS_ENABLE_PUSH, 0),
+            (SETTINGS_INITIAL_WINDOW_SIZE, RECV_WINDOW),
+            (SETTINGS_MAX_HEADER_LIST_SIZE, MAX_HEADER_LIST),
+        )
+        transport.write(
+            PREFACE
+            + frame(SETTINGS, 0, 0, b"".join(_SETTING.pack(k, v) for k, v in ours))
+            + frame(WINDOW_UPDATE, 0, 0, _U32.pack(RECV_WINDOW - DEFAULT_WINDOW))
+        )
+        transport.set_write_buffer_limits(high=MAX_WRITE_BUFFER)
+
+    def pause_writing(self) -> None:
+        """Over MAX_WRITE_BUFFER bytes of ours wait to go out: the server
+        reads nothing, and may be asking for answers it never takes."""
+        self.abort(f"over {MAX_WRITE_BUFFER} bytes not taken by the server")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.transport, self.closing = None, True
+        calls, self.calls = self.calls, {}
+        for call in calls.values():
+            call.fail(Unavailable(f"connection lost: {exc or 'closed by the server'}"))
+
+    def data_received(self, data: bytes) -> None:
+        buf = self._buf
+        buf += data
+        pos, size, out = 0, len(buf), list[bytes]()
+        try:
+            while size - pos >= 9:
+                found = frame_at(buf, pos, size, MAX_FRAME)
+                if found is None:
+                    break
+                kind, flags, stream_id, payload, pos = found
+                self._frame(kind, flags, stream_id, payload, out)
+        except ProtocolError as e:
+            self._broken(e.code, str(e))
+            return
+        except hpack.HPACKError as e:
+            self._broken(COMPRESSION_ERROR, f"a header block: {e}")
+            return
+        except Exception as e:  # a check we lack: still the connection's end, not the loop's
+            self._broken(INTERNAL_ERROR, f"a frame not understood: {e!r}")
+            return
+        del buf[:pos]
+        if self._recv_unacked >= _REFRESH:
+            out.append(frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._recv_unacked)))
+            self._recv_unacked = 0
+        if out and self.transport is not None:
+            self.transport.write(b"".join(out))
+
+    def _frame(
+        self, kind: int, flags: int, stream_id: int, payload: bytes, out: list[bytes]
+    ) -> None:
+        if self._block_stream and kind != CONTINUATION:
+            raise ProtocolError(PROTOCOL_ERROR, f"a frame of type {kind} inside a header block")
+        if kind == DATA:
+            self._data(flags, stream_id, payload, out)
+        elif kind == HEADERS:
+            if flags & _PADDED_OR_PRIORITY:
+                payload = header_fragment(flags, stream_id, payload)
+            if len(payload) > MAX_HEADER_BLOCK:
+                raise ProtocolError(ENHANCE_YOUR_CALM, "a header block over the limit")
+            self._block[:] = payload
+            self._block_stream, self._block_end = stream_id, bool(flags & END_STREAM)
+            if flags & END_HEADERS:
+                self._headers_done()
+        elif kind == CONTINUATION:
+            if stream_id != self._block_stream or not stream_id:
+                raise ProtocolError(PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
+            if len(self._block) + len(payload) > MAX_HEADER_BLOCK:
+                raise ProtocolError(ENHANCE_YOUR_CALM, "a header block over the limit")
+            self._block += payload
+            if flags & END_HEADERS:
+                self._headers_done()
+        else:
+            check_frame(kind, flags, stream_id, len(payload))
+            self._control(kind, flags, stream_id, payload, out)
+
+    def _control(
+        self, kind: int, flags: int, stream_id: int, payload: bytes, out: list[bytes]
+    ) -> None:
+        """Frames but DATA and header blocks, their lengths and stream checked."""
+        if kind == SETTINGS and not flags & ACK:
+            for key, value in settings(payload):
+                if key == SETTINGS_INITIAL_WINDOW_SIZE:  # every stream's window moves
+                    for open_call in self.calls.values():
+                        if isinstance(open_call, StreamingCall):
+                            open_call.window += value - self._peer_initial_window
+                            if open_call.window > MAX_WINDOW:
+                                raise ProtocolError(FLOW_CONTROL_ERROR, "a window over 2^31-1")
+                    self._peer_initial_window = value
+                elif key == SETTINGS_MAX_FRAME_SIZE:
+                    self._peer_max_frame = value
+            out.append(frame(SETTINGS, ACK, 0, b""))
+        elif kind == PING and not flags & ACK:
+            out.append(frame(PING, ACK, 0, payload))
+        elif kind == WINDOW_UPDATE:
+            increment = window_increment(payload, stream_id)
+            if stream_id == 0:
+                self._send_window += increment
+                window = self._send_window
+            elif isinstance(stream := self.calls.get(stream_id), StreamingCall):
+                stream.window += increment
+                window = stream.window
+            else:
+                return
+            if window > MAX_WINDOW:
+                raise ProtocolError(FLOW_CONTROL_ERROR, "a window over 2^31-1")
+        elif kind == RST_STREAM:
+            call = self._forget(stream_id)
+            if call is not None:
+                (code,) = _U32.unpack(payload)
+                call.fail(Unavailable(f"the server reset the call (HTTP/2 error {code})"))
+        elif kind == GOAWAY:
+            self.closing = True
+            last = _U32.unpack_from(payload)[0] & MAX_WINDOW
+            for sid in [s for s in self.calls if s > last]:
+                call = self._forget(sid)
+                if call is not None:
+                    call.fail(Unavailable("the server is going away"))
+        elif kind == PUSH_PROMISE:
+            raise ProtocolError(PROTOCOL_ERROR, "PUSH_PROMISE, though we disabled push")
+        # PRIORITY, the acks and unknown types: nothing to do.
+
+    def _headers_done(self) -> None:
+        stream_id, self._block_stream = self._block_stream, 0
+        headers = self._decode(bytes(self._block))
+        call = self.calls.get(stream_id)
+        if call is None:
+            if not stream_id % 2 or stream_id >= self._next_stream:
+                raise ProtocolError(PROTOCOL_ERROR, f"HEADERS on stream {stream_id}, not ours")
+            return  # a call that has ended
+        if not self._block_end:
+            call.headers = headers
+            return
+        del self.calls[stream_id]
+        self._recv_unacked += len(call.body)  # what it held comes back
+        call.finish(headers)
+
+    def _decode(self, block: bytes) -> list[tuple[str, str]]:
+        """Every block is decoded in order (the table is shared state), but
+        for one seen before while the table was and stayed empty, and not
+        resizing it: its fields then depend on nothing else (our server's
+        answers, all literals, every step)."""
+        table = self._decoder.header_table.dynamic_entries
+        cacheable = not table and block[:1] and block[0] & 0xE0 != 0x20  # 001xxxxx: resizes
+        if cacheable and block in self._decoded:
+            return self._decoded[block]
+        headers = [(str(k), str(v)) for k, v in self._decoder.decode(block, raw=False)]
+        if cacheable and not table and len(self._decoded) < CACHED_BLOCKS:
+            self._decoded[block] = headers
+        return headers
+
+    def _data(self, flags: int, stream_id: int, payload: bytes, out: list[bytes]) -> None:
+        """A call's bytes. What of the windows they take comes back as the
+        call takes messages (padding and dropped bytes at once), not as
+        they arrive: a call holds at most one message, so the server can
+        make us hold no more than that per call."""
+        size = len(payload)
+        if flags & PADDED:
+            payload = unpad(flags, payload)
+        call = self.calls.get(stream_id)
+        if call is None:
+            if not stream_id % 2 or stream_id >= self._next_stream:
+                raise ProtocolError(PROTOCOL_ERROR, f"DATA on stream {stream_id}, not ours")
+            self._recv_unacked += size  # a call that has ended: dropped
+            return
+        held = len(call.body)
+        kept = call.take(payload)
+        given = held + size - len(call.body)  # padding, and the messages taken
+        self._recv_unacked += given
+        if not kept:  # the call failed (a message too large): the others go on
+            self._forget(stream_id)
+            out.append(frame(RST_STREAM, 0, stream_id, _U32.pack(CANCEL)))
+        elif given:
+            call.unacked += given
+            if call.unacked >= _REFRESH and not flags & END_STREAM:
+                out.append(frame(WINDOW_UPDATE, 0, stream_id, _U32.pack(call.unacked)))
+                call.unacked = 0
+
+    def _forget(self, stream_id: int) -> _Call | None:
+        """Takes a call out of the table; what it held of the window comes back."""
+        call = self.calls.pop(stream_id, None)
+        if call is not None:
+            self._recv_unacked += len(call.body)
+        return call
+
+    def _broken(self, code: int, why: str) -> None:
+        """The server broke the protocol: GOAWAY with `code`, and abort."""
+        if self.transport is not None:
+            detail = _U32.pack(0) + _U32.pack(code) + why.encode()[:256]
+            self.transport.write(frame(GOAWAY, 0, 0, detail))
+        self.abort(f"the server broke HTTP/2 ({ERROR_NAMES.get(code, code)}): {why}")
+
+    def start(self, headers: bytes, message: bytes) -> tuple[int, _Call]:
+        """Sends one call's headers and message; raises Unavailable if it cannot."""
+        if self.transport is None or self.closing or self._next_stream > 0x7FFFFFFF:
+            raise Unavailable("no open connection")
+        body = _MESSAGE.pack(0, len(message)) + message
+        if len(body) > min(self._send_window, self._peer_initial_window, self._peer_max_frame):
+            raise Unavailable("a request larger than the server's window or frame size")
+        stream_id, self._next_stream = self._next_stream, self._next_stream + 2
+        call = _Call(asyncio.get_running_loop())
+        self.calls[stream_id] = call
+        self._send_window -= len(body)
+        self.transport.write(
+            frame(HEADERS, END_HEADERS, stream_id, headers)
+            + frame(DATA, END_STREAM, stream_id, body)
+        )
+        return stream_id, call
+
+    def open_stream(
+        self, headers: bytes, on_message: Callable[[bytes], None]
+    ) -> tuple[int, StreamingCall]:
+        """Opens a streaming call (its headers only); raises Unavailable if it cannot."""
+        if self.transport is None or self.closing or self._next_stream > 0x7FFFFFFF:
+            raise Unavailable("no open connection")
+        stream_id, self._next_stream = self._next_stream, self._next_stream + 2
+        stream = StreamingCall(asyncio.get_running_loop(), on_message, self._peer_initial_window)
+        self.calls[stream_id] = stream
+        self.transport.write(frame(HEADERS, END_HEADERS, stream_id, headers))
+        return stream_id, stream
+
+    def send(self, stream_id: int, stream: StreamingCall, message: bytes) -> None:
+        """One message on an open stream; raises Unavailable if it cannot go
+        now (no window, or a server that has not read what we sent)."""
+        if self.transport is None or self.calls.get(stream_id) is not stream:
+            raise Unavailable("the stream is closed")
+        if self.transport.get_write_buffer_size() > MAX_UNSENT:
+            raise Unavailable(f"over {MAX_UNSENT} bytes not taken by the server")
+        body = _MESSAGE.pack(0, len(message)) + message
+        if len(body) > min(self._send_window, stream.window, self._peer_max_frame):
+            raise Unavailable("a message larger than the server's window or frame size")
+        self._send_window -= len(body)
+        stream.window -= len(body)
+        self.transport.write(frame(DATA, 0, stream_id, body))
+
+    def cancel(self, stream_id: int) -> None:
+        if self._forget(stream_id) is not None and self.transport is not None:
+            out = frame(RST_STREAM, 0, stream_id, _U32.pack(CANCEL))
+            if self._recv_unacked >= _REFRESH:
+                out += frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._recv_unacked))
+                self._recv_unacked = 0
+            self.transport.write(out)
+
+    def abort(self, why: str) -> None:
+        self.closing = True
+        if self.transport is not None:
+            self.transport.abort()
+        self.connection_lost(Unavailable(why))

@@ -1,0 +1,6 @@
+"""gRPC over our own HTTP/2 (lighthouse.rpc.h2): the lighthouse's hot path.
+
+- `server`: LeanServer, serving grpcio's generated method tables;
+- `request_stream`: a streaming call's requests, iterated or delivered;
+- `client`: LeanChannel, unary and streaming calls on the caller's loop.
+"""

@@ -1,0 +1,555 @@
+"""A gRPC server on asyncio alone (over lighthouse.rpc.h2), for the lighthouse's hot path.
+
+It serves the method tables grpcio's generated code registers (the same
+handlers, serializers and decode guard) with the subset of
+`aio.ServicerContext` the project's servicers use. Same wire, same
+statuses; what differs is the cost: one `data_received` and one `write`
+per unary call on the loop's own thread, and a handler that finishes
+without waiting runs inline, with no task. `serve.new_server` picks it or
+grpcio's server (`rpc_server`).
+
+Compressed requests (gzip, deflate) are read, within the message limit;
+answers go uncompressed, as gRPC allows. Left out, as our servicers need
+none: server-side interceptors other than the shared secret.
+
+Bounded as lighthouse.rpc.h2.limits says: connections (past the cap the
+longest idle one makes room), their idle time, and what an answer echoes.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import collections.abc
+import inspect
+import logging
+import socket
+import ssl
+import time
+import urllib.parse
+import zlib
+from collections.abc import Callable
+from typing import Any, NoReturn
+
+import grpc
+
+from lighthouse.rpc import auth
+from lighthouse.rpc.h2 import frames
+from lighthouse.rpc.h2.connections import Connections
+from lighthouse.rpc.h2.limits import LIMITS, ProcessBudget
+from lighthouse.rpc.h2.server_connection import Connection
+from lighthouse.rpc.lean.request_stream import RequestStream
+
+logger = logging.getLogger(__name__)
+
+_OK_HEADERS = b"\x88" + frames.literal("content-type", "application/grpc")
+"""`:status: 200` (static table entry 8) and the gRPC content type."""
+_OK_TRAILERS = frames.literal("grpc-status", "0")
+_UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED
+_TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
+_RESERVED = frozenset(
+    ("content-type", "te", "grpc-timeout", "grpc-encoding", "grpc-accept-encoding", "user-agent")
+)
+_WBITS = {"gzip": 31, "deflate": 15}
+"""grpc-encoding -> zlib's wbits for it."""
+MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+"""grpcio's default limit on a received message, compressed or not."""
+_SWEEP_S = 5.0
+"""How often idle connections are looked for."""
+
+
+class _Abort(Exception):
+    """`context.abort`: ends the call with this status."""
+
+    def __init__(self, code: grpc.StatusCode, details: str) -> None:
+        super().__init__(details)
+        self.code = code
+        self.details = details
+
+
+def echo(text: str) -> str:
+    """A request's own text as an answer may carry it: never longer than
+    `Limits.max_echo`, so an answer cannot amplify what a peer sends."""
+    limit = LIMITS.max_echo
+    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
+
+
+def _trailers(code: grpc.StatusCode, details: str) -> bytes:
+    block = frames.literal("grpc-status", str(code.value[0]))
+    if details:
+        block += frames.literal(
+            "grpc-message", urllib.parse.quote(details, safe=" !#$&'()*+,/:;=?@[]~")
+        )
+    return block
+
+
+class _Call:
+    """One call: its stream, its handler and the `ServicerContext` it is given."""
+
+    __slots__ = (
+        "conn",
+        "stream_id",
+        "handler",
+        "method",
+        "deadline",
+        "metadata",
+        "body",
+        "requests",
+        "task",
+        "headers_sent",
+        "done",
+        "timer",
+        "encoding",
+        "table",
+        "on_end",
+        "begun",
+    )
+
+    def __init__(
+        self,
+        conn: Connection,
+        stream_id: int,
+        handler: Any,
+        method: str,
+        table: dict[tuple[Connection, int], _Call],
+    ) -> None:
+        self.conn = conn
+        self.stream_id = stream_id
+        self.handler = handler
+        self.method = method
+        self.deadline: float | None = None
+        self.metadata: tuple[tuple[str, str], ...] = ()
+        self.body = bytearray()
+        self.requests: RequestStream | None = None
+        self.task: asyncio.Task[None] | None = None
+        self.headers_sent = False
+        self.done = False
+        self.timer: asyncio.TimerHandle | None = None
+        self.encoding = "identity"
+        self.table = table
+        """The server's open calls, which this one leaves when it is answered."""
+        self.on_end: Callable[[], None] | None = None
+        self.begun = False
+        """A unary call's handler has run (on its first message)."""
+
+    # ---- the ServicerContext subset ---------------------------------------------
+
+    def time_remaining(self) -> float | None:
+        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
+
+    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
+        raise _Abort(code, details)
+
+    def peer(self) -> str:
+        return self.conn.peer
+
+    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
+        return self.metadata
+
+    # ---- parked calls (lean_server only) --------------------------------------------
+
+    def park(self, on_end: Callable[[], None]) -> None:
+        """Keeps a unary call open after its handler returns, with no task
+        and no future: it is answered later by `answer_now` or `end_now`,
+        and `on_end` runs if it ends otherwise (cancelled, connection lost).
+        The parker owns its deadline. The lighthouse parks each Quorum call
+        until its quorum is issued: a task per call was a third of a call's
+        cost at a step's burst (bench/NOTES.md)."""
+        self.on_end = on_end
+
+    def answer_now(self, response: Any) -> None:
+        """Sends a unary call's answer at once, from outside its handler: the
+        handler's own return value is then dropped."""
+        if self.done or self.handler.response_streaming:
+            return
+        self.done = True
+        self.table.pop((self.conn, self.stream_id), None)
+        if self.timer is not None:
+            self.timer.cancel()
+        self.send_message(response, _OK_TRAILERS)
+
+    def end_now(self, code: grpc.StatusCode, details: str) -> None:
+        """Ends a call with a status other than OK, from outside its handler."""
+        self.table.pop((self.conn, self.stream_id), None)
+        self.finish(code, details)
+
+    async def write(self, message: Any) -> None:
+        if not self.write_now(message):
+            raise grpc.RpcError("the call has ended")
+
+    def write_now(self, message: Any) -> bool:
+        """A streaming answer's message, sent in this turn; False: the call has ended."""
+        if self.done or not self.conn.is_open(self.stream_id):
+            return False
+        self.send_message(message, None)
+        return True
+
+    # ---- answers -------------------------------------------------------------------
+
+    def send_message(self, message: Any, trailers: bytes | None) -> None:
+        serialize = self.handler.response_serializer
+        raw = message if serialize is None else serialize(message)
+        headers = None if self.headers_sent else _OK_HEADERS
+        self.headers_sent = True
+        body = b"\x00" + len(raw).to_bytes(4, "big") + raw
+        self.conn.send(self.stream_id, headers, body, trailers)
+
+    def finish(self, code: grpc.StatusCode, details: str = "") -> None:
+        if self.done:
+            return
+        self.done = True
+        if self.timer is not None:
+            self.timer.cancel()
+        trailers = _OK_TRAILERS if code is grpc.StatusCode.OK else _trailers(code, details)
+        headers = None if self.headers_sent else _OK_HEADERS
+        self.conn.send(self.stream_id, headers, b"", trailers)
+
+
+class ResumedHandler(collections.abc.Coroutine):  # type: ignore[type-arg]
+    """The rest of a handler coroutine whose first step ran inline and then
+    waited on `first`: run by a task, it resumes where the step stopped. A
+    coroutine object of its own, not an `async def` around the handler's: a
+    task cancelled before its first step throws into the handler too, so
+    the handler's `finally` runs (an `async def` would end before its body)."""
+
+    def __init__(self, coro: Any, first: Any) -> None:
+        self._coro = coro
+        self._first: Any = first
+        self._started = False
+
+    def send(self, value: Any) -> Any:
+        if not self._started:
+            self._started = True
+            return self._first
+        return self._coro.send(value)
+
+    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
+        self._started = True
+        return (
+            self._coro.throw(typ) if val is None and tb is None else self._coro.throw(typ, val, tb)
+        )
+
+    def close(self) -> None:
+        self._coro.close()
+
+    def __await__(self) -> Any:
+        raise TypeError("a task runs this coroutine; it is not awaited")
+
+
+class LeanServer:
+    """A gRPC server for handler tables registered the way grpcio's
+    generated `add_*_to_server` does; the API of `aio.Server` that
+    lighthouse.rpc.serve uses."""
+
+    def __init__(self, secret: str | None = None, service: str = "server") -> None:
+        if secret is not None:
+            auth.validate_secret(secret, f"the {service}'s `secret` argument")
+        self._secret = secret
+        self._service = service
+        self._refusals = auth.RefusalLog()
+        self._handlers: dict[str, Any] = {}
+        self._calls: dict[tuple[Connection, int], _Call] = {}
+        self._conns = Connections()
+        self._budget = ProcessBudget()
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._servers: list[asyncio.AbstractServer] = []
+        self._sockets: list[tuple[socket.socket, ssl.SSLContext | None]] = []
+
+    # ---- registration (what generated code and decode_guard call) ----------------
+
+    def add_generic_rpc_handlers(self, handlers: Any) -> None:
+        pass  # the same methods come again through add_registered_method_handlers
+
+    def add_registered_method_handlers(self, service: str, handlers: dict[str, Any]) -> None:
+        for name, handler in handlers.items():
+            self._handlers[f"/{service}/{name}"] = handler
+
+    # ---- ports and lifetime ---------------------------------------------------------
+
+    def add_insecure_port(self, address: str) -> int:
+        return self._bind(address, None)
+
+    def add_secure_port(self, address: str, context: ssl.SSLContext) -> int:
+        return self._bind(address, context)
+
+    def _bind(self, address: str, context: ssl.SSLContext | None) -> int:
+        """Binds now (so the port is known and a taken one fails here); the
+        sockets listen from `start`. Returns the port, 0 if none bound."""
+        host, _, port_text = address.rpartition(":")
+        host = host.strip("[]")
+        port = int(port_text)
+        bound = 0
+        for family, _, _, _, sockaddr in socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        ):
+            sock = socket.socket(family, socket.SOCK_STREAM)
+            try:
+                sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+                if family == socket.AF_INET6 and sockaddr[0] == "::":
+                    sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+                sock.bind((sockaddr[0], bound or port, *sockaddr[2:]))
+            except OSError:
+                sock.close()
+                continue
+            bound = sock.getsockname()[1]
+            self._sockets.append((sock, context))
+        return bound
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        for sock, context in self._sockets:
+            server = await loop.create_server(
+                self._connection, sock=sock, ssl=context, backlog=1024
+            )
+            self._servers.append(server)
+        self._sweeper = loop.call_later(_SWEEP_S, self._sweep)
+
+    def _sweep(self) -> None:
+        self._conns.sweep()
+        self._sweeper = asyncio.get_running_loop().call_later(_SWEEP_S, self._sweep)
+
+    def _connection(self) -> asyncio.Protocol:
+        return self._conns.admit(Connection(self, self._conns.lost, budget=self._budget))
+
+    async def stop(self, grace: float | None) -> None:
+        """Stops listening; open calls get `grace` seconds (None: none), then are cancelled."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for server in self._servers:
+            server.close()
+        for conn in list(self._conns.open):
+            conn.goaway()
+        calls, self._calls = list(self._calls.values()), {}
+        tasks = [call.task for call in calls if call.task is not None and not call.task.done()]
+        if grace and tasks:  # handlers that never wait are done already
+            await asyncio.wait(tasks, timeout=grace)
+        for call in calls:
+            call.finish(grpc.StatusCode.UNAVAILABLE, "the server is shutting down")
+        for task in tasks:
+            task.cancel()
+        if tasks:  # their `finally` blocks run before the loop may stop
+            await asyncio.wait(tasks, timeout=5)
+        for conn in list(self._conns.open):
+            conn.close()
+        for server in self._servers:
+            await server.wait_closed()
+
+    # ---- calls (lighthouse.rpc.h2.server_connection.StreamHandler) -------------------------------
+
+    def on_headers(self, conn: Connection, stream_id: int, headers: list[tuple[str, str]]) -> None:
+        path = method = content_type = ""
+        timeout: str | None = None
+        presented: str | None = None
+        encoding = "identity"
+        metadata = []
+        for name, value in headers:
+            if name[0] == ":":
+                if name == ":path":
+                    path = value
+                elif name == ":method":
+                    method = value
+            elif name == "content-type":
+                content_type = value
+            elif name == "grpc-timeout":
+                timeout = value
+            elif name == "grpc-encoding" and value != "identity":
+                if value not in _WBITS:
+                    named = echo(value)
+                    unsupported = f"compression {named!r} is not supported (gzip, deflate are)"
+                    conn.send(stream_id, _OK_HEADERS, b"", _trailers(_UNIMPLEMENTED, unsupported))
+                    return
+                encoding = value
+            elif name not in _RESERVED:
+                metadata.append((name, value))
+                if name == auth.METADATA_KEY:
+                    presented = value
+        if method != "POST" or not content_type.startswith("application/grpc"):
+            conn.reset(stream_id, frames.PROTOCOL_ERROR)  # not a gRPC request
+            return
+        handler = self._handlers.get(path)
+        if handler is None:
+            unknown = _trailers(_UNIMPLEMENTED, f"Method not found: {echo(path)}")
+            conn.send(stream_id, _OK_HEADERS, b"", unknown)
+            return
+        if self._secret is not None:
+            why = auth.refusal(presented, self._secret, self._service)
+            if why is not None:
+                self._refusals.refused(conn.peer.rsplit(":", 1)[0], path, why)
+                conn.send(
+                    stream_id, _OK_HEADERS, b"", _trailers(grpc.StatusCode.UNAUTHENTICATED, why)
+                )
+                return
+        call = _Call(conn, stream_id, handler, path, self._calls)
+        call.metadata = tuple(metadata)
+        call.encoding = encoding
+        if timeout is not None and 2 <= len(timeout) <= 9:  # gRPC: at most 8 digits
+            try:
+                call.deadline = time.monotonic() + int(timeout[:-1]) * _TIMEOUT_UNITS[timeout[-1]]
+            except (KeyError, ValueError):
+                pass
+        self._calls[conn, stream_id] = call
+        if handler.request_streaming:
+            call.requests = RequestStream(handler.request_deserializer, conn, stream_id)
+            self._run(call, call.requests)
+
+    def on_data(self, conn: Connection, stream_id: int, data: bytes, end: bool) -> None:
+        call = self._calls.get((conn, stream_id))
+        if call is None:
+            conn.consumed(stream_id, len(data))
+            return
+        body = call.body
+        body += data
+        while len(body) >= 5:
+            size = int.from_bytes(body[1:5], "big")
+            if size > MAX_MESSAGE_BYTES:
+                why = f"received message larger than max ({size} vs. {MAX_MESSAGE_BYTES})"
+                self._end(call, grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+                return
+            if len(body) < 5 + size:
+                if not conn.grant(stream_id, 5 + size):
+                    why = f"the server holds too many large requests to take one of {size} bytes"
+                    self._end(call, grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+                    return
+                break
+            message = bytes(body[5 : 5 + size])
+            compressed = body[0]
+            del body[: 5 + size]
+            if compressed:
+                message, code, why = decompressed(message, call.encoding)
+                if why:
+                    self._end(call, code, why)
+                    return
+            if call.requests is not None:
+                call.requests.push(message, 5 + size)
+                continue
+            conn.consumed(stream_id, 5 + size)
+            if not call.begun and not call.done:
+                call.begun = True  # a unary call runs on its first message
+                call.body = bytearray()
+                self._run_unary(call, message)
+                return
+        if end:
+            if call.requests is not None:
+                call.requests.push(None)
+            elif not call.begun and not call.done:
+                self._end(call, grpc.StatusCode.INTERNAL, "the request carried no message")
+
+    def on_closed(self, conn: Connection, stream_id: int) -> None:
+        call = self._calls.pop((conn, stream_id), None)
+        if call is not None:
+            call.done = True
+            if call.timer is not None:
+                call.timer.cancel()
+            if call.task is not None:
+                call.task.cancel()
+            if call.on_end is not None:
+                call.on_end()
+
+    # ---- running handlers ---------------------------------------------------------------
+
+    def _run_unary(self, call: _Call, raw: bytes) -> None:
+        handler = call.handler
+        decode = handler.request_deserializer
+        try:
+            request = decode(raw) if decode is not None else raw
+        except Exception as e:
+            self._end(call, grpc.StatusCode.INTERNAL, f"cannot decode the request: {e}")
+            return
+        self._run(call, request)
+
+    def _run(self, call: _Call, request: Any) -> None:
+        """Runs the handler's first step inline; a handler that waits goes on in a task."""
+        handler = call.handler
+        if handler.request_streaming:
+            behavior = handler.stream_stream if handler.response_streaming else handler.stream_unary
+        else:
+            behavior = handler.unary_stream if handler.response_streaming else handler.unary_unary
+        try:
+            result = behavior(request, call)
+            if inspect.isasyncgen(result):
+                result = _stream_out(result, call)
+            elif not inspect.iscoroutine(result):
+                self._answer(call, result)
+                return
+            first = result.send(None)
+        except StopIteration as stop:
+            self._answer(call, stop.value)
+            return
+        except BaseException as e:
+            self._failed(call, e)
+            return
+        call.task = asyncio.get_running_loop().create_task(ResumedHandler(result, first))
+        call.task.add_done_callback(lambda task: self._settle(call, task))
+        if call.deadline is not None:
+            call.timer = asyncio.get_running_loop().call_at(
+                asyncio.get_running_loop().time() + (call.time_remaining() or 0.0),
+                self._overdue,
+                call,
+            )
+
+    def _settle(self, call: _Call, task: asyncio.Task[Any]) -> None:
+        """A handler that waited has ended: answers with its result or error."""
+        if task.cancelled():
+            self._failed(call, asyncio.CancelledError())
+        elif task.exception() is not None:
+            self._failed(call, task.exception())  # type: ignore[arg-type]
+        else:
+            self._answer(call, task.result())
+
+    def _answer(self, call: _Call, result: Any) -> None:
+        if call.on_end is not None and not call.done:
+            return  # parked: answered later
+        self._calls.pop((call.conn, call.stream_id), None)
+        if call.done:
+            return  # answered by `answer_now`, or ended
+        if call.handler.response_streaming:
+            call.finish(grpc.StatusCode.OK)
+            return
+        if result is None:
+            call.finish(grpc.StatusCode.INTERNAL, f"{call.method} returned no response")
+            return
+        call.done = True
+        if call.timer is not None:
+            call.timer.cancel()
+        call.send_message(result, _OK_TRAILERS)
+
+    def _failed(self, call: _Call, e: BaseException) -> None:
+        if isinstance(e, _Abort):
+            self._end(call, e.code, e.details)
+        elif isinstance(e, asyncio.CancelledError):
+            self._end(call, grpc.StatusCode.CANCELLED, "the call was cancelled")
+        else:
+            logger.error("%s failed", call.method, exc_info=e)
+            self._end(call, grpc.StatusCode.UNKNOWN, f"Unexpected {type(e).__name__}: {e}")
+
+    def _end(self, call: _Call, code: grpc.StatusCode, details: str) -> None:
+        self._calls.pop((call.conn, call.stream_id), None)
+        call.finish(code, details)
+
+    def _overdue(self, call: _Call) -> None:
+        if call.task is not None and not call.done:
+            self._end(call, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
+            call.task.cancel()
+
+
+def decompressed(message: bytes, encoding: str) -> tuple[bytes, grpc.StatusCode, str]:
+    """`message` decompressed, never past the message limit, or the status
+    and text that say what was wrong with it."""
+    internal = grpc.StatusCode.INTERNAL
+    try:
+        inflate = zlib.decompressobj(_WBITS[encoding])
+        out = inflate.decompress(message, MAX_MESSAGE_BYTES + 1)
+    except (KeyError, zlib.error) as e:
+        return b"", internal, f"a compressed message that does not decompress as {encoding}: {e}"
+    if len(out) > MAX_MESSAGE_BYTES:
+        why = f"received message larger than max (decompressed, over {MAX_MESSAGE_BYTES})"
+        return b"", grpc.StatusCode.RESOURCE_EXHAUSTED, why
+    if not inflate.eof:
+        return b"", internal, f"a compressed message cut short ({encoding})"
+    return out, grpc.StatusCode.OK, ""
+
+
+async def _stream_out(responses: Any, call: _Call) -> None:
+    """A response-streaming handler written as an async generator."""
+    async for response in responses:
+        await call.write(response)

@@ -1,0 +1,408 @@
+"""The shell around the membership state machine (lighthouse.core.membership):
+the clock, each waiting call's future under its ticket, the heartbeat
+streams' outboxes, the metrics and the status page's memory, all on the
+server's one loop. It turns each RPC into an event and acts on the effects:
+answers calls (each issued quorum serialized once, or each caller's view of
+it, lighthouse.core.views), logs, and tells gone members' peers on their streams.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from lighthouse import wire
+from lighthouse.core.effects import (
+    AdviceChanged,
+    DecideSoon,
+    Effect,
+    Fail,
+    Handed,
+    Issued,
+    JudgeGoneSoon,
+    Log,
+    Outcome,
+    Placed,
+)
+from lighthouse.core.gone import Gone
+from lighthouse.core.membership import Membership
+from lighthouse.core.quorum import LighthouseConfig, Quorum, QuorumMember
+from lighthouse.core.views import QuorumViews
+from lighthouse.rpc import errors
+from lighthouse.rpc.errors import QuorumTimeoutError
+from lighthouse.rpc.h2 import corking
+from lighthouse.rpc.proto import torchft_pb2 as pb
+from lighthouse.shell.metrics import LighthouseMetrics
+from lighthouse.shell.parked import Deadlines, Parked
+from lighthouse.shell.state_file import StateFile
+from lighthouse.status.view import StatusView
+
+logger = logging.getLogger("lighthouse.shell.server")
+
+COST_FACTOR = 10
+"""Paced work waits for 10x its previous run's cost (Paced)."""
+
+
+class Paced:
+    """Work of O(replicas) asked for by each of many events (a decision, a
+    round of gone notices): run once for all that arrive meanwhile, no
+    sooner than 10x its last run's cost after that run, which keeps it
+    under ~10% of the loop however many events a step brings."""
+
+    def __init__(self, run: Callable[[], None]) -> None:
+        self._run = run
+        self._handle: asyncio.Handle | None = None
+        self._running = False
+        self._ended_at = 0.0
+        """perf_counter seconds when the last run ended."""
+        self._cost_s = 0.0
+
+    def due(self) -> bool:
+        """Whether a run now would keep the pace."""
+        return time.perf_counter() >= self._ended_at + COST_FACTOR * self._cost_s
+
+    def soon(self) -> None:
+        """Runs in this turn of the loop, or once the pace allows."""
+        if self._handle is not None or self._running:
+            return
+        loop = asyncio.get_running_loop()
+        wait = self._ended_at + COST_FACTOR * self._cost_s - time.perf_counter()
+        if wait > 0:
+            self._handle = loop.call_later(wait, self._fire)
+        else:
+            self._handle = loop.call_soon(self._fire)
+
+    def cancel(self) -> None:
+        """Drops the run asked for: the caller runs the work itself now."""
+        if self._handle is not None:
+            self._handle.cancel()
+            self._handle = None
+
+    def ran(self, cost_s: float) -> None:
+        """A run (by `soon` or by the caller) ended now, having cost `cost_s`."""
+        self._ended_at = time.perf_counter()
+        self._cost_s = cost_s
+
+    def _fire(self) -> None:
+        self._handle, self._running = None, True
+        try:
+            self._run()
+        finally:
+            self._running = False
+
+
+class Outbox(Protocol):
+    """Where a HeartbeatPaced stream's advice and gone notices go: written
+    at once (lean_server) or queued for its writer task (an asyncio.Queue)."""
+
+    def put_nowait(self, item: pb.LighthouseHeartbeatAdvice, /) -> None: ...
+
+
+class Coordinator:
+    """The shell around lighthouse.core.membership: the clock, the waiting calls'
+    futures, the metrics and the status page's memory, all on one loop."""
+
+    collect_after_issue = False
+    """Whether the collector's young generations run in the turn after a
+    quorum's answers went out (lighthouse.cli.tune_gc: the standalone
+    process, whose thresholds then keep them out of a step's burst)."""
+
+    def __init__(
+        self, config: LighthouseConfig, metrics: LighthouseMetrics, state: StateFile | None
+    ) -> None:
+        self.metrics = metrics
+        self.state = state
+        restored = state.restored if state is not None else None
+        self.membership = Membership(config, time.monotonic(), restored)
+        self.view = StatusView(self.membership)
+        self.quorums: dict[int, asyncio.Future[Quorum]] = {}
+        """ticket -> the future of a waiting Quorum call (grpcio's server)."""
+        self.parked: dict[int, Parked] = {}
+        """ticket -> a waiting Quorum call parked on lean_server (Coordinator.park)."""
+        self.deadlines = Deadlines(self._overdue)
+        self._response: tuple[Quorum | None, bytes] = (None, b"")
+        self._views: QuorumViews | None = None
+        self.spares: dict[int, asyncio.Future[str]] = {}
+        """ticket -> the future of a waiting TakeReplicaGroup call."""
+        self.outboxes: dict[str, set[Outbox]] = {}
+        """replica_id -> the outboxes of its HeartbeatPaced streams (gone notices)."""
+        self._deciding = Paced(self._decide_now)
+        self._gone: dict[int, Gone] = {}
+        """quorum id -> its latest gone notice, not yet told (tell_gone_soon)."""
+        self._telling = Paced(self._tell_gone)
+        metrics.heartbeat_advice.set(self.membership.advice_ms / 1000)
+
+    def apply(self, outcome: Outcome, now: float) -> None:
+        """Acts on an event's effects; raises the calling RPC's refusal."""
+        if outcome.effects:
+            wall = time.time()
+            for effect in outcome.effects:
+                self._act(effect)
+            self.view.observe(outcome.effects, now, wall)
+            if any(isinstance(e, Issued) for e in outcome.effects):
+                goodput = self.view.progress.job_goodput()
+                if goodput is not None:
+                    self.metrics.goodput.set(goodput)
+            if any(isinstance(e, DecideSoon) and e.now for e in outcome.effects):
+                # Every replica waits: decide in this turn of the loop, so the
+                # last caller's answer is ready when its handler goes on.
+                self._decide_now()
+        if outcome.error is not None:
+            raise outcome.error
+
+    def _act(self, effect: Effect) -> None:
+        if isinstance(effect, Issued):
+            self._issued(effect)
+        elif isinstance(effect, Fail):
+            self.end(effect.ticket, effect.error)
+        elif isinstance(effect, Placed):
+            spare = self.spares.pop(effect.ticket, None)
+            if spare is not None and not spare.done():
+                spare.set_result(effect.group)
+            self.metrics.spares_waiting.set(self.membership.num_spares_waiting())
+        elif isinstance(effect, Handed):
+            if effect.promotion:
+                self.metrics.spare_promotions.inc()
+            logger.info(
+                "%s %s trains as replica group %s%s",
+                "spare" if effect.promotion else "process",
+                effect.spare_id,
+                effect.group,
+                " (its replicas died)" if effect.promotion else "",
+            )
+        elif isinstance(effect, Log):
+            logger.log(effect.level, effect.msg, *effect.args)
+        elif isinstance(effect, DecideSoon) and not effect.now:
+            self.decide_soon()
+        elif isinstance(effect, AdviceChanged):
+            self.metrics.heartbeat_advice.set(effect.advice_ms / 1000)
+        elif isinstance(effect, Gone):
+            self._gone[effect.notice.quorum_id] = effect
+            self.tell_gone_soon()
+        elif isinstance(effect, JudgeGoneSoon):
+            self.tell_gone_soon()
+
+    def _issued(self, issued: Issued) -> None:
+        quorum = issued.quorum
+        self.metrics.on_quorum(quorum)
+        # A new quorum is news, and so is the end of a logged stall; the
+        # same members again (every step) is not.
+        level = logging.INFO if issued.news else logging.DEBUG
+        if logger.isEnabledFor(level):  # the member list costs O(members) to format
+            logger.log(
+                level,
+                "quorum %d issued (%s): %s",
+                quorum.quorum_id,
+                issued.reason,
+                ", ".join(f"{m.replica_id} step={m.step}" for m in quorum.participants),
+            )
+        if self.state is not None:  # before any caller hears of it (lighthouse.shell.state_file)
+            self.state.issued(time.monotonic(), quorum, self.membership.high_water_step)
+        now = time.monotonic()
+        with corking.corked():  # the answers go out in one tight loop, a send per connection
+            self._answer(issued.tickets, quorum, now)
+        if self.collect_after_issue:
+            asyncio.get_running_loop().call_soon(gc.collect, 1)
+
+    def _answer(self, tickets: tuple[int, ...], quorum: Quorum, now: float) -> None:
+        parked, observe = self.parked, self.metrics.quorum_latency.observe
+        for ticket in tickets:
+            call = parked.pop(ticket, None)
+            if call is not None:
+                if call.slot >= 0:
+                    self.deadlines.remove(call.slot, ticket)
+                call.context.answer_now(self.quorum_response(quorum, call.viewer))
+                observe(now - call.since)
+                continue
+            future = self.quorums.pop(ticket, None)
+            if future is not None and not future.done():
+                future.set_result(quorum)
+
+    def heartbeat(self, replica_id: str) -> None:
+        """Raises DuplicateGroupError for a second live replica of one group."""
+        now = time.monotonic()
+        self.apply(self.membership.heartbeat(now, replica_id), now)
+        self.metrics.heartbeats.inc()
+
+    def join(self, member: QuorumMember) -> tuple[int, asyncio.Future[Quorum]]:
+        """Registers a Quorum call; its future gets the first issued quorum
+        that contains `member`. The caller must `withdraw` it when done."""
+        now = time.monotonic()
+        outcome = self.membership.join(now, member)
+        future: asyncio.Future[Quorum] = asyncio.get_running_loop().create_future()
+        if outcome.error is None:
+            self.quorums[outcome.ticket] = future
+        self.apply(outcome, now)  # may issue a quorum to `future` already
+        return outcome.ticket, future
+
+    def park(
+        self,
+        member: QuorumMember,
+        context: Any,
+        viewer: wire.Viewer | None,
+        budget_s: float | None,
+    ) -> Parked | None:
+        """Registers a Quorum call parked on lean_server: `context` gets its
+        serialized answer (`viewer`'s view, if it asked) in the turn that
+        issues a quorum containing `member`, or its error, at the latest
+        when `budget_s` (None: no deadline) is up. Returns its record while
+        it waits (None: answered in this turn); the caller must `withdraw`
+        it if it ends otherwise."""
+        now = time.monotonic()
+        outcome = self.membership.join(now, member)
+        parked = None
+        if outcome.error is None:
+            parked = Parked(context, member.replica_id, outcome.ticket, viewer, now, budget_s)
+            self.parked[outcome.ticket] = parked
+        self.apply(outcome, now)  # may answer it already
+        if parked is None or self.parked.get(outcome.ticket) is not parked:
+            return None
+        if budget_s is not None:
+            parked.slot = self.deadlines.add(parked.ticket, budget_s)
+        return parked
+
+    def timeout_error(self, replica_id: str, budget_s: float) -> Exception:
+        """What a Quorum call whose deadline came first is told: what was missing."""
+        membership = self.membership
+        error = errors.FreshStartRefusedError if membership.refused_fresh_start else None
+        return (error or QuorumTimeoutError)(
+            f"no quorum containing {replica_id} within {budget_s:.1f} s: {membership.reason}"
+        )
+
+    def _overdue(self, ticket: int) -> None:
+        call = self.parked.get(ticket)
+        if call is not None and call.budget_s is not None:
+            call.slot = -1
+            self.end(ticket, self.timeout_error(call.replica_id, call.budget_s))
+
+    def end(self, ticket: int, error: Exception) -> None:
+        """Fails a waiting Quorum call with `error`."""
+        call = self.parked.pop(ticket, None)
+        if call is not None:
+            if call.slot >= 0:
+                self.deadlines.remove(call.slot, ticket)
+            self.membership.withdraw(call.replica_id, ticket)
+            call.context.end_now(*errors.status_text(error))
+        future = self.quorums.pop(ticket, None)
+        if future is not None and not future.done():
+            future.set_exception(error)
+
+    def quorum_response(self, quorum: Quorum, viewer: wire.Viewer | None = None) -> bytes:
+        """`viewer`'s view of `quorum` when it asked for one (O(its group
+        ranks)), else every member: converted and serialized once per
+        quorum, so every such call returns the same bytes (decode_guard
+        passes bytes through), where doing either per call is O(members^2)
+        a step."""
+        if viewer is not None:
+            if self._views is None or self._views.quorum is not quorum:
+                self._views = QuorumViews(quorum)
+            return wire.view_response(self._views, *viewer)
+        if self._response[0] is not quorum:
+            response = pb.LighthouseQuorumResponse(quorum=wire.quorum_to_proto(quorum))
+            self._response = (quorum, response.SerializeToString())
+        return self._response[1]
+
+    def withdraw(self, replica_id: str, ticket: int) -> None:
+        self.quorums.pop(ticket, None)
+        call = self.parked.pop(ticket, None)
+        if call is not None and call.slot >= 0:
+            self.deadlines.remove(call.slot, ticket)
+        self.membership.withdraw(replica_id, ticket)
+
+    def leave(self, replica_id: str) -> None:
+        now = time.monotonic()
+        self.apply(self.membership.leave(now, time.time(), replica_id), now)
+
+    def stream_opened(self, replica_id: str, outbox: Outbox | None) -> None:
+        """A heartbeat stream opened; `outbox` (HeartbeatPaced) gets its notices."""
+        self.membership.stream_opened(replica_id)
+        if outbox is not None:
+            self.outboxes.setdefault(replica_id, set()).add(outbox)
+
+    def stream_ended(self, replica_id: str, outbox: Outbox | None) -> None:
+        boxes = self.outboxes.get(replica_id)
+        if boxes is not None and outbox is not None:
+            boxes.discard(outbox)
+            if not boxes:
+                del self.outboxes[replica_id]
+        now = time.monotonic()
+        self.apply(self.membership.stream_ended(now, replica_id), now)
+
+    async def take_replica_group(self, spare_id: str, wanted: str) -> str:
+        """Waits until the caller may train as a replica group; returns its name."""
+        now = time.monotonic()
+        outcome = self.membership.spare_waits(now, spare_id, wanted)
+        if outcome.error is not None:
+            raise outcome.error
+        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
+        self.spares[outcome.ticket] = future
+        self.metrics.spares_waiting.set(self.membership.num_spares_waiting())
+        self.apply(outcome, now)
+        try:
+            return await asyncio.shield(future)
+        finally:
+            if self.spares.pop(outcome.ticket, None) is not None:
+                self.membership.spare_ends(outcome.ticket)
+                self.metrics.spares_waiting.set(self.membership.num_spares_waiting())
+
+    def decide_soon(self) -> None:
+        """Decides once for all the calls that arrive meanwhile: a decision
+        costs O(replicas), so deciding per call is O(replicas^2) a step
+        (Paced: 20 us with 2 replicas, ~10 ms with a thousand)."""
+        self._deciding.soon()
+
+    def tell_gone_soon(self) -> None:
+        """Judges the closed streams and tells the gone notices once for
+        all the deaths that come meanwhile: a notice names every member
+        gone so far to every live one, so when N streams end together (a
+        job's end, a switch failure), judging and telling each death at
+        once costs O(N^2); the latest notice of a quorum says all its
+        predecessors said."""
+        self._telling.soon()
+
+    def _tell_gone(self) -> None:
+        start = time.perf_counter()
+        now = time.monotonic()
+        self.apply(self.membership.judge_gone(now), now)  # its notices join _gone
+        pending, self._gone = self._gone, {}
+        for effect in pending.values():
+            notice = effect.notice
+            message = pb.LighthouseHeartbeatAdvice(
+                interval_ms=self.membership.advice_ms,
+                gone=pb.LighthouseGoneNotice(quorum_id=notice.quorum_id, replica_ids=notice.gone),
+            )
+            for rid in notice.recipients:
+                for outbox in self.outboxes.get(rid, ()):
+                    outbox.put_nowait(message)
+        self._telling.ran(time.perf_counter() - start)
+
+    def _decide_now(self) -> None:
+        self._deciding.cancel()
+        if self.membership.participants:
+            start = time.perf_counter()
+            now = time.monotonic()
+            outcome = self.membership.decide(now, time.time())
+            cost_s = time.perf_counter() - start  # answers sent are not its cost
+            self.apply(outcome, now)
+            self._deciding.ran(cost_s)
+
+    def tick(self) -> None:
+        """The periodic event; its decision waits like decide_soon's, so
+        that decisions (O(replicas)) take at most ~10% of the loop."""
+        start = time.perf_counter()
+        now = time.monotonic()
+        decide = bool(self.membership.participants) and self._deciding.due()
+        outcome = self.membership.tick(now, time.time(), decide)
+        if decide:
+            self._deciding.ran(time.perf_counter() - start)
+        self.apply(outcome, now)
+        if self.state is not None:
+            self.state.flush(now)
+        self.metrics.healthy_replicas.set(self.membership.num_healthy(now))
+
+    def snapshot(self) -> dict[str, Any]:
+        return self.view.snapshot(time.monotonic(), time.time())

@@ -1,0 +1,64 @@
+"""Prometheus metrics of one lighthouse, in a registry of its own."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from lighthouse.core.quorum import Quorum
+
+
+class LighthouseMetrics:
+    """A private registry, so several lighthouses can live in one process (tests)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.quorums_issued = Counter(
+            "torchft_lighthouse_quorums_issued", "Quorums issued", registry=r
+        )
+        self.quorum_id = Gauge(
+            "torchft_lighthouse_quorum_id", "Id of the current quorum", registry=r
+        )
+        self.quorum_size = Gauge(
+            "torchft_lighthouse_quorum_size", "Members in the current quorum", registry=r
+        )
+        self.healthy_replicas = Gauge(
+            "torchft_lighthouse_healthy_replicas", "Replicas with a recent heartbeat", registry=r
+        )
+        self.heartbeats = Counter(
+            "torchft_lighthouse_heartbeats", "Heartbeats received", registry=r
+        )
+        self.goodput = Gauge(
+            "torchft_lighthouse_goodput",
+            "Committed replica-steps / possible ones since this lighthouse started "
+            "(see the status page); NaN before the first step",
+            registry=r,
+        )
+        self.goodput.set(float("nan"))
+        self.spares_waiting = Gauge(
+            "torchft_lighthouse_spares_waiting", "Hot spares waiting for a group", registry=r
+        )
+        self.spare_promotions = Counter(
+            "torchft_lighthouse_spare_promotions",
+            "Spares handed the name of a group that died",
+            registry=r,
+        )
+        self.heartbeat_advice = Gauge(
+            "torchft_lighthouse_heartbeat_advice_seconds",
+            "Heartbeat period advised on HeartbeatPaced streams (lighthouse.core.pacing)",
+            registry=r,
+        )
+        self.quorum_latency = Histogram(
+            "torchft_lighthouse_quorum_call_seconds",
+            "Time a Quorum call waited for its quorum",
+            buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120),
+            registry=r,
+        )
+
+    def on_quorum(self, quorum: Quorum) -> None:
+        self.quorums_issued.inc()
+        self.quorum_id.set(quorum.quorum_id)
+        self.quorum_size.set(len(quorum.participants))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
