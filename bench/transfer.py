@@ -160,9 +160,9 @@ def receive(kind: str, address: str, nbytes: int, chunks: int, touch: bool) -> N
             cpu.append(time.process_time() - start_cpu)
     else:
         if kind == "ours":
-            from torchft_like.checkpointing import HTTPTransport, _http_fetch
+            from torchft_like.checkpointing import HTTPTransport, http_fetch
 
-            _http_fetch._Prefaulter.use_madvise = not touch
+            http_fetch.Prefaulter.use_madvise = not touch
             transport = HTTPTransport(timeout=TIMEOUT, num_chunks=chunks, hostname="127.0.0.1")
         else:
             from torchft.checkpointing.http_transport import HTTPTransport as TorchftHTTP

@@ -565,10 +565,10 @@ def test_the_checkpoint_server_serves_a_valid_checkpoint_after_the_fuzzing(sourc
 
 def test_a_connection_that_never_sends_is_dropped_and_frees_its_thread(source, monkeypatch):
     """A peer that opens connections and goes silent must not pin server threads."""
-    from torchft_like.checkpointing import _http_serve
+    from torchft_like.checkpointing import http_serve
 
-    assert 0 < _http_serve.Handler.timeout <= 300
-    monkeypatch.setattr(_http_serve.Handler, "timeout", 0.3)  # not a minute in a test
+    assert 0 < http_serve.Handler.timeout <= 300
+    monkeypatch.setattr(http_serve.Handler, "timeout", 0.3)  # not a minute in a test
     transport, _ = source
     port = urlsplit(transport.metadata()).port
     before = threading.active_count()
@@ -676,12 +676,12 @@ def test_a_flood_of_hang_ups_and_idle_connections_leaves_the_status_page_quiet_a
 def test_the_http_servers_bound_their_backlog_and_idle_connections():
     from lighthouse.status import server as status
     from lighthouse.web.server import BACKLOG, QuietHTTPServer
-    from torchft_like.checkpointing import _http_serve
+    from torchft_like.checkpointing import http_serve
 
     assert QuietHTTPServer.request_queue_size == BACKLOG >= 128
-    assert issubclass(_http_serve.Server, QuietHTTPServer)
+    assert issubclass(http_serve.Server, QuietHTTPServer)
     assert 0 < status.HANDLER_TIMEOUT_S <= 30
-    assert 0 < _http_serve.Handler.timeout <= 300
+    assert 0 < http_serve.Handler.timeout <= 300
 
 
 @pytest.mark.parametrize("host", ["127.0.0.1", "::1"])

@@ -20,7 +20,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
 from tools.procs import free_port
-from torchft_like.checkpointing import HTTPTransport, _format
+from torchft_like.checkpointing import HTTPTransport, state_format
 from torchft_like.manager.fingerprint import fingerprint
 
 pytestmark = pytest.mark.timeout(60)
@@ -87,9 +87,9 @@ def test_a_dtensor_node_with_a_bad_placement_is_refused_before_any_data():
             "stride": [1],
         }
     }
-    header = _format.encode_header(1, {"dict": [["w", node]]}, "crc32c")
+    header = state_format.encode_header(1, {"dict": [["w", node]]}, "crc32c")
     with pytest.raises(ValueError, match=r"state\['w'\]: unknown placement"):
-        _format.decode_header(header[_format.PREFIX.size :])
+        state_format.decode_header(header[state_format.PREFIX.size :])
 
 
 def test_other_tensor_subclasses_fail_in_send_naming_their_path():
@@ -97,7 +97,7 @@ def test_other_tensor_subclasses_fail_in_send_naming_their_path():
         pass
 
     with pytest.raises(TypeError, match=r"state\['t'\]: tensor subclass Tagged cannot be sent"):
-        _format.flatten({"t": torch.ones(2).as_subclass(Tagged)})
+        state_format.flatten({"t": torch.ones(2).as_subclass(Tagged)})
 
 
 if __name__ == "__main__":

@@ -59,14 +59,16 @@ def _trained(hidden: int = 6, shard_dim: int = 0, seed: int = 0):  # noqa: ANN20
 def _wire(state: dict) -> dict:
     """`state` as a healing rank receives it: header and shard bytes only
     (each DTensor rebuilt around its local shard on a described mesh)."""
-    from torchft_like.checkpointing import _format
+    from torchft_like.checkpointing import state_format
 
-    tree, tensors = _format.flatten(state)
-    header = _format.decode_header(_format.encode_header(1, tree, "crc32c")[_format.PREFIX.size :])
-    received = [_format.empty(spec) for spec in header.specs]
+    tree, tensors = state_format.flatten(state)
+    header = state_format.decode_header(
+        state_format.encode_header(1, tree, "crc32c")[state_format.PREFIX.size :]
+    )
+    received = [state_format.empty(spec) for spec in header.specs]
     for got, sent in zip(received, tensors, strict=True):
         got.view(-1).copy_(sent.reshape(-1))
-    return _format.unflatten(header.tree, received)
+    return state_format.unflatten(header.tree, received)
 
 
 def _local(state: HSDPState) -> list[torch.Tensor]:

@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 import pytest
 import torch
 
-from torchft_like.checkpointing import HTTPTransport, _format, _http_fetch
+from torchft_like.checkpointing import HTTPTransport, http_fetch, state_format
 from torchft_like.checkpointing.transport import capable
 from torchft_like.manager.healing import receive_state
 from torchft_like.recovery import QuorumResult, transfer_plan
@@ -55,7 +55,7 @@ def assert_identical(a, b) -> None:
     assert type(a) is type(b) or isinstance(a, torch.Tensor)
     if isinstance(a, torch.Tensor):
         assert (a.dtype, a.shape, a.device) == (b.dtype, b.shape, b.device)
-        assert torch.equal(_format.flat_bytes(a), _format.flat_bytes(b)), "bytes differ"
+        assert torch.equal(state_format.flat_bytes(a), state_format.flat_bytes(b)), "bytes differ"
     elif isinstance(a, dict):
         assert list(a) == list(b)
         for key in a:
@@ -199,13 +199,15 @@ def test_disallow_cuts_off_a_transfer_stalled_past_the_timeout(make):
 
 @pytest.mark.parametrize("use_madvise", [True, False])
 def test_the_prefaulter_never_writes_a_piece_a_reader_has_claimed(monkeypatch, use_madvise):
-    monkeypatch.setattr(_http_fetch, "SLICE", 16 << 10)  # many pieces, many races
-    monkeypatch.setattr(_http_fetch._Prefaulter, "use_madvise", use_madvise)
-    monkeypatch.setattr(_http_fetch._Prefaulter, "_MIN_TENSOR_BYTES", 1)
+    monkeypatch.setattr(http_fetch, "SLICE", 16 << 10)  # many pieces, many races
+    monkeypatch.setattr(http_fetch.Prefaulter, "use_madvise", use_madvise)
+    monkeypatch.setattr(http_fetch.Prefaulter, "_MIN_TENSOR_BYTES", 1)
     tensors = [torch.empty(3 << 20, dtype=torch.uint8), torch.empty(1 << 20, dtype=torch.uint8)]
     nbytes = [t.numel() for t in tensors]
-    streams = [_http_fetch._pieces(nbytes, lo, hi) for lo, hi in _format.chunk_ranges(4 << 20, 2)]
-    prefaulter = _http_fetch._Prefaulter(tensors, streams)
+    streams = [
+        http_fetch.pieces(nbytes, lo, hi) for lo, hi in state_format.chunk_ranges(4 << 20, 2)
+    ]
+    prefaulter = http_fetch.Prefaulter(tensors, streams)
     for piece in streams[0] + streams[1]:  # a reader "receives" each piece
         prefaulter.claim(piece)
         index, lo, hi = piece
@@ -235,7 +237,7 @@ def serve_body(body: bytes, status: int = 200) -> http.server.ThreadingHTTPServe
 
 def stream(doc: dict, data: bytes = b"") -> bytes:
     body = json.dumps({"checksum": "crc32c", **doc}).encode()
-    return _format.PREFIX.pack(_format.MAGIC, len(body)) + body + data
+    return state_format.PREFIX.pack(state_format.MAGIC, len(body)) + body + data
 
 
 @pytest.mark.parametrize(
@@ -278,7 +280,7 @@ def test_a_peer_that_is_not_a_checkpoint_server_fails_at_once_naming_it(make):
     start = time.monotonic()
     try:
         with pytest.raises(
-            _http_fetch.FetchRefused, match=rf"step 1 .* at {address}: .*HTTP 404: no such page"
+            http_fetch.FetchRefused, match=rf"step 1 .* at {address}: .*HTTP 404: no such page"
         ) as e:
             make().recv_checkpoint(0, address, 1, T)
         assert isinstance(e.value, RuntimeError) and e.value.code == 404

@@ -10,7 +10,7 @@ from datetime import timedelta
 import pytest
 import torch
 
-from torchft_like.checkpointing import HTTPTransport, _format, _striped
+from torchft_like.checkpointing import HTTPTransport, state_format, striped
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=20)
@@ -29,7 +29,9 @@ def state(mb: int = 8, seed: int = 0) -> dict:
 
 def same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
-        return a.dtype == b.dtype and torch.equal(_format.flat_bytes(a), _format.flat_bytes(b))
+        return a.dtype == b.dtype and torch.equal(
+            state_format.flat_bytes(a), state_format.flat_bytes(b)
+        )
     if isinstance(a, dict):
         return list(a) == list(b) and all(same(a[k], b[k]) for k in a)
     if isinstance(a, (list, tuple)):
@@ -59,7 +61,7 @@ def test_a_striped_fetch_equals_the_state_bitwise_and_takes_a_share_from_each(tr
     report = receiver.last_stripe_report
     assert report is not None and not report.errors
     assert all(n > 0 for n in report.bytes_by_source), report.summary()
-    assert sum(report.bytes_by_source) == sum(t.nbytes for t in _format.flatten(st)[1])
+    assert sum(report.bytes_by_source) == sum(t.nbytes for t in state_format.flatten(st)[1])
 
 
 def test_a_sender_cut_off_mid_transfer_leaves_its_ranges_to_the_others(transports):
@@ -76,9 +78,9 @@ def test_a_sender_cut_off_mid_transfer_leaves_its_ranges_to_the_others(transport
             cut.set()
             senders[1].disallow_checkpoint()  # hangs up its transfers in flight
 
-    peers = [_striped.Source(f"sender {r}", "127.0.0.1", int(m.split(":")[2].split("/")[0]))
+    peers = [striped.Source(f"sender {r}", "127.0.0.1", int(m.split(":")[2].split("/")[0]))
              for r, m in sources]  # fmt: skip
-    fetch = _striped.StripedFetch(
+    fetch = striped.StripedFetch(
         peers, STEP, deadline=_deadline(T), ranges_per_source=2, progress=progress
     )
     got, nbytes, report = fetch.run()
@@ -133,7 +135,7 @@ def test_sources_serving_different_states_are_refused(transports):
     other = state(mb=1)
     other["optim"]["lr"] = 2e-3  # the same tensors, another value in the tree
     senders[2].send_checkpoint([9], STEP, other, T)
-    with pytest.raises(_striped.LayoutMismatch, match="serves another state of step 7"):
+    with pytest.raises(striped.LayoutMismatch, match="serves another state of step 7"):
         receiver.recv_checkpoint_striped(sources, STEP, T)
 
 
@@ -151,7 +153,7 @@ def _deadline(timeout: timedelta) -> float:
 def test_an_error_that_is_no_sources_fault_ends_the_fetch_at_once(transports):
     *senders, _ = transports
     sources = serve(senders, state(mb=1))
-    peers = [_striped.Source(f"sender {r}", "127.0.0.1", int(m.split(":")[2].split("/")[0]))
+    peers = [striped.Source(f"sender {r}", "127.0.0.1", int(m.split(":")[2].split("/")[0]))
              for r, m in sources]  # fmt: skip
 
     def progress(source: int, nbytes: int) -> None:
@@ -159,5 +161,5 @@ def test_an_error_that_is_no_sources_fault_ends_the_fetch_at_once(transports):
 
     started = time.monotonic()
     with pytest.raises(KeyError, match="a bug"):
-        _striped.StripedFetch(peers, STEP, _deadline(T), progress=progress).run()
+        striped.StripedFetch(peers, STEP, _deadline(T), progress=progress).run()
     assert time.monotonic() - started < 5  # not held until the deadline

@@ -26,7 +26,7 @@ from tests.certs import Certs, make_certs
 from tests.integration.test_manager import assert_identical, run_groups
 from tests.waiting import wait_until
 from torchft_like.checkpointing import HTTPTransport
-from torchft_like.checkpointing._http_fetch import Fetch, FetchTLSError
+from torchft_like.checkpointing.http_fetch import Fetch, FetchTLSError
 from torchft_like.manager.client import ManagerClient
 from torchft_like.manager.group_request import QuorumRequest
 from torchft_like.manager.server import ManagerServer

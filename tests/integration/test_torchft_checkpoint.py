@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from torchft_like.checkpointing import HTTPTransport
-from torchft_like.checkpointing._http_fetch import FetchRefused
-from torchft_like.checkpointing._torchft_http import UnsafeStateError
+from torchft_like.checkpointing.http_fetch import FetchRefused
+from torchft_like.checkpointing.torchft_http import UnsafeStateError
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=10)

@@ -217,23 +217,6 @@ PRIVATE_IMPORTS_LEFT = {
     # The conformance shim (shared/) imports it by this name; torchft's
     # ProcessGroupWrapper, kept out of star-imports.
     ("torchft_like/process_group/__init__.py", "_ProcessGroupWrapper"),
-    # checkpointing's private modules, imported by their siblings: to be
-    # given public names in the next round of issue 47.
-    *(
-        ("torchft_like/checkpointing/" + path, name)
-        for path, names in {
-            "_format.py": ["_dtensor"],
-            "_http_fetch.py": ["_checksum", "_format", "_staging"],
-            "_http_serve.py": ["_checksum", "_format", "_staging", "_torchft_http"],
-            "_staging.py": ["_format"],
-            "_striped.py": ["_checksum", "_format", "_staging", "_pieces", "_Prefaulter"],
-            "_torchft_http.py": ["_format"],
-            "durable.py": ["_staging"],
-            "http_transport.py": ["_staging", "_striped", "_torchft_http"],
-            "pg_transport.py": ["_checksum", "_format", "_staging"],
-        }.items()
-        for name in names
-    ),
 }
 """`from x import _name` across modules still in the tree, each named."""
 

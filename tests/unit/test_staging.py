@@ -9,7 +9,7 @@ import pickle
 import pytest
 import torch
 
-from torchft_like.checkpointing import _format, _staging, durable
+from torchft_like.checkpointing import durable, staging, state_format
 from torchft_like.checkpointing.pg_transport import backend_name, wire_device
 
 
@@ -20,26 +20,26 @@ def _bytes(n: int) -> torch.Tensor:
 @pytest.mark.parametrize("n", [0, 1, 7, 8, 9, 64, 1000])
 @pytest.mark.parametrize("depth", [1, 2, 3])
 def test_the_ring_reads_every_byte_in_order_in_slices(n: int, depth: int) -> None:
-    ring = _staging.HostRing(torch.device("cpu"), slice_bytes=8, depth=depth, pin=False)
+    ring = staging.HostRing(torch.device("cpu"), slice_bytes=8, depth=depth, pin=False)
     flat = _bytes(n + 5)
     views = [bytes(v) for v in ring.read(flat, 3, 3 + n)]
-    assert b"".join(views) == bytes(_format.memview(flat[3 : 3 + n]))
+    assert b"".join(views) == bytes(state_format.memview(flat[3 : 3 + n]))
     assert all(len(v) == 8 for v in views[:-1]) and all(0 < len(v) <= 8 for v in views)
     assert not ring.pinned
 
 
 def test_a_reader_that_stops_early_leaves_the_ring_usable() -> None:
-    ring = _staging.HostRing(torch.device("cpu"), slice_bytes=4, depth=2, pin=False)
+    ring = staging.HostRing(torch.device("cpu"), slice_bytes=4, depth=2, pin=False)
     flat = _bytes(40)
     reader = ring.read(flat, 0, 40)
     next(reader)
     reader.close()
-    assert b"".join(bytes(v) for v in ring.read(flat, 0, 40)) == bytes(_format.memview(flat))
+    assert b"".join(bytes(v) for v in ring.read(flat, 0, 40)) == bytes(state_format.memview(flat))
 
 
 @pytest.mark.parametrize("n", [0, 5, 16, 17, 100])
 def test_the_ring_writes_every_byte(n: int) -> None:
-    ring = _staging.HostRing(torch.device("cpu"), slice_bytes=16, depth=2, pin=False)
+    ring = staging.HostRing(torch.device("cpu"), slice_bytes=16, depth=2, pin=False)
     source, dst = _bytes(n), torch.zeros(n, dtype=torch.uint8)
     ring.write(dst, source)
     ring.finish()
@@ -50,40 +50,40 @@ def test_the_ring_writes_every_byte(n: int) -> None:
 
 def test_the_ring_refuses_empty_buffers() -> None:
     with pytest.raises(ValueError, match="must be positive"):
-        _staging.HostRing(torch.device("cpu"), slice_bytes=0, pin=False)
+        staging.HostRing(torch.device("cpu"), slice_bytes=0, pin=False)
 
 
 def test_cpu_leaves_stay_and_cuda_leaves_go_to_the_named_device() -> None:
-    assert _staging.target_device("cpu", torch.device("cuda", 2)) == torch.device("cpu")
-    assert _staging.target_device("cuda:0", torch.device("cuda", 2)) == torch.device("cuda", 2)
-    assert _staging.target_device("cuda:1", torch.device("cpu")) == torch.device("cpu")
+    assert staging.target_device("cpu", torch.device("cuda", 2)) == torch.device("cpu")
+    assert staging.target_device("cuda:0", torch.device("cuda", 2)) == torch.device("cuda", 2)
+    assert staging.target_device("cuda:1", torch.device("cpu")) == torch.device("cpu")
 
 
 def test_without_cuda_cuda_leaves_land_on_the_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert _staging.home_cuda_device() is None
-    assert _staging.target_device("cuda:3", None) == torch.device("cpu")
-    assert _staging.resolve_device(None) is None
-    assert _staging.resolve_device("cpu") == torch.device("cpu")
+    assert staging.home_cuda_device() is None
+    assert staging.target_device("cuda:3", None) == torch.device("cpu")
+    assert staging.resolve_device(None) is None
+    assert staging.resolve_device("cpu") == torch.device("cpu")
 
 
 def test_the_home_gpu_follows_local_rank_not_the_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 4)
     monkeypatch.setenv("LOCAL_RANK", "5")
-    assert _staging.home_cuda_device() == torch.device("cuda", 1)
-    assert _staging.target_device("cuda:0", None) == torch.device("cuda", 1)
+    assert staging.home_cuda_device() == torch.device("cuda", 1)
+    assert staging.target_device("cuda:0", None) == torch.device("cuda", 1)
 
 
 def test_placing_cpu_leaves_copies_nothing() -> None:
     tensors = [torch.ones(3), torch.zeros(2, dtype=torch.int64)]
-    specs = [_format.TensorSpec(t.dtype, tuple(t.shape), t.nbytes, "cpu") for t in tensors]
-    placed = _staging.place(specs, tensors, None)
+    specs = [state_format.TensorSpec(t.dtype, tuple(t.shape), t.nbytes, "cpu") for t in tensors]
+    placed = staging.place(specs, tensors, None)
     assert all(a is b for a, b in zip(placed, tensors))
 
 
 def test_record_ready_makes_no_cuda_call_for_cpu_tensors() -> None:
-    assert _staging.record_ready([torch.ones(2)]) == {}
+    assert staging.record_ready([torch.ones(2)]) == {}
 
 
 def test_a_durable_ref_of_an_older_checkpoint_reads_as_cpu() -> None:

@@ -8,11 +8,11 @@ import pickle
 import pytest
 import torch
 
-from torchft_like.checkpointing import _format
+from torchft_like.checkpointing import state_format
 
 
 def header_of(tree, step=7, **overrides) -> bytes:
-    doc = {"format": _format.FORMAT_VERSION, "step": step, "checksum": "crc32c", "tree": tree}
+    doc = {"format": state_format.FORMAT_VERSION, "step": step, "checksum": "crc32c", "tree": tree}
     doc.update(overrides)
     return json.dumps(doc).encode()
 
@@ -28,19 +28,19 @@ def test_a_tree_survives_encoding_with_int_keys_tuples_and_plain_values():
         "optim": {"state": {0: {"step": torch.tensor(3.0)}}, "groups": [{"betas": (0.9, 0.99)}]},
         "extra": [None, True, 1, 2.5, float("inf"), "s", 10**30],
     }
-    tree, tensors = _format.flatten(state)
-    encoded = _format.encode_header(7, tree, "crc32")
-    length = _format.decode_prefix(encoded[: _format.PREFIX.size])
-    header = _format.decode_header(encoded[_format.PREFIX.size :])
+    tree, tensors = state_format.flatten(state)
+    encoded = state_format.encode_header(7, tree, "crc32")
+    length = state_format.decode_prefix(encoded[: state_format.PREFIX.size])
+    header = state_format.decode_header(encoded[state_format.PREFIX.size :])
 
-    assert length == len(encoded) - _format.PREFIX.size
+    assert length == len(encoded) - state_format.PREFIX.size
     assert (header.step, header.checksum) == (7, "crc32")
     assert [(s.dtype, s.shape, s.nbytes, s.path) for s in header.specs] == [
         (torch.float32, (2, 3), 24, "state['model']['w']"),
         (torch.bfloat16, (0,), 0, "state['model']['b']"),
         (torch.float32, (), 4, "state['optim']['state'][0]['step']"),
     ]
-    rebuilt = _format.unflatten(header.tree, tensors)
+    rebuilt = state_format.unflatten(header.tree, tensors)
     assert rebuilt["optim"]["state"][0]["step"] is tensors[2]
     assert rebuilt["optim"]["groups"] == [{"betas": (0.9, 0.99)}]
     assert rebuilt["extra"] == state["extra"]
@@ -61,7 +61,7 @@ def test_a_tree_survives_encoding_with_int_keys_tuples_and_plain_values():
 )
 def test_values_the_format_cannot_carry_are_a_type_error_naming_their_path(state, message):
     with pytest.raises(TypeError, match=message):
-        _format.flatten(state)
+        state_format.flatten(state)
 
 
 @pytest.mark.parametrize(
@@ -90,20 +90,20 @@ def test_values_the_format_cannot_carry_are_a_type_error_naming_their_path(state
 )
 def test_a_malformed_header_is_refused_with_the_reason(body, message):
     with pytest.raises(ValueError, match=message):
-        _format.decode_header(body)
+        state_format.decode_header(body)
 
 
 @pytest.mark.parametrize(
     "prefix, message",
     [
         (pickle.dumps("x")[:16].ljust(16, b"\0"), "not a torchft_like state stream"),
-        (_format.PREFIX.pack(_format.MAGIC, 1 << 40), "exceeds the"),
-        (_format.MAGIC, "stream ended after 8 of 16 prefix bytes"),
+        (state_format.PREFIX.pack(state_format.MAGIC, 1 << 40), "exceeds the"),
+        (state_format.MAGIC, "stream ended after 8 of 16 prefix bytes"),
     ],
 )
 def test_a_bad_prefix_is_refused(prefix, message):
     with pytest.raises(ValueError, match=message):
-        _format.decode_prefix(prefix)
+        state_format.decode_prefix(prefix)
 
 
 @pytest.mark.parametrize(
@@ -111,10 +111,10 @@ def test_a_bad_prefix_is_refused(prefix, message):
     [([], 4), ([10], 1), ([10], 3), ([0, 5, 0, 7], 4), ([1, 1], 8), ([100, 3, 50], 2)],
 )
 def test_chunks_cover_every_byte_exactly_once(nbytes, num_chunks):
-    ranges = _format.chunk_ranges(sum(nbytes), num_chunks)
+    ranges = state_format.chunk_ranges(sum(nbytes), num_chunks)
     covered = [[0] * size for size in nbytes]
     for start, end in ranges:
-        for index, offset, length in _format.segments(nbytes, start, end):
+        for index, offset, length in state_format.segments(nbytes, start, end):
             assert length > 0
             for k in range(offset, offset + length):
                 covered[index][k] += 1
@@ -134,10 +134,10 @@ def test_chunks_cover_every_byte_exactly_once(nbytes, num_chunks):
     ],
 )
 def test_tensor_bytes_are_read_in_the_logical_order(tensor):
-    flat = _format.flat_bytes(tensor)
-    received = _format.empty(
-        _format.TensorSpec(tensor.dtype, tuple(tensor.shape), flat.numel(), "cpu")
+    flat = state_format.flat_bytes(tensor)
+    received = state_format.empty(
+        state_format.TensorSpec(tensor.dtype, tuple(tensor.shape), flat.numel(), "cpu")
     )
-    _format.memview(received)[:] = _format.memview(flat)
+    state_format.memview(received)[:] = state_format.memview(flat)
 
     assert torch.equal(received, tensor.resolve_conj())

@@ -7,8 +7,8 @@ import threading
 import pytest
 import torch
 
-from torchft_like.checkpointing import _format
-from torchft_like.checkpointing._striped import Stripes, layout_difference
+from torchft_like.checkpointing import state_format
+from torchft_like.checkpointing.striped import Stripes, layout_difference
 
 
 def drain(stripes: Stripes, order: list[int]) -> list[tuple[int, int]]:
@@ -119,9 +119,9 @@ def test_too_few_ranges_or_no_source_is_an_error(ranges, sources):
 
 
 def header(state, step: int = 3) -> bytes:
-    tree, _ = _format.flatten(state)
-    raw = _format.encode_header(step, tree, "crc32c")
-    return raw[_format.PREFIX.size :]
+    tree, _ = state_format.flatten(state)
+    raw = state_format.encode_header(step, tree, "crc32c")
+    return raw[state_format.PREFIX.size :]
 
 
 def test_the_layout_header_is_deterministic_for_equal_states():
@@ -148,8 +148,8 @@ def test_layouts_that_differ_are_named(other, why):
 def test_another_step_or_checksum_is_a_difference_but_another_cuda_index_is_not():
     mine = {"w": torch.ones(3)}
     assert layout_difference(header(mine, 3), header(mine, 4)) == "step 3 vs 4"
-    tree, _ = _format.flatten(mine)
-    zlib = _format.encode_header(3, tree, "crc32")[_format.PREFIX.size :]
+    tree, _ = state_format.flatten(mine)
+    zlib = state_format.encode_header(3, tree, "crc32")[state_format.PREFIX.size :]
     assert "checksum crc32c vs crc32" in layout_difference(header(mine), zlib)
     cuda0 = header(mine).replace(b'"cpu"', b'"cuda:0"')
     cuda1 = header(mine).replace(b'"cpu"', b'"cuda:1"')

@@ -10,7 +10,7 @@ from collections import OrderedDict
 import pytest
 import torch
 
-from torchft_like.checkpointing import _torchft_http as tf
+from torchft_like.checkpointing import torchft_http as tf
 
 RAN: list[str] = []
 

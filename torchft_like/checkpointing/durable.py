@@ -10,7 +10,7 @@ group with participating rank 0 of the step writes, each of its group ranks
 its own part, since ranks of a group may hold different state.
 
 CUDA state: each tensor's device is saved with it, and a restore puts it
-back on the GPU (this rank's own, see `_staging.target_device`) where it
+back on the GPU (this rank's own, see `staging.target_device`) where it
 was saved from a GPU, on the CPU otherwise, so a restored optimizer state
 is on the device its optimizer steps on. Saving copies CUDA tensors into
 pinned host memory without blocking, then waits once per device: the
@@ -34,8 +34,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from torchft_like.checkpointing import _staging
 from torchft_like.checkpointing import durable_layout as layout
+from torchft_like.checkpointing import staging
 
 logger = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def _split(obj: Any, tensors: dict[str, torch.Tensor]) -> Any:
     devices: set[torch.device] = set()
     structure = _split_into(obj, tensors, devices)
     for device in devices:
-        with _staging.on_device(device):
+        with staging.on_device(device):
             torch.cuda.current_stream(device).synchronize()
     return structure
 
@@ -81,7 +81,7 @@ def _split_into(obj: Any, tensors: dict[str, torch.Tensor], devices: set[torch.d
         key = f"t{len(tensors)}"
         tensor = obj.detach()
         if tensor.is_cuda and type(tensor) is torch.Tensor:  # a DTensor keeps the plain copy
-            with _staging.on_device(tensor.device):
+            with staging.on_device(tensor.device):
                 host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
                 host.copy_(tensor, non_blocking=True)
             devices.add(tensor.device)
@@ -99,10 +99,10 @@ def _split_into(obj: Any, tensors: dict[str, torch.Tensor], devices: set[torch.d
 def _join(obj: Any, tensors: dict[str, Any], device: torch.device | None = None) -> Any:
     if isinstance(obj, _Ref):
         tensor = tensors[f"t{obj.index}"]
-        target = _staging.target_device(obj.device, device)
+        target = staging.target_device(obj.device, device)
         if target.type == "cpu":
             return tensor
-        with _staging.on_device(target):
+        with staging.on_device(target):
             return tensor.to(target)
     if isinstance(obj, dict):
         return {k: _join(v, tensors, device) for k, v in obj.items()}
@@ -191,7 +191,7 @@ class DurableCheckpointer:
             if group_world_size is not None
             else int(os.environ.get("WORLD_SIZE", 1))
         )
-        self._device = _staging.resolve_device(device)
+        self._device = staging.resolve_device(device)
         self._dir.mkdir(parents=True, exist_ok=True)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None

@@ -8,11 +8,11 @@ its live state dict for one step; a receiver asks for exactly that step:
                                            equal byte ranges of tensor data
   GET /checkpoint/{step}/full              torchft's URL and format, so a
                                            torchft group can heal from us
-                                           (`_torchft_http`)
+                                           (`torchft_http`)
 
 each also under the prefix /torchft_like, the path of `metadata()`.
 
-A 200 body is a stream in the format of `_format` (prefix, JSON header, raw
+A 200 body is a stream in the format of `state_format` (prefix, JSON header, raw
 tensor bytes). Refusals are text/plain: 401 without the job's secret (when
 the transport has one, see lighthouse.rpc.auth), 503 "not serving" when nothing is
 staged, 400 "wrong step" when another step is staged (never stale weights;
@@ -29,7 +29,7 @@ and fetches from a peer whose metadata is torchft's own
 
 Replicas at one step hold the same state bit for bit, so a receiver may
 also take a distinct chunk of it from each of several sources at once
-(`recv_checkpoint_striped`, see `_striped`): no one sender's link bounds
+(`recv_checkpoint_striped`, see `striped`): no one sender's link bounds
 the heal, and a source that fails leaves its chunks to the others.
 
 Speed comes from touching each byte once on either side: the source sends
@@ -40,7 +40,7 @@ straight into its memory.
 
 CUDA state: a source copies its CUDA tensors to host through a few pinned
 buffers on a side stream, each slice copied while the previous one is on
-the wire (`_staging.HostRing`). A receiver puts each leaf the source held
+the wire (`staging.HostRing`). A receiver puts each leaf the source held
 on CUDA onto its own GPU (the transport's `device`), through pinned buffers
 too, and leaves CPU leaves (optimizer step counters) on the CPU; without
 CUDA everything stays on the CPU.
@@ -64,8 +64,8 @@ import torch
 from lighthouse.rpc import auth
 from lighthouse.rpc.address import BIND_HOST_ENV
 from lighthouse.rpc.tls import FIX, TLSConfig, check_scheme, is_refusal, scheme
-from torchft_like.checkpointing import _staging, _striped, _torchft_http
-from torchft_like.checkpointing._http_fetch import (
+from torchft_like.checkpointing import staging, striped, torchft_http
+from torchft_like.checkpointing.http_fetch import (
     GONE_AFTER_S,
     ChecksumMismatch,
     DeadlinePassed,
@@ -78,7 +78,7 @@ from torchft_like.checkpointing._http_fetch import (
     Refused,
     refused,
 )
-from torchft_like.checkpointing._http_serve import (
+from torchft_like.checkpointing.http_serve import (
     MAX_CHUNKS,
     Handler,
     Server,
@@ -127,7 +127,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             device this rank's model lives on. None: the current CUDA device
             when CUDA is initialized in the thread building the transport,
             else cuda:(LOCAL_RANK % GPUs) at receive time; the CPU without
-            CUDA (see `_staging`). Leaves the source held on the CPU stay there.
+            CUDA (see `staging`). Leaves the source held on the CPU stay there.
 
     Raises:
         ValueError: a negative num_chunks or timeout, or a port out of range.
@@ -156,7 +156,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             raise ValueError(f"port ({port}) must be in [0, 65535]; 0 picks a free one")
         self._timeout = timeout
         self._num_chunks = max(1, num_chunks)
-        self.device = _staging.resolve_device(device)
+        self.device = staging.resolve_device(device)
         """Where received CUDA leaves go (None: resolved at receive time)."""
         if secret is not None:
             auth.validate_secret(secret, "HTTPTransport's `secret` argument")
@@ -164,7 +164,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         self.tls = tls
         self._client_context = tls.client_context() if tls is not None else None
         self._slot = ServingSlot(timeout)
-        self.last_stripe_report: _striped.StripeReport | None = None
+        self.last_stripe_report: striped.StripeReport | None = None
         """Who sent what in the last `recv_checkpoint_striped`."""
         host = hostname or socket.gethostname()
         listen = (bind_host if bind_host is not None else host).strip("[]")
@@ -191,7 +191,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             logger.warning("%s", warning)
         host = f"[{host}]" if ":" in host else host
         self._url = f"{scheme(tls)}://{host}:{self._server.server_address[1]}"
-        self._metadata = self._url + _torchft_http.OWN_PATH
+        self._metadata = self._url + torchft_http.OWN_PATH
 
     def metadata(self) -> str:
         """See base class: ``http://host:port/torchft_like/checkpoint/``."""
@@ -245,7 +245,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         From a torchft source (its metadata's path is ``/checkpoint/``) the
         state comes in torchft's format, which has no checksums: it is
         decoded by torch's weights_only unpickler only, and a body cut short
-        is refused (see `_torchft_http`); server errors (5xx) are retried
+        is refused (see `torchft_http`); server errors (5xx) are retried
         like "not serving".
 
         Raises:
@@ -263,18 +263,18 @@ class HTTPTransport(CheckpointTransport[Any]):
                 or `metadata` is not a torchft_like or torchft HTTP address.
         """
         url = self._check_metadata(metadata)
-        torchft = _torchft_http.is_torchft_peer(metadata)
+        torchft = torchft_http.is_torchft_peer(metadata)
         source = "torchft replica rank" if torchft else "replica rank"
         where = f"step {step} from {source} {src_rank} at {metadata}"
         requested = (
-            _torchft_http.state_url(metadata, step)
+            torchft_http.state_url(metadata, step)
             if torchft
             else f"{url.scheme}://{url.netloc}/checkpoint/{step}"
         )
 
         def attempt(deadline: float) -> tuple[Any, int]:
             if torchft:  # one stream, torchft's format, decoded weights_only
-                return _torchft_http.fetch(metadata, step, deadline, where)
+                return torchft_http.fetch(metadata, step, deadline, where)
             assert url.hostname and url.port
             fetch = Fetch(
                 url.hostname,
@@ -313,7 +313,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         stall_timeout: timedelta = timedelta(seconds=10),
     ) -> Any:
         """Fetches `step` striped across several peers that serve it: a
-        distinct byte range from each at once (see `_striped`), so that no one
+        distinct byte range from each at once (see `striped`), so that no one
         sender's link bounds the heal.
 
         Args:
@@ -342,7 +342,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         for rank, metadata in sources:
             first_rank.setdefault(metadata, rank)
         unique = list(first_rank.items())
-        if len(unique) == 1 or any(_torchft_http.is_torchft_peer(m) for _, m in sources):
+        if len(unique) == 1 or any(torchft_http.is_torchft_peer(m) for _, m in sources):
             rank, metadata = sources[0]
             return self.recv_checkpoint(rank, metadata, step, timeout)
         peers = []
@@ -350,15 +350,15 @@ class HTTPTransport(CheckpointTransport[Any]):
             url = self._check_metadata(metadata)
             assert url.hostname and url.port
             peers.append(
-                _striped.Source(f"replica rank {rank} at {metadata}", url.hostname, url.port)
+                striped.Source(f"replica rank {rank} at {metadata}", url.hostname, url.port)
             )
         where = (
             f"step {step} striped from {len(peers)} replicas ({', '.join(m for m, _ in unique)})"
         )
-        reports: list[_striped.StripeReport] = []
+        reports: list[striped.StripeReport] = []
 
         def attempt(deadline: float) -> tuple[Any, int]:
-            fetch = _striped.StripedFetch(
+            fetch = striped.StripedFetch(
                 peers,
                 step,
                 deadline,
@@ -395,12 +395,12 @@ class HTTPTransport(CheckpointTransport[Any]):
             raise ValueError(
                 f"checkpoint metadata {metadata!r} is not an {scheme(self.tls)}://host:port URL"
             )
-        torchft = _torchft_http.is_torchft_peer(metadata)
-        if not torchft and url.path not in ("", "/", _torchft_http.OWN_PATH):
+        torchft = torchft_http.is_torchft_peer(metadata)
+        if not torchft and url.path not in ("", "/", torchft_http.OWN_PATH):
             raise ValueError(
                 f"checkpoint metadata {metadata!r} is neither a torchft_like HTTPTransport's "
-                f"(path {_torchft_http.OWN_PATH!r} or none) nor a torchft HTTPTransport's "
-                f"(path {_torchft_http.TORCHFT_PATH!r})"
+                f"(path {torchft_http.OWN_PATH!r} or none) nor a torchft HTTPTransport's "
+                f"(path {torchft_http.TORCHFT_PATH!r})"
             )
         return url
 
@@ -460,7 +460,7 @@ class HTTPTransport(CheckpointTransport[Any]):
                 if refused(e):
                     refused_since = refused_since or time.monotonic()
                     refusing = True
-            except (_torchft_http.UnsafeStateError, _striped.LayoutMismatch):
+            except (torchft_http.UnsafeStateError, striped.LayoutMismatch):
                 raise
             except ValueError as e:
                 raise ValueError(f"{metadata} sent an invalid stream for step {step}: {e}") from e

@@ -1,6 +1,6 @@
 """Live state transfer over the replicas' process group instead of HTTP.
 
-The source sends, to each healing replica rank, the same stream `_format`
+The source sends, to each healing replica rank, the same stream `state_format`
 defines for HTTP, as point-to-point messages on the quorum's process group:
 the header length (one int64), the header (uint8 bytes), then each tensor
 leaf's bytes, in tree order. Nothing is pickled; the receiver validates the
@@ -14,7 +14,7 @@ Where the bytes travel (the wire device) follows the group's backend:
   the CPU are copied back to the CPU.
 - gloo and any other: host memory. CUDA leaves are copied to the host one
   at a time (the next while the previous is sent) and, at the receiver,
-  copied onto the GPU through pinned buffers (`_staging`). Our gloo groups
+  copied onto the GPU through pinned buffers (`staging`). Our gloo groups
   would stage CUDA tensors themselves; torch's own gloo group would not
   take them for send/recv, so the transport stages for both.
 
@@ -31,7 +31,7 @@ from typing import Any, Generic, TypeVar
 import torch
 import torch.distributed as dist
 
-from torchft_like.checkpointing import _checksum, _format, _staging
+from torchft_like.checkpointing import checksum, staging, state_format
 from torchft_like.checkpointing.transport import CheckpointTransport
 
 T = TypeVar("T")
@@ -56,7 +56,7 @@ def wire_device(pg: Any, device: torch.device | None) -> torch.device:
         return torch.device("cpu")
     if device is not None and device.type == "cuda":
         return device
-    home = _staging.home_cuda_device()
+    home = staging.home_cuda_device()
     if home is None:
         raise RuntimeError("PGTransport over NCCL needs a CUDA GPU, and this process sees none")
     return home
@@ -77,7 +77,7 @@ class PGTransport(CheckpointTransport[T], Generic[T]):
         if timeout <= timedelta(0):
             raise ValueError(f"timeout ({timeout}) must be positive")
         self._pg, self._timeout = pg, timeout
-        self._device = _staging.resolve_device(device) or torch.device("cpu")
+        self._device = staging.resolve_device(device) or torch.device("cpu")
 
     def metadata(self) -> str:
         """See base class. The process group already connects the replicas."""
@@ -88,11 +88,13 @@ class PGTransport(CheckpointTransport[T], Generic[T]):
     ) -> None:
         """See base class. Returns once every destination has the state, so
         nothing reads the tensors after it returns."""
-        tree, tensors = _format.flatten(state_dict)
-        header = _format.encode_header(step, tree, _checksum.DEFAULT)[_format.PREFIX.size :]
+        tree, tensors = state_format.flatten(state_dict)
+        header = state_format.encode_header(step, tree, checksum.DEFAULT)[
+            state_format.PREFIX.size :
+        ]
         wire = wire_device(self._pg, self._device)
         payload = [torch.tensor([len(header)], dtype=torch.int64), _bytes_tensor(header)]
-        payload += [_format.flat_bytes(t) for t in tensors if t.numel()]
+        payload += [state_format.flat_bytes(t) for t in tensors if t.numel()]
         deadline = time.monotonic() + timeout.total_seconds()
         if all(t.device == wire for t in payload):  # a CPU state over gloo: as always
             for dst in dst_ranks:
@@ -128,16 +130,16 @@ class PGTransport(CheckpointTransport[T], Generic[T]):
         deadline = time.monotonic() + timeout.total_seconds()
         what = f"recv of step {step} from replica rank {src_rank}"
         wire = wire_device(self._pg, self._device)
-        with _staging.on_device(wire):
+        with staging.on_device(wire):
             length = torch.zeros(1, dtype=torch.int64, device=wire)
             _wait(self._pg.recv([length], src_rank, 0), deadline, what)
-            if not 0 < int(length) <= _format.MAX_HEADER_BYTES:
+            if not 0 < int(length) <= state_format.MAX_HEADER_BYTES:
                 raise ValueError(f"{what}: header length {int(length)} is out of range")
             raw = torch.empty(int(length), dtype=torch.uint8, device=wire)
             _wait(self._pg.recv([raw], src_rank, 0), deadline, what)
-            header = _format.decode_header(bytes(_format.memview(raw.cpu())))
+            header = state_format.decode_header(bytes(state_format.memview(raw.cpu())))
             if wire.type == "cpu":
-                received = [_format.empty(spec) for spec in header.specs]
+                received = [state_format.empty(spec) for spec in header.specs]
                 for tensor in received:
                     if tensor.numel():
                         flat = tensor.reshape(-1).view(torch.uint8)
@@ -147,13 +149,13 @@ class PGTransport(CheckpointTransport[T], Generic[T]):
         if header.step != step:
             raise RuntimeError(f"{what}: the source is serving step {header.step}, not {step}")
         if wire.type == "cpu":
-            received = _staging.place(header.specs, received, self._device)
-        state: T = _format.unflatten(header.tree, received)
+            received = staging.place(header.specs, received, self._device)
+        state: T = state_format.unflatten(header.tree, received)
         return state
 
     def _recv_on_device(
         self,
-        specs: list[_format.TensorSpec],
+        specs: list[state_format.TensorSpec],
         wire: torch.device,
         src_rank: int,
         deadline: float,
@@ -164,10 +166,10 @@ class PGTransport(CheckpointTransport[T], Generic[T]):
         once the device has finished, so another thread may use them."""
         out = []
         for spec in specs:
-            target = _staging.target_device(spec.device, self._device)
+            target = staging.target_device(spec.device, self._device)
             tensor = torch.empty(spec.shape, dtype=spec.dtype, device=wire)
             if tensor.numel():
-                _wait(self._pg.recv([_format.flat_bytes(tensor)], src_rank, 0), deadline, what)
+                _wait(self._pg.recv([state_format.flat_bytes(tensor)], src_rank, 0), deadline, what)
             out.append(tensor if target == wire else tensor.to(target))
         torch.cuda.current_stream(wire).synchronize()
         return out
@@ -180,7 +182,7 @@ def _staged(payload: list[torch.Tensor], wire: torch.device) -> Iterator[torch.T
         if tensor.device == wire:
             yield tensor
         else:
-            with _staging.on_device(wire if wire.type == "cuda" else tensor.device):
+            with staging.on_device(wire if wire.type == "cuda" else tensor.device):
                 yield tensor.to(wire)
 
 

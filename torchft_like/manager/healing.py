@@ -24,7 +24,7 @@ import torch
 from lighthouse.core.member_data import rank_heal_report
 from lighthouse.rpc.tls import TLSConfig
 from torchft_like.checkpointing import CheckpointTransport
-from torchft_like.checkpointing._http_fetch import GONE_AFTER_S
+from torchft_like.checkpointing.http_fetch import GONE_AFTER_S
 from torchft_like.checkpointing.transport import capable
 from torchft_like.manager.client import ManagerClientProtocol
 from torchft_like.manager.config import ManagerConfig

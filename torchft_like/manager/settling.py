@@ -19,7 +19,7 @@ from typing import Any
 
 from lighthouse.rpc.errors import DuplicateGroupError, IncompatibleGroupError, QuorumError
 from torchft_like.checkpointing import CheckpointTransport
-from torchft_like.checkpointing._staging import streams_done
+from torchft_like.checkpointing.staging import streams_done
 from torchft_like.checkpointing.transport import capable
 from torchft_like.data.claims import BatchClaims
 from torchft_like.gone_watch import GoneWatch, MemberGoneError

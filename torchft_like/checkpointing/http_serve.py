@@ -17,8 +17,8 @@ from urllib.parse import parse_qs, urlsplit
 
 from lighthouse.rpc import auth
 from lighthouse.web.server import QuietHTTPServer
-from torchft_like.checkpointing import _checksum, _format, _staging, _torchft_http
-from torchft_like.checkpointing._http_fetch import NOT_SERVING, SLICE, WRONG_STEP, hang_up
+from torchft_like.checkpointing import checksum, staging, state_format, torchft_http
+from torchft_like.checkpointing.http_fetch import NOT_SERVING, SLICE, WRONG_STEP, hang_up
 
 logger = logging.getLogger("torchft_like.checkpointing.http_transport")  # one name per transport
 
@@ -29,18 +29,18 @@ class Staged:
     """The state of one step as served: the live tensors and the encoded header."""
 
     def __init__(self, step: int, state_dict: Any, timeout: timedelta) -> None:
-        tree, self.tensors = _format.flatten(state_dict)
+        tree, self.tensors = state_format.flatten(state_dict)
         self.state = state_dict
         self._cpu_state: Any = None
         self._lock = threading.Lock()
         self.step = step
         self.timeout = timeout
-        self.header = _format.encode_header(step, tree, _checksum.DEFAULT)
+        self.header = state_format.encode_header(step, tree, checksum.DEFAULT)
         self.nbytes = [t.numel() * t.element_size() for t in self.tensors]
         self.checksums: dict[tuple[int, int, int], int] = {}
         """Per (tensor index, offset, length) segment, computed while it is
         first sent: once per served step, not once per receiver or retry."""
-        self.ready = _staging.record_ready(self.tensors)
+        self.ready = staging.record_ready(self.tensors)
         """Per CUDA device of the state, an event on the staging thread's
         stream: the copies to host that serve CUDA tensors wait for it, so
         they read the weights the last optimizer step wrote. Empty on CPU."""
@@ -50,7 +50,7 @@ class Staged:
         copied once per step, and only if a torchft receiver asks."""
         with self._lock:
             if self._cpu_state is None:
-                self._cpu_state = _torchft_http.on_cpu(self.state)
+                self._cpu_state = torchft_http.on_cpu(self.state)
             return self._cpu_state
 
 
@@ -177,7 +177,7 @@ class Handler(BaseHTTPRequestHandler):
             return self._refuse(
                 404,
                 f"unknown path {url.path!r}; use /checkpoint/{{step}}, or torchft's "
-                f"{_torchft_http.OWN_PATH}{{step}}/{_torchft_http.KEY}",
+                f"{torchft_http.OWN_PATH}{{step}}/{torchft_http.KEY}",
             )
         try:
             chunk, of = parse_chunk(url.query)
@@ -198,11 +198,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def _serve_torchft(self, step: int, key: str) -> None:
         """torchft's scheme: the whole state of `step`, torch's streaming format."""
-        if key != _torchft_http.KEY:
+        if key != torchft_http.KEY:
             return self._refuse(
                 400,
                 f"key {key!r} is not served: torchft_like serves torchft's checkpoint format "
-                f"whole only, at {_torchft_http.OWN_PATH}{{step}}/{_torchft_http.KEY} "
+                f"whole only, at {torchft_http.OWN_PATH}{{step}}/{torchft_http.KEY} "
                 "(torchft's HTTPTransport with num_chunks=0, its Manager's default)",
             )
         slot = self.server.slot
@@ -216,7 +216,7 @@ class Handler(BaseHTTPRequestHandler):
             self.send_header("Connection", "close")  # the body ends when the connection does
             self.end_headers()
             self.close_connection = True
-            _torchft_http.encode(state, self.wfile)
+            torchft_http.encode(state, self.wfile)
         except OSError as e:
             logger.warning(
                 "transfer of step %d to %s (torchft's format) ended early: %s",
@@ -252,17 +252,17 @@ class Handler(BaseHTTPRequestHandler):
     do_TRACE = do_CONNECT = _not_allowed  # noqa: N815
 
     def _send_state(self, staged: Staged, chunk: int, of: int) -> None:
-        start, end = _format.chunk_ranges(sum(staged.nbytes), of)[chunk]
-        segments = _format.segments(staged.nbytes, start, end)
-        trailer_len = _checksum.ITEM.size * len(segments)
+        start, end = state_format.chunk_ranges(sum(staged.nbytes), of)[chunk]
+        segments = state_format.segments(staged.nbytes, start, end)
+        trailer_len = checksum.ITEM.size * len(segments)
         self.send_response(200)
         self.send_header("Content-Type", "application/octet-stream")
         self.send_header("Content-Length", str(len(staged.header) + end - start + trailer_len))
         self.end_headers()
         self.connection.sendall(staged.header)
-        update = _checksum.updater(_checksum.DEFAULT)
+        update = checksum.updater(checksum.DEFAULT)
         trailer = bytearray()
-        rings: dict[Any, _staging.HostRing] = {}  # per CUDA device, for this response
+        rings: dict[Any, staging.HostRing] = {}  # per CUDA device, for this response
         for segment in segments:
             index, offset, length = segment
             known = staged.checksums.get(segment)
@@ -271,12 +271,12 @@ class Handler(BaseHTTPRequestHandler):
             if tensor.is_cuda:  # through pinned host buffers, copied while we send
                 ring = rings.get(tensor.device)
                 if ring is None:
-                    ring = rings[tensor.device] = _staging.HostRing(tensor.device, SLICE)
-                with _staging.on_device(tensor.device):
-                    flat = _format.flat_bytes(tensor)
+                    ring = rings[tensor.device] = staging.HostRing(tensor.device, SLICE)
+                with staging.on_device(tensor.device):
+                    flat = state_format.flat_bytes(tensor)
                 views = ring.read(flat, offset, offset + length, staged.ready.get(tensor.device))
             else:
-                views = _cpu_views(_format.flat_bytes(tensor), offset, offset + length)
+                views = _cpu_views(state_format.flat_bytes(tensor), offset, offset + length)
             try:
                 for view in views:
                     if known is None:  # about 0.6 ms per 8 MB slice, next to 5-8 ms of sendall
@@ -286,7 +286,7 @@ class Handler(BaseHTTPRequestHandler):
                 views.close()
             if known is None:
                 staged.checksums[segment] = known = crc
-            trailer += _checksum.ITEM.pack(known)
+            trailer += checksum.ITEM.pack(known)
         self.connection.sendall(trailer)
 
     def _refuse(self, code: int, message: str, *headers: tuple[str, str]) -> None:
@@ -306,7 +306,7 @@ class Handler(BaseHTTPRequestHandler):
 def _cpu_views(flat: Any, start: int, end: int) -> Generator[memoryview, None, None]:
     """The bytes [start, end) of a CPU tensor's memory in SLICE views, no copy."""
     for lo in range(start, end, SLICE):
-        yield _format.memview(flat[lo : min(lo + SLICE, end)])
+        yield state_format.memview(flat[lo : min(lo + SLICE, end)])
 
 
 def parse_chunk(query: str) -> tuple[int, int]:

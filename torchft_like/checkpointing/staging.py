@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from torchft_like.checkpointing import _format
+from torchft_like.checkpointing import state_format
 
 SLICE = 8 << 20
 """Bytes per staged copy: as the HTTP transport's socket slices."""
@@ -224,7 +224,7 @@ class HostRing:
                     issue(i)
                 for i, (lo, hi) in enumerate(slices):
                     self._settle(i % depth)
-                    yield _format.memview(self._bufs[i % depth][: hi - lo])
+                    yield state_format.memview(self._bufs[i % depth][: hi - lo])
                     if i + depth < len(slices):
                         issue(i + depth)
             finally:
@@ -255,7 +255,7 @@ class HostRing:
 
 
 def place(
-    specs: list[_format.TensorSpec], tensors: list[torch.Tensor], device: torch.device | None
+    specs: list[state_format.TensorSpec], tensors: list[torch.Tensor], device: torch.device | None
 ) -> list[torch.Tensor]:
     """Received CPU tensors moved to where they belong (`target_device` of
     each spec's recorded device), through a `HostRing` per device; returns
@@ -276,7 +276,7 @@ def place(
                 ring = rings.get(target)
                 if ring is None:
                     ring = rings[target] = HostRing(target)
-                ring.write(_format.flat_bytes(dst), _format.flat_bytes(tensor))
+                ring.write(state_format.flat_bytes(dst), state_format.flat_bytes(tensor))
         out.append(dst)
     for ring in rings.values():
         ring.finish()

@@ -51,8 +51,8 @@ from urllib.parse import urlsplit
 
 import torch
 
-from torchft_like.checkpointing import _format
-from torchft_like.checkpointing._http_fetch import SLICE, DeadlinePassed, NotReady, Refused
+from torchft_like.checkpointing import state_format
+from torchft_like.checkpointing.http_fetch import SLICE, DeadlinePassed, NotReady, Refused
 
 try:
     from torch.distributed._serialization import _streaming_save
@@ -172,7 +172,7 @@ def _load_streaming(reader: _ExactReader, location: str | None) -> Any:
             raise ValueError(f"bad record entry {entry!r}")
         if is_storage:
             tensor = torch.empty(length, dtype=torch.uint8)
-            reader.read_exactly_into(_format.memview(tensor))
+            reader.read_exactly_into(state_format.memview(tensor))
             records.records[key] = tensor.untyped_storage()
         else:
             records.records[key] = bytes(reader.read(length))

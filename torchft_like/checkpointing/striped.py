@@ -31,15 +31,15 @@ from typing import Any, NamedTuple
 
 import torch
 
-from torchft_like.checkpointing import _checksum, _format, _staging
-from torchft_like.checkpointing._http_fetch import (
+from torchft_like.checkpointing import checksum, staging, state_format
+from torchft_like.checkpointing.http_fetch import (
     ChecksumMismatch,
     Fetch,
     NotReady,
+    Prefaulter,
     Refused,
-    _pieces,
-    _Prefaulter,
     hang_up,
+    pieces,
 )
 
 logger = logging.getLogger(__name__)
@@ -179,7 +179,7 @@ def layout_difference(a: bytes, b: bytes) -> str | None:
     dtypes, shapes, non-tensor values) must be equal."""
     if a == b:
         return None
-    ha, hb = _format.decode_header(a), _format.decode_header(b)
+    ha, hb = state_format.decode_header(a), state_format.decode_header(b)
     if ha.step != hb.step:
         return f"step {ha.step} vs {hb.step}"
     if ha.checksum != hb.checksum:
@@ -284,7 +284,7 @@ class StripedFetch:
         progress: called as progress(source index, bytes) after every
             piece received (for reports and tests).
         device: where leaves the sources held on CUDA go
-            (`_staging.target_device`).
+            (`staging.target_device`).
     """
 
     def __init__(
@@ -340,18 +340,18 @@ class StripedFetch:
             first = self._first_header()
             source, r, opened = first
             self._header_raw = opened[2]
-            header = _format.decode_header(self._header_raw)
+            header = state_format.decode_header(self._header_raw)
             if header.step != self._step:
                 raise ValueError(f"the header is of step {header.step}")
-            self._update = _checksum.updater(header.checksum)
+            self._update = checksum.updater(header.checksum)
             self._header = header
             nbytes = [spec.nbytes for spec in header.specs]
-            self._ranges = _format.chunk_ranges(sum(nbytes), self.stripes.num_ranges)
-            self._segments = [_format.segments(nbytes, a, b) for a, b in self._ranges]
-            self._pieces = [_pieces(nbytes, a, b) for a, b in self._ranges]
+            self._ranges = state_format.chunk_ranges(sum(nbytes), self.stripes.num_ranges)
+            self._segments = [state_format.segments(nbytes, a, b) for a, b in self._ranges]
+            self._pieces = [pieces(nbytes, a, b) for a, b in self._ranges]
             self._check_length(r, opened[1])  # before allocating what the header claims
-            self._tensors = [_format.empty(spec) for spec in header.specs]
-            prefaulter = self._prefaulter = _Prefaulter(self._tensors, self._pieces)
+            self._tensors = [state_format.empty(spec) for spec in header.specs]
+            prefaulter = self._prefaulter = Prefaulter(self._tensors, self._pieces)
             workers = [
                 threading.Thread(
                     target=self._work,
@@ -376,7 +376,7 @@ class StripedFetch:
             for fetch in self._fetches:
                 fetch.abort()
                 fetch.close()
-        tensors = _staging.place(header.specs, self._tensors, self._device)
+        tensors = staging.place(header.specs, self._tensors, self._device)
         report = StripeReport(
             sources=[s.label for s in self.sources],
             bytes_by_source=list(self._bytes),
@@ -387,7 +387,7 @@ class StripedFetch:
             },
             refetched=self.stripes.refetched,
         )
-        return _format.unflatten(header.tree, tensors), sum(nbytes), report
+        return state_format.unflatten(header.tree, tensors), sum(nbytes), report
 
     def _first_header(self) -> tuple[int, int, Any]:
         """Opens the first range of the first source that answers (the primary
@@ -421,7 +421,7 @@ class StripedFetch:
 
     def _check_length(self, r: int, response: http.client.HTTPResponse) -> None:
         start, end = self._ranges[r]
-        trailer = _checksum.ITEM.size * len(self._segments[r])
+        trailer = checksum.ITEM.size * len(self._segments[r])
         if response.length != end - start + trailer:
             raise ValueError(
                 f"range {r} has {response.length} bytes after its header, not "
@@ -482,14 +482,14 @@ class StripedFetch:
             for piece in self._pieces[r]:
                 self._prefaulter.claim(piece)
                 index, lo, hi = piece
-                view = _format.memview(self._tensors[index])[lo:hi]
+                view = state_format.memview(self._tensors[index])[lo:hi]
                 fetch.read_into(conn, response, view)
                 crcs[index] = self._update(view, crcs.get(index, 0))  # releases the GIL
                 if self._progress is not None:
                     self._progress(s, hi - lo)
             segments = self._segments[r]
-            trailer = fetch.read(conn, response, _checksum.ITEM.size * len(segments))
-            sent = [crc for (crc,) in _checksum.ITEM.iter_unpack(trailer)]
+            trailer = fetch.read(conn, response, checksum.ITEM.size * len(segments))
+            sent = [crc for (crc,) in checksum.ITEM.iter_unpack(trailer)]
             for (index, offset, length), crc in zip(segments, sent):
                 got = crcs.get(index, 0)
                 if got != crc:

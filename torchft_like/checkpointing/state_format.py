@@ -25,7 +25,7 @@ an object with exactly one key:
   "device": "cuda:0"}}``, a leaf whose bytes follow the header;
 - ``{"dtensor": {"local": {"tensor": ...}, ...}}``, a DTensor: its local
   shard's bytes follow the header like any tensor leaf, and its mesh,
-  placements, shape and stride are in the node (see `_dtensor`).
+  placements, shape and stride are in the node (see `dtensor`).
 
 Nothing read from the network is ever unpickled: `decode_header` accepts
 exactly this grammar and raises ValueError on anything else, so a receiver
@@ -111,9 +111,9 @@ def flatten(state: Any) -> tuple[Any, list[torch.Tensor]]:
 
     def walk(obj: Any, path: str) -> Any:
         if _is_dtensor(obj):
-            from torchft_like.checkpointing import _dtensor
+            from torchft_like.checkpointing import dtensor
 
-            return _dtensor.encode(obj, path, leaf)
+            return dtensor.encode(obj, path, leaf)
         if isinstance(obj, torch.Tensor):
             return leaf(obj, path)
         if isinstance(obj, dict):
@@ -204,9 +204,9 @@ def _check_node(node: Any, specs: list[TensorSpec], path: str) -> None:
     if kind == "tensor":
         specs.append(_check_spec(value, path))
     elif kind == "dtensor":
-        from torchft_like.checkpointing import _dtensor
+        from torchft_like.checkpointing import dtensor
 
-        local = _dtensor.check(value, path)
+        local = dtensor.check(value, path)
         if not (isinstance(local, dict) and set(local) == {"tensor"}):
             raise ValueError(f"{path}: a dtensor's local shard must be a tensor node")
         _check_node(local, specs, path)
@@ -248,7 +248,7 @@ def _check_spec(leaf: Any, path: str) -> TensorSpec:
 def _is_dtensor(obj: Any) -> bool:
     """Whether `obj` is a DTensor, without importing torch.distributed.tensor:
     that import costs every worker start 0.5-1.7 s, and no DTensor exists
-    unless something imported it already. _dtensor is imported on first use."""
+    unless something imported it already. dtensor is imported on first use."""
     module = sys.modules.get("torch.distributed.tensor")
     return module is not None and isinstance(obj, module.DTensor)
 
@@ -265,9 +265,9 @@ def unflatten(tree: Any, tensors: list[torch.Tensor]) -> Any:
         if kind == "tensor":
             return next(leaves)
         if kind == "dtensor":
-            from torchft_like.checkpointing import _dtensor
+            from torchft_like.checkpointing import dtensor
 
-            return _dtensor.build(value, next(leaves), meshes)
+            return dtensor.build(value, next(leaves), meshes)
         if kind == "dict":
             return {key: build(child) for key, child in value}
         children = [build(child) for child in value]

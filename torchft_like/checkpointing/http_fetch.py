@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from lighthouse.rpc import auth
-from torchft_like.checkpointing import _checksum, _format, _staging
+from torchft_like.checkpointing import checksum, staging, state_format
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class Fetch:
         """`context`: fetch over HTTPS with it; None: plain HTTP. `on_begun`:
         called once the source has accepted every stream (from then on it
         serves them to the end). `device`: where leaves the source held on
-        CUDA go (`_staging.target_device`)."""
+        CUDA go (`staging.target_device`)."""
         self._host, self._port, self._step, self._deadline = host, port, step, deadline
         self._device = device
         self._context = context
@@ -115,7 +115,7 @@ class Fetch:
         self._headers = auth.http_headers(secret)
         self._conns: list[http.client.HTTPConnection] = []
         self._aborted = False
-        self._prefaulter: _Prefaulter | None = None
+        self._prefaulter: Prefaulter | None = None
 
     def run(self, num_chunks: int) -> tuple[Any, int]:
         """Returns the state and its number of tensor bytes, once every
@@ -123,19 +123,19 @@ class Fetch:
         verifier = None
         try:
             first = self.open_range(0, num_chunks)
-            header = _format.decode_header(first[2])
+            header = state_format.decode_header(first[2])
             if header.step != self._step:
                 raise ValueError(f"the header is of step {header.step}")
-            update = _checksum.updater(header.checksum)
+            update = checksum.updater(header.checksum)
             nbytes = [spec.nbytes for spec in header.specs]
-            ranges = _format.chunk_ranges(sum(nbytes), num_chunks)
-            segments = [_format.segments(nbytes, start, end) for start, end in ranges]
+            ranges = state_format.chunk_ranges(sum(nbytes), num_chunks)
+            segments = [state_format.segments(nbytes, start, end) for start, end in ranges]
 
             def check(i: int, response: http.client.HTTPResponse, raw: bytes) -> None:
                 if raw != first[2]:
                     raise ValueError(f"chunk {i} has another header than chunk 0")
                 start, end = ranges[i]
-                trailer = _checksum.ITEM.size * len(segments[i])
+                trailer = checksum.ITEM.size * len(segments[i])
                 if response.length != end - start + trailer:
                     raise ValueError(
                         f"chunk {i} has {response.length} bytes after its header, not "
@@ -143,9 +143,9 @@ class Fetch:
                     )
 
             check(0, first[1], first[2])  # before allocating what the header claims
-            tensors = [_format.empty(spec) for spec in header.specs]
-            streams = [_pieces(nbytes, start, end) for start, end in ranges]
-            self._prefaulter = _Prefaulter(tensors, streams)
+            tensors = [state_format.empty(spec) for spec in header.specs]
+            streams = [pieces(nbytes, start, end) for start, end in ranges]
+            self._prefaulter = Prefaulter(tensors, streams)
             verifier = _Verifier(update)
             sent: list[list[int]] = [[] for _ in ranges]
 
@@ -155,11 +155,11 @@ class Fetch:
                 for piece in streams[i]:
                     self._prefaulter.claim(piece)  # type: ignore[union-attr]
                     index, lo, hi = piece
-                    view = _format.memview(tensors[index])[lo:hi]
+                    view = state_format.memview(tensors[index])[lo:hi]
                     self.read_into(conn, response, view)
                     verifier.add((i, index), view)
-                trailer = self.read(conn, response, _checksum.ITEM.size * len(segments[i]))
-                sent[i] = [crc for (crc,) in _checksum.ITEM.iter_unpack(trailer)]
+                trailer = self.read(conn, response, checksum.ITEM.size * len(segments[i]))
+                sent[i] = [crc for (crc,) in checksum.ITEM.iter_unpack(trailer)]
 
             if num_chunks == 1:
                 fill(0)
@@ -172,17 +172,17 @@ class Fetch:
             if verifier is not None:
                 verifier.stop()
             self.close()
-        tensors = _staging.place(header.specs, tensors, self._device)
-        return _format.unflatten(header.tree, tensors), sum(nbytes)
+        tensors = staging.place(header.specs, tensors, self._device)
+        return state_format.unflatten(header.tree, tensors), sum(nbytes)
 
     def _verify(
         self,
-        header: _format.Header,
+        header: state_format.Header,
         segments: list[list[tuple[int, int, int]]],
         sent: list[list[int]],
         received: dict[tuple[int, int], int],
     ) -> None:
-        bad = _checksum.mismatches(segments, sent, received)
+        bad = checksum.mismatches(segments, sent, received)
         if bad:
             (index, offset, length), got, crc = bad[0]
             spec = header.specs[index]
@@ -222,7 +222,7 @@ class Fetch:
             self._accepted += 1
             if self._accepted == of and self._on_begun is not None:
                 self._on_begun()
-        header_len = _format.decode_prefix(self.read(conn, response, _format.PREFIX.size))
+        header_len = state_format.decode_prefix(self.read(conn, response, state_format.PREFIX.size))
         return conn, response, self.read(conn, response, header_len)
 
     def _in_parallel(self, fill: Callable[[int], None], num_chunks: int) -> None:
@@ -269,10 +269,10 @@ Piece = tuple[int, int, int]
 """(tensor index, first byte, end byte) of at most SLICE bytes: a unit of reading."""
 
 
-def _pieces(nbytes: list[int], start: int, end: int) -> list[Piece]:
+def pieces(nbytes: list[int], start: int, end: int) -> list[Piece]:
     return [
         (index, lo, min(lo + SLICE, offset + length))
-        for index, offset, length in _format.segments(nbytes, start, end)
+        for index, offset, length in state_format.segments(nbytes, start, end)
         for lo in range(offset, offset + length, SLICE)
     ]
 
@@ -284,7 +284,7 @@ class _Verifier:
     nothing but a queue put per slice (of up to SLICE bytes).
     """
 
-    def __init__(self, update: _checksum.Update) -> None:
+    def __init__(self, update: checksum.Update) -> None:
         self._update = update
         self._queue: queue.SimpleQueue[tuple[tuple[int, int], memoryview] | None] = (
             queue.SimpleQueue()
@@ -325,7 +325,7 @@ class _Verifier:
                 self._error = e
 
 
-class _Prefaulter:
+class Prefaulter:
     """Faults in the pages of the receiving tensors ahead of the socket reads.
 
     Fresh memory pays a page fault per 4 KiB page, and inside a socket read
@@ -386,7 +386,7 @@ class _Prefaulter:
                     if piece in self._claimed:
                         continue
                 index, lo, hi = piece
-                flat = _format.flat_bytes(self._tensors[index])
+                flat = state_format.flat_bytes(self._tensors[index])
                 if self.use_madvise and _populate(flat.data_ptr() + lo, hi - lo):
                     continue
                 with self._cond:  # touching writes: only a piece no reader holds
@@ -411,8 +411,8 @@ def _populate(address: int, nbytes: int) -> bool:
     """Faults in the whole pages of [address, address + nbytes) for writing,
     without writing them; False where the kernel cannot (then touch them)."""
     global _libc
-    start = -(-address // _Prefaulter._PAGE) * _Prefaulter._PAGE
-    end = (address + nbytes) // _Prefaulter._PAGE * _Prefaulter._PAGE
+    start = -(-address // Prefaulter._PAGE) * Prefaulter._PAGE
+    end = (address + nbytes) // Prefaulter._PAGE * Prefaulter._PAGE
     if end <= start:
         return True  # no whole page: the reader faults it in
     try:
@@ -424,7 +424,7 @@ def _populate(address: int, nbytes: int) -> bool:
         code = ctypes.get_errno()
     except (OSError, AttributeError) as e:  # no libc.madvise (not Linux)
         code = getattr(e, "errno", None) or errno.ENOSYS
-    _Prefaulter.use_madvise = False
+    Prefaulter.use_madvise = False
     logger.info(
         "madvise(MADV_POPULATE_WRITE) failed (%s); touching pages instead",
         errno.errorcode.get(code, code),
