@@ -13,7 +13,6 @@ from typing import NoReturn
 
 from lighthouse import __version__
 from lighthouse.rpc import auth, serve, tls
-from lighthouse.shell.coordinator import Coordinator
 from lighthouse.shell.server import LighthouseServer
 
 logger = logging.getLogger(__name__)
@@ -206,13 +205,12 @@ def tune_gc() -> None:
     and walks the whole heap twice a step at 10,000 groups (a third of a
     call's cost, bench/NOTES.md). What exists at start is frozen out of
     every collection; the young generations are collected once a quorum's
-    answers are out (Coordinator.collect_after_issue), the quiet moment
+    answers are out (LighthouseServer's collect_after_issue), the quiet moment
     before the next step's burst, and seldom within one. Only the standalone
     process does this: a LighthouseServer inside a training process leaves
     that process's collector alone."""
     gc.freeze()
     gc.set_threshold(*GC_THRESHOLDS)
-    Coordinator.collect_after_issue = True
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -248,6 +246,7 @@ def main(argv: list[str] | None = None) -> int:
             state_file=args.state_file,
             allow_fresh_start=args.allow_fresh_start,
             rpc_server=args.rpc_server,
+            collect_after_issue=True,
         )
     except (ValueError, OSError) as e:
         print(f"torchft-lighthouse: error: {e}", file=sys.stderr)

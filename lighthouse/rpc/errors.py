@@ -10,10 +10,12 @@ lighthouse and back).
 from __future__ import annotations
 
 import logging
-from typing import Any, NoReturn
+from typing import TYPE_CHECKING, NoReturn
 
 import grpc
-from grpc import aio
+
+if TYPE_CHECKING:
+    from lighthouse.rpc.call import Call
 
 logger = logging.getLogger(__name__)
 
@@ -126,7 +128,7 @@ def status_text(error: Exception) -> tuple[grpc.StatusCode, str]:
     return code, text
 
 
-async def abort(context: aio.ServicerContext[Any, Any], error: Exception) -> NoReturn:
+async def abort(call: Call, error: Exception) -> NoReturn:
     """Ends the call with `error`'s status and text (status_text)."""
-    await context.abort(*status_text(error))
-    raise AssertionError("context.abort returned")  # it raises; this satisfies NoReturn
+    await call.abort(*status_text(error))
+    raise AssertionError("call.abort returned")  # it raises; this satisfies NoReturn

@@ -1,9 +1,9 @@
 """The shell around the membership state machine (lighthouse.core.membership):
-the clock, each waiting call's future under its ticket, the heartbeat
-streams' outboxes, the metrics and the status page's memory, all on the
-server's one loop. It turns each RPC into an event and acts on the effects:
-answers calls (each issued quorum serialized once, or each caller's view of
-it, lighthouse.core.views), logs, and tells gone members' peers on their streams.
+the clock, each waiting call under its ticket, the heartbeat streams, the
+metrics and the status page's memory, all on the server's one loop. It
+turns each RPC into an event and acts on the effects: answers calls (each
+issued quorum serialized once, or each caller's view of it,
+lighthouse.core.views), logs, and tells gone members' peers on their streams.
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ from lighthouse.core.membership import Membership
 from lighthouse.core.quorum import LighthouseConfig, Quorum, QuorumMember
 from lighthouse.core.views import QuorumViews
 from lighthouse.rpc import errors
+from lighthouse.rpc.call import Call
 from lighthouse.rpc.errors import QuorumTimeoutError
 from lighthouse.rpc.h2 import corking
 from lighthouse.rpc.proto import torchft_pb2 as pb
@@ -96,33 +97,36 @@ class Paced:
 
 
 class Outbox(Protocol):
-    """Where a HeartbeatPaced stream's advice and gone notices go: written
-    at once (lean_server) or queued for its writer task (an asyncio.Queue)."""
+    """Where a HeartbeatPaced stream's advice and gone notices go: its call
+    (lighthouse.rpc.call), which writes each at once."""
 
-    def put_nowait(self, item: pb.LighthouseHeartbeatAdvice, /) -> None: ...
+    def write(self, message: pb.LighthouseHeartbeatAdvice, /) -> bool: ...
 
 
 class Coordinator:
-    """The shell around lighthouse.core.membership: the clock, the waiting calls'
-    futures, the metrics and the status page's memory, all on one loop."""
+    """The shell around lighthouse.core.membership: the clock, the waiting
+    calls, the metrics and the status page's memory, all on one loop.
 
-    collect_after_issue = False
-    """Whether the collector's young generations run in the turn after a
-    quorum's answers went out (lighthouse.cli.tune_gc: the standalone
-    process, whose thresholds then keep them out of a step's burst)."""
+    With `collect_after_issue`, the collector's young generations run in the
+    turn after a quorum's answers went out (lighthouse.cli.tune_gc: the
+    standalone process, whose thresholds then keep them out of a step's burst).
+    """
 
     def __init__(
-        self, config: LighthouseConfig, metrics: LighthouseMetrics, state: StateFile | None
+        self,
+        config: LighthouseConfig,
+        metrics: LighthouseMetrics,
+        state: StateFile | None,
+        collect_after_issue: bool = False,
     ) -> None:
+        self.collect_after_issue = collect_after_issue
         self.metrics = metrics
         self.state = state
         restored = state.restored if state is not None else None
         self.membership = Membership(config, time.monotonic(), restored)
         self.view = StatusView(self.membership)
-        self.quorums: dict[int, asyncio.Future[Quorum]] = {}
-        """ticket -> the future of a waiting Quorum call (grpcio's server)."""
         self.parked: dict[int, Parked] = {}
-        """ticket -> a waiting Quorum call parked on lean_server (Coordinator.park)."""
+        """ticket -> a Quorum call waiting for its quorum (Coordinator.park)."""
         self.deadlines = Deadlines(self._overdue)
         self._response: tuple[Quorum | None, bytes] = (None, b"")
         self._views: QuorumViews | None = None
@@ -211,16 +215,12 @@ class Coordinator:
     def _answer(self, tickets: tuple[int, ...], quorum: Quorum, now: float) -> None:
         parked, observe = self.parked, self.metrics.quorum_latency.observe
         for ticket in tickets:
-            call = parked.pop(ticket, None)
-            if call is not None:
-                if call.slot >= 0:
-                    self.deadlines.remove(call.slot, ticket)
-                call.context.answer_now(self.quorum_response(quorum, call.viewer))
-                observe(now - call.since)
-                continue
-            future = self.quorums.pop(ticket, None)
-            if future is not None and not future.done():
-                future.set_result(quorum)
+            waiting = parked.pop(ticket, None)
+            if waiting is not None:
+                if waiting.slot >= 0:
+                    self.deadlines.remove(waiting.slot, ticket)
+                waiting.call.answer(self.quorum_response(quorum, waiting.viewer))
+                observe(now - waiting.since)
 
     def heartbeat(self, replica_id: str) -> None:
         """Raises DuplicateGroupError for a second live replica of one group."""
@@ -228,25 +228,14 @@ class Coordinator:
         self.apply(self.membership.heartbeat(now, replica_id), now)
         self.metrics.heartbeats.inc()
 
-    def join(self, member: QuorumMember) -> tuple[int, asyncio.Future[Quorum]]:
-        """Registers a Quorum call; its future gets the first issued quorum
-        that contains `member`. The caller must `withdraw` it when done."""
-        now = time.monotonic()
-        outcome = self.membership.join(now, member)
-        future: asyncio.Future[Quorum] = asyncio.get_running_loop().create_future()
-        if outcome.error is None:
-            self.quorums[outcome.ticket] = future
-        self.apply(outcome, now)  # may issue a quorum to `future` already
-        return outcome.ticket, future
-
     def park(
         self,
         member: QuorumMember,
-        context: Any,
+        call: Call,
         viewer: wire.Viewer | None,
         budget_s: float | None,
     ) -> Parked | None:
-        """Registers a Quorum call parked on lean_server: `context` gets its
+        """Registers a Quorum call that waits parked: `call` gets its
         serialized answer (`viewer`'s view, if it asked) in the turn that
         issues a quorum containing `member`, or its error, at the latest
         when `budget_s` (None: no deadline) is up. Returns its record while
@@ -256,7 +245,7 @@ class Coordinator:
         outcome = self.membership.join(now, member)
         parked = None
         if outcome.error is None:
-            parked = Parked(context, member.replica_id, outcome.ticket, viewer, now, budget_s)
+            parked = Parked(call, member.replica_id, outcome.ticket, viewer, now, budget_s)
             self.parked[outcome.ticket] = parked
         self.apply(outcome, now)  # may answer it already
         if parked is None or self.parked.get(outcome.ticket) is not parked:
@@ -281,15 +270,12 @@ class Coordinator:
 
     def end(self, ticket: int, error: Exception) -> None:
         """Fails a waiting Quorum call with `error`."""
-        call = self.parked.pop(ticket, None)
-        if call is not None:
-            if call.slot >= 0:
-                self.deadlines.remove(call.slot, ticket)
-            self.membership.withdraw(call.replica_id, ticket)
-            call.context.end_now(*errors.status_text(error))
-        future = self.quorums.pop(ticket, None)
-        if future is not None and not future.done():
-            future.set_exception(error)
+        waiting = self.parked.pop(ticket, None)
+        if waiting is not None:
+            if waiting.slot >= 0:
+                self.deadlines.remove(waiting.slot, ticket)
+            self.membership.withdraw(waiting.replica_id, ticket)
+            waiting.call.fail(error)
 
     def quorum_response(self, quorum: Quorum, viewer: wire.Viewer | None = None) -> bytes:
         """`viewer`'s view of `quorum` when it asked for one (O(its group
@@ -307,10 +293,10 @@ class Coordinator:
         return self._response[1]
 
     def withdraw(self, replica_id: str, ticket: int) -> None:
-        self.quorums.pop(ticket, None)
-        call = self.parked.pop(ticket, None)
-        if call is not None and call.slot >= 0:
-            self.deadlines.remove(call.slot, ticket)
+        """A waiting call ended otherwise (its caller went away)."""
+        waiting = self.parked.pop(ticket, None)
+        if waiting is not None and waiting.slot >= 0:
+            self.deadlines.remove(waiting.slot, ticket)
         self.membership.withdraw(replica_id, ticket)
 
     def leave(self, replica_id: str) -> None:
@@ -377,7 +363,7 @@ class Coordinator:
             )
             for rid in notice.recipients:
                 for outbox in self.outboxes.get(rid, ()):
-                    outbox.put_nowait(message)
+                    outbox.write(message)
         self._telling.ran(time.perf_counter() - start)
 
     def _decide_now(self) -> None:

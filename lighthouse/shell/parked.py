@@ -1,16 +1,17 @@
-"""Quorum calls parked on lean_server (`_Call.park`): their records and
-their deadlines. A parked call has no task and no future; the coordinator
-answers it through its context in the turn that issues its quorum, or ends
-it with its error (its deadline, a Leave, superseded, shutdown)."""
+"""Quorum calls parked until their quorum (lighthouse.rpc.call's `park`):
+their records and their deadlines. On our own runtime a parked call has no
+task and no future; on either, the coordinator answers it through its call
+in the turn that issues its quorum, or fails it with its error (its
+deadline, a Leave, superseded, shutdown)."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
 from collections.abc import Callable
-from typing import Any
 
 from lighthouse import wire
+from lighthouse.rpc.call import Call
 
 SLOT_S = 0.025
 """Deadlines that fall within one slot share a timer."""
@@ -20,8 +21,7 @@ SLOT_S = 0.025
 class Parked:
     """One parked Quorum call."""
 
-    context: Any
-    """lean_server's call: `answer_now(bytes)`, `end_now(code, text)`."""
+    call: Call
     replica_id: str
     ticket: int
     viewer: wire.Viewer | None

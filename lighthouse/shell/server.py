@@ -10,17 +10,17 @@ page's memory (lighthouse.status.view).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from typing import Any
-
-from grpc import aio
 
 from lighthouse import wire
 from lighthouse.core.quorum import LighthouseConfig, QuorumMember
 from lighthouse.loop import BackgroundLoop, reply_budget_s, wait_within
 from lighthouse.rpc import auth, errors, serve
 from lighthouse.rpc.address import advertised_host, join_host_port, parse_bind
+from lighthouse.rpc.call import Call
 from lighthouse.rpc.errors import DuplicateGroupError, QuorumError, QuorumTimeoutError
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
@@ -33,145 +33,86 @@ from lighthouse.status.server import StatusServer
 
 logger = logging.getLogger(__name__)
 
-WRITER_DRAIN_S = 1.0
-"""How long a HeartbeatPaced stream that broke the rules waits for its
-writes in flight (grpcio) before it is ended; a peer that does not read
-its answers keeps it only until its connection closes."""
-
 
 class _LighthouseServicer:
-    """LighthouseService, registered by its method names. Thin: converts,
-    calls the coordinator, converts back, maps errors (lighthouse.rpc.errors)."""
+    """LighthouseService, registered by its method names, on either runtime
+    (one call shape: lighthouse.rpc.call). Thin: converts, calls the
+    coordinator, converts back, maps errors (lighthouse.rpc.errors)."""
 
     def __init__(self, coordinator: Coordinator) -> None:
         self._coord = coordinator
 
-    async def Quorum(
-        self, request: pb.LighthouseQuorumRequest, context: aio.ServicerContext[Any, Any]
-    ) -> bytes | None:
-        start = time.monotonic()
-        budget_s = reply_budget_s(context.time_remaining())
+    async def Quorum(self, request: pb.LighthouseQuorumRequest, call: Call) -> None:
+        """Parks the call: the coordinator answers it in the turn that issues
+        its quorum, or fails it, at the latest at its reply budget."""
+        budget_s = reply_budget_s(call.time_remaining())
         try:
             member = wire.quorum_request_from_proto(request)
             viewer = wire.viewer_from_proto(request, member)
-            if hasattr(context, "park"):  # lean_server: answered by the coordinator
-                self._park(member, viewer, context, budget_s)
-                return None
-            ticket, future = self._coord.join(member)
-            # The future itself, with a timer that fails it: its answer wakes
-            # this call in one turn of the loop (wait_for takes two, each as
-            # long as the burst of calls at a step boundary: ~45 ms at 300 groups).
-            timer = None
-            if budget_s is not None:
-                timer = asyncio.get_running_loop().call_later(
-                    budget_s, self._expire, ticket, member.replica_id, budget_s
-                )
-            try:
-                quorum = await future
-            finally:
-                if timer is not None:
-                    timer.cancel()
-                self._coord.withdraw(member.replica_id, ticket)
+            parked = self._coord.park(member, call, viewer, budget_s)
         except Exception as e:
-            await errors.abort(context, e)
-        self._coord.metrics.quorum_latency.observe(time.monotonic() - start)
-        return self._coord.quorum_response(quorum, viewer)
-
-    def _park(
-        self, member: QuorumMember, viewer: wire.Viewer | None, context: Any, budget_s: float | None
-    ) -> None:
-        """The call waits parked (lean_server's `park`), with no task: the
-        coordinator answers it in the turn that issues its quorum."""
-        parked = self._coord.park(member, context, viewer, budget_s)
+            await errors.abort(call, e)
         if parked is not None:
             rid, ticket = parked.replica_id, parked.ticket
-            context.park(lambda: self._coord.withdraw(rid, ticket))
-
-    def _expire(self, ticket: int, replica_id: str, budget_s: float) -> None:
-        """A Quorum call's deadline came first: it is told what was missing."""
-        self._coord.end(ticket, self._coord.timeout_error(replica_id, budget_s))
+            call.park(lambda: self._coord.withdraw(rid, ticket))
 
     async def Heartbeat(
-        self, request: pb.LighthouseHeartbeatRequest, context: aio.ServicerContext[Any, Any]
+        self, request: pb.LighthouseHeartbeatRequest, call: Call
     ) -> pb.LighthouseHeartbeatResponse:
         if not request.replica_id:
-            await errors.abort(context, ValueError("replica_id must be a non-empty string"))
+            await errors.abort(call, ValueError("replica_id must be a non-empty string"))
         try:
             self._coord.heartbeat(request.replica_id)
         except DuplicateGroupError as e:
-            await errors.abort(context, e)
+            await errors.abort(call, e)
         return pb.LighthouseHeartbeatResponse()
 
-    async def HeartbeatStream(
-        self, request_iterator: Any, context: aio.ServicerContext[Any, Any]
-    ) -> pb.LighthouseHeartbeatResponse:
-        await self._heartbeats(request_iterator, context, advise=False)
+    async def HeartbeatStream(self, requests: Any, call: Call) -> pb.LighthouseHeartbeatResponse:
+        await self._heartbeats(call, None)
         return pb.LighthouseHeartbeatResponse()
 
-    async def HeartbeatPaced(
-        self, request_iterator: Any, context: aio.ServicerContext[Any, Any]
-    ) -> None:
+    async def HeartbeatPaced(self, requests: Any, call: Call) -> None:
         """HeartbeatStream that answers with the period to heartbeat at
         (lighthouse.core.pacing): on the first heartbeat and after each change."""
-        await self._heartbeats(request_iterator, context, advise=True)
+        await self._heartbeats(call, call)
 
-    async def _heartbeats(
-        self, request_iterator: Any, context: aio.ServicerContext[Any, Any], advise: bool
-    ) -> None:
-        stream = _HeartbeatStream(self._coord)
-        # One writer per stream: the advice from here, gone notices from the
-        # coordinator (lighthouse.core.gone), as soon as they are decided. On
-        # lean_server each message is taken, and each notice written, in
-        # the turn it comes: no task wakes per heartbeat.
-        writer: asyncio.Task[None] | None = None
-        queue: asyncio.Queue[pb.LighthouseHeartbeatAdvice | None] | None = None
-        if advise and hasattr(context, "write_now"):
-            stream.outbox = _Writer(context)
-        elif advise:
-            stream.outbox = queue = asyncio.Queue()
-            writer = asyncio.get_running_loop().create_task(_write_all(context, queue))
+    async def _heartbeats(self, call: Call, outbox: Outbox | None) -> None:
+        """Takes each heartbeat as it comes (no task wakes per heartbeat on
+        our own runtime). `outbox` gets the advice from here, and gone
+        notices from the coordinator (lighthouse.core.gone) as soon as they
+        are decided."""
+        stream = _HeartbeatStream(self._coord, outbox)
         try:
-            if hasattr(request_iterator, "deliver"):
-                await request_iterator.deliver(stream.take)
-            else:
-                async for request in request_iterator:
-                    stream.take(request)
+            await call.deliver(stream.take)
         except (ValueError, DuplicateGroupError) as e:
-            if writer is not None and queue is not None:
-                # grpcio fails an abort while a write is in flight, and then
-                # never ends the call: the writer finishes its writes first.
-                queue.put_nowait(None)
-                await asyncio.wait([writer], timeout=WRITER_DRAIN_S)
-            await errors.abort(context, e)
+            await errors.abort(call, e)
         finally:
-            if writer is not None:
-                writer.cancel()
             # Also on cancellation: the client's connection closed under us.
             if stream.replica_id:
-                self._coord.stream_ended(stream.replica_id, stream.outbox)
+                self._coord.stream_ended(stream.replica_id, outbox)
 
     async def TakeReplicaGroup(
-        self, request: pb.TakeReplicaGroupRequest, context: aio.ServicerContext[Any, Any]
+        self, request: pb.TakeReplicaGroupRequest, call: Call
     ) -> pb.TakeReplicaGroupResponse:
         """The group to train as, or "" when the call's deadline comes first
         (the caller asks again: a spare may wait for hours)."""
         try:
             group = await wait_within(
                 self._coord.take_replica_group(request.spare_id, request.wanted),
-                reply_budget_s(context.time_remaining()),
+                reply_budget_s(call.time_remaining()),
                 lambda: QuorumTimeoutError("no group yet"),
             )
         except QuorumTimeoutError:
             group = ""
         except Exception as e:
-            await errors.abort(context, e)
+            await errors.abort(call, e)
         return pb.TakeReplicaGroupResponse(replica_group=group)
 
     async def Leave(
-        self, request: pb.LighthouseLeaveRequest, context: aio.ServicerContext[Any, Any]
+        self, request: pb.LighthouseLeaveRequest, call: Call
     ) -> pb.LighthouseLeaveResponse:
         if not request.replica_id:
-            await errors.abort(context, ValueError("replica_id must be a non-empty string"))
+            await errors.abort(call, ValueError("replica_id must be a non-empty string"))
         self._coord.leave(request.replica_id)
         return pb.LighthouseLeaveResponse()
 
@@ -191,19 +132,22 @@ class LighthouseServer:
     Args:
         bind: `host:port` to listen on (port 0 picks one).
         min_replicas: fewest replica groups a quorum may have.
-        join_timeout_ms, quorum_tick_ms, heartbeat_timeout_ms, suspect_phi, suspect_min_ms: the
-            quorum rule's options (lighthouse.core.quorum.LighthouseConfig).
+        rule: the quorum rule's other options, by name: the fields of
+            lighthouse.LighthouseConfig (join_timeout_ms, quorum_tick_ms,
+            heartbeat_timeout_ms, suspect_phi, suspect_min_ms, allow_fresh_start).
         http_bind: `host:port` of the status page and /metrics; None: no page.
         secret: the job's shared secret, or None.
         tls: serve TLS with this configuration, or None for plaintext.
         kill_button: offer a kill form per replica on the status page.
         state_file: keep the job's high-water mark and last quorum in this
             file across restarts (lighthouse.shell.state_file); None: in memory only.
-        allow_fresh_start: let groups all at step 0 train although the job
-            already committed steps (lighthouse.core.quorum.fresh_start_refusal).
+        rpc_server: what serves the gRPC port (lighthouse.rpc.serve.RPC_SERVERS).
+        collect_after_issue: run the collector's young generations once a
+            quorum's answers are out (the standalone process: lighthouse.cli.tune_gc).
 
     Raises:
         ValueError: a bad option or an unparsable bind address.
+        TypeError: an option no lighthouse has.
         OSError: the port is already in use.
     """
 
@@ -211,34 +155,23 @@ class LighthouseServer:
         self,
         bind: str,
         min_replicas: int,
-        join_timeout_ms: int = 60000,
-        quorum_tick_ms: int = 100,
-        heartbeat_timeout_ms: int = 5000,
+        *,
         http_bind: str | None = None,
         secret: str | None = None,
-        suspect_phi: float = 8.0,
-        suspect_min_ms: int = 700,
         tls: TLSConfig | None = None,
         kill_button: bool = False,
         state_file: str | None = None,
-        allow_fresh_start: bool = False,
         rpc_server: str = "lean",
+        collect_after_issue: bool = False,
+        **rule: Any,
     ) -> None:
         if tls is not None:
             tls.require_server("lighthouse")
-        self.config = LighthouseConfig(
-            min_replicas=min_replicas,
-            join_timeout_ms=join_timeout_ms,
-            quorum_tick_ms=quorum_tick_ms,
-            heartbeat_timeout_ms=heartbeat_timeout_ms,
-            suspect_phi=suspect_phi,
-            suspect_min_ms=suspect_min_ms,
-            allow_fresh_start=allow_fresh_start,
-        )
+        self.config = _rule(min_replicas, rule)
         host, port = parse_bind(bind)
         self.metrics = LighthouseMetrics()
         self._state = StateFile(state_file) if state_file else None
-        self._coord = Coordinator(self.config, self.metrics, self._state)
+        self._coord = Coordinator(self.config, self.metrics, self._state, collect_after_issue)
         self._loop = BackgroundLoop("lighthouse")
         self._http = None
         self._stopped = False
@@ -257,7 +190,7 @@ class LighthouseServer:
         logger.info("lighthouse listening on %s (gRPC, bind %s)", self.address(), bind)
         logger.info("access control: %s", "on (shared secret)" if secret else "off (no secret)")
         logger.info("transport: %s", _describe(tls))
-        log_start(self._state, allow_fresh_start)
+        log_start(self._state, self.config.allow_fresh_start)
         warning = auth.exposure_warning(secret, host, "lighthouse")
         if warning:
             logger.warning("%s", warning)
@@ -325,19 +258,16 @@ class LighthouseServer:
     async def _stop(self) -> None:
         if hasattr(self, "_ticker"):
             self._ticker.cancel()
-        # Answer waiting Quorum calls before the server cancels their handlers
-        # (a cancelled handler is logged by grpc as an unhandled error).
-        waiting: list[asyncio.Future[Any]] = [
-            f for f in self._coord.quorums.values() if not f.done()
-        ]
-        for ticket in list(self._coord.quorums) + list(self._coord.parked):
+        # Answer waiting calls before the server cancels their handlers (a
+        # cancelled handler is logged by grpc as an unhandled error).
+        waiting = bool(self._coord.parked)
+        for ticket in list(self._coord.parked):
             self._coord.end(ticket, QuorumError("the lighthouse is shutting down"))
         self._coord.deadlines.close()
         spares = [f for f in self._coord.spares.values() if not f.done()]
         for spare in spares:
             spare.set_result("")  # "ask again": a spare outlives a lighthouse restart
-        waiting += spares
-        if waiting:
+        if waiting or spares:
             await asyncio.sleep(0.05)  # lets their handlers send the answer
         await self._server.stop(grace=None)
         if self._state is not None:
@@ -346,14 +276,13 @@ class LighthouseServer:
 
 class _HeartbeatStream:
     """One heartbeat stream's state: the replica it carries, and the advice
-    it was last given."""
+    it was last given (None: a stream that is not advised)."""
 
-    def __init__(self, coord: Coordinator) -> None:
+    def __init__(self, coord: Coordinator, outbox: Outbox | None) -> None:
         self.coord = coord
         self.replica_id = ""
         self.advised = 0
-        self.outbox: Outbox | None = None
-        """A _Writer, or a queue that _write_all empties; None: not advised."""
+        self.outbox = outbox
 
     def take(self, request: pb.LighthouseHeartbeatRequest) -> None:
         """One heartbeat. Raises ValueError (not one replica_id) or DuplicateGroupError."""
@@ -371,34 +300,21 @@ class _HeartbeatStream:
         advice = self.coord.membership.advice_ms
         if self.outbox is not None and self.advised != advice:
             self.advised = advice
-            self.outbox.put_nowait(pb.LighthouseHeartbeatAdvice(interval_ms=advice))
+            self.outbox.write(pb.LighthouseHeartbeatAdvice(interval_ms=advice))
 
 
-class _Writer:
-    """A HeartbeatPaced stream's outbox on lean_server: writes each message at once."""
-
-    __slots__ = ("context",)
-
-    def __init__(self, context: Any) -> None:
-        self.context = context
-
-    def put_nowait(self, message: pb.LighthouseHeartbeatAdvice) -> None:
-        self.context.write_now(message)  # False once the call has ended: nobody to tell
-
-
-async def _write_all(
-    context: aio.ServicerContext[Any, Any],
-    outbox: asyncio.Queue[pb.LighthouseHeartbeatAdvice | None],
-) -> None:
-    """Writes a HeartbeatPaced stream's messages in order until a None,
-    cancelled, or the stream fails (its reader then ends the call)."""
-    try:
-        while (message := await outbox.get()) is not None:
-            await context.write(message)
-    except asyncio.CancelledError:
-        pass
-    except Exception as e:  # the call ended under us (grpc's UsageError, an RpcError)
-        logger.debug("heartbeat stream write failed: %s", e)
+def _rule(min_replicas: int, options: dict[str, Any]) -> LighthouseConfig:
+    """The quorum rule's config; an option it lacks is named, with those it has."""
+    known = {f.name for f in dataclasses.fields(LighthouseConfig)} - {"min_replicas"}
+    unknown = sorted(set(options) - known)
+    if unknown:
+        raise TypeError(
+            f"LighthouseServer got unknown option(s) {', '.join(unknown)}; the quorum rule's "
+            f"are {', '.join(sorted(known))} (lighthouse.LighthouseConfig), the server's "
+            "bind, min_replicas, http_bind, secret, tls, kill_button, state_file, rpc_server, "
+            "collect_after_issue"
+        )
+    return LighthouseConfig(min_replicas=min_replicas, **options)
 
 
 def _describe(tls: TLSConfig | None) -> str:

@@ -1,5 +1,7 @@
-"""The lean gRPC server against grpcio's, with real grpc clients: the same
-answers, statuses, deadlines and cancellations from both (lighthouse.rpc.serve)."""
+"""The transport seam's contract (lighthouse.rpc.call): one servicer, one
+table, run against both server runtimes (our own and grpcio's, through
+lighthouse.rpc.serve) with real grpc clients: the same answers, statuses,
+deadlines and cancellations from both, answered in the handler or later."""
 
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import grpc
 import pytest
 
 from lighthouse.loop import BackgroundLoop
-from lighthouse.rpc import auth, serve
+from lighthouse.rpc import auth, errors, serve
+from lighthouse.rpc.errors import QuorumTimeoutError
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 
@@ -32,10 +35,10 @@ class _Servicer(pb_grpc.LighthouseServiceServicer):
         self.ended.append(what)
         self.ended_event.set()
 
-    async def Heartbeat(self, request, context):
+    async def Heartbeat(self, request, call):
         rid = request.replica_id
         if rid == "abort":
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad: 100% wrong\nsecond line")
+            await call.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad: 100% wrong\nsecond line")
         if rid == "boom":
             raise RuntimeError("boom")
         if rid == "slow":
@@ -47,28 +50,49 @@ class _Servicer(pb_grpc.LighthouseServiceServicer):
             await asyncio.sleep(0.01)
         return pb.LighthouseHeartbeatResponse()
 
-    async def Quorum(self, request, context):
+    async def Quorum(self, request, call):
+        rid = request.requester.replica_id
+        if rid.startswith("park"):
+            return self._park(rid, call)
         n = request.requester.step
         members = [pb.QuorumMember(replica_id=f"r{i:06d}", address="x" * 90) for i in range(n)]
-        remaining = context.time_remaining()
+        remaining = call.time_remaining()
         data = "none" if remaining is None else f"{remaining:.0f}"
         members.append(pb.QuorumMember(replica_id="deadline", data=data))
         return pb.LighthouseQuorumResponse(quorum=pb.Quorum(quorum_id=n, participants=members))
 
-    async def HeartbeatStream(self, request_iterator, context):
+    async def HeartbeatStream(self, request_iterator, call):
         count = 0
         async for _ in request_iterator:
             count += 1
         return pb.LighthouseHeartbeatResponse() if count == 3 else None
 
-    async def HeartbeatPaced(self, request_iterator, context):
+    def _park(self, rid, call):
+        """Answered later, from outside the handler, as the lighthouse's
+        coordinator answers: `park-answer` and `park-fail` after 50 ms,
+        `park-now` before the handler returns, `park-never` never."""
+        loop = asyncio.get_running_loop()
+        answer = pb.LighthouseQuorumResponse(quorum=pb.Quorum(quorum_id=7))
+        if rid == "park-now":
+            call.answer(answer.SerializeToString())
+            return None
+        call.park(lambda: self._end(rid))
+        if rid == "park-answer":
+            loop.call_later(0.05, call.answer, answer.SerializeToString())
+        elif rid == "park-fail":
+            loop.call_later(0.05, call.fail, QuorumTimeoutError("no quorum: park-fail"))
+        return None
+
+    async def HeartbeatPaced(self, request_iterator, call):
+        def take(request):
+            if request.replica_id == "raise":
+                raise ValueError("one replica_id per stream")
+            call.write(pb.LighthouseHeartbeatAdvice(interval_ms=len(request.replica_id)))
+
         try:
-            async for request in request_iterator:
-                if request.replica_id == "abort":
-                    await context.abort(grpc.StatusCode.ALREADY_EXISTS, "taken: 100%")
-                await context.write(
-                    pb.LighthouseHeartbeatAdvice(interval_ms=len(request.replica_id))
-                )
+            await call.deliver(take)
+        except ValueError as e:
+            await errors.abort(call, e)
         finally:
             self._end("paced")
 
@@ -232,3 +256,43 @@ def test_a_handler_whose_task_is_cancelled_before_it_runs_still_runs_its_finally
         return coro
 
     asyncio.run(main())
+
+
+def _quorum(rid):
+    return pb.LighthouseQuorumRequest(requester=pb.QuorumMember(replica_id=rid))
+
+
+def test_a_parked_call_is_answered_or_failed_from_outside_its_handler(server):
+    servicer, channel = server
+    stub = channel()
+    assert stub.Quorum(_quorum("park-answer"), timeout=5).quorum.quorum_id == 7
+    assert stub.Quorum(_quorum("park-now"), timeout=5).quorum.quorum_id == 7
+    code, details = _status(lambda: stub.Quorum(_quorum("park-fail"), timeout=5))
+    assert (code, details) == errors.status_text(QuorumTimeoutError("no quorum: park-fail"))
+    assert servicer.ended == []  # answered or failed: `on_end` is for the other endings
+
+
+def test_a_parked_call_whose_caller_goes_away_runs_its_on_end(server):
+    servicer, channel = server
+    stub = channel()
+    code, _ = _status(lambda: stub.Quorum(_quorum("park-never"), timeout=0.3))
+    assert code == grpc.StatusCode.DEADLINE_EXCEEDED
+    assert servicer.ended_event.wait(5) and servicer.ended == ["park-never"]
+
+
+def test_delivered_requests_and_written_answers_and_a_refusal_mid_stream(server):
+    _, channel = server
+    stub = channel()
+    ids = ["a", "bb", "ccc"]
+    answers = stub.HeartbeatPaced(iter(pb.LighthouseHeartbeatRequest(replica_id=i) for i in ids))
+    assert [a.interval_ms for a in answers] == [1, 2, 3]
+    refused = stub.HeartbeatPaced(
+        iter(pb.LighthouseHeartbeatRequest(replica_id=i) for i in ["a", "raise", "bb"])
+    )
+    got = []
+    with pytest.raises(grpc.RpcError) as e:
+        for advice in refused:
+            got.append(advice.interval_ms)
+    assert got == [1]
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "one replica_id per stream" in e.value.details()

@@ -91,10 +91,11 @@ def test_a_status_ends_the_stream_as_grpcio_reports_it(server):
     _, target = server
 
     async def run():
-        _, stream, channel = await advices_for(target, ["a", "abort"])
+        _, stream, channel = await advices_for(target, ["a", "raise"])
         with pytest.raises(CallFailed) as e:
             await asyncio.wait_for(stream.ended, 5)
-        assert (e.value.code, e.value.details) == (grpc.StatusCode.ALREADY_EXISTS, "taken: 100%")
+        refusal = (grpc.StatusCode.INVALID_ARGUMENT, "one replica_id per stream")
+        assert (e.value.code, e.value.details) == refusal
         with pytest.raises(Unavailable, match="ended"):
             stream.write(heartbeat("a"))
         channel.close()

@@ -5,12 +5,11 @@ server in process (client.LocalManagerClient)."""
 
 from __future__ import annotations
 
-from typing import Any, Protocol
-
-from grpc import aio
+from typing import Protocol
 
 from lighthouse.loop import reply_budget_s
 from lighthouse.rpc import errors
+from lighthouse.rpc.call import Call
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from torchft_like.manager import wire
 from torchft_like.manager.group_request import QuorumRequest
@@ -36,40 +35,38 @@ class ManagerServicer:
         self._s = server
 
     async def Quorum(
-        self, request: pb.ManagerQuorumRequest, context: aio.ServicerContext[Any, Any]
+        self, request: pb.ManagerQuorumRequest, call: Call
     ) -> pb.ManagerQuorumResponse:
         try:
             req = wire.quorum_request_from_proto(request)
-            result = await self._s.quorum(req, reply_budget_s(context.time_remaining()))
+            result = await self._s.quorum(req, reply_budget_s(call.time_remaining()))
         except Exception as e:
-            await errors.abort(context, e)
+            await errors.abort(call, e)
         return wire.result_to_proto(result)
 
     async def ShouldCommit(
-        self, request: pb.ShouldCommitRequest, context: aio.ServicerContext[Any, Any]
+        self, request: pb.ShouldCommitRequest, call: Call
     ) -> pb.ShouldCommitResponse:
         try:
             group_rank, step, vote = wire.should_commit_request_from_proto(request)
-            budget_s = reply_budget_s(context.time_remaining())
+            budget_s = reply_budget_s(call.time_remaining())
             decision = await self._s.should_commit(group_rank, step, vote, budget_s)
         except Exception as e:
-            await errors.abort(context, e)
+            await errors.abort(call, e)
         return pb.ShouldCommitResponse(should_commit=decision)
 
     async def CheckpointMetadata(
-        self, request: pb.CheckpointMetadataRequest, context: aio.ServicerContext[Any, Any]
+        self, request: pb.CheckpointMetadataRequest, call: Call
     ) -> pb.CheckpointMetadataResponse:
         try:
             metadata = self._s.checkpoint_metadata(request.rank)
         except Exception as e:
-            await errors.abort(context, e)
+            await errors.abort(call, e)
         return pb.CheckpointMetadataResponse(checkpoint_metadata=metadata)
 
-    async def Kill(
-        self, request: pb.KillRequest, context: aio.ServicerContext[Any, Any]
-    ) -> pb.KillResponse:
+    async def Kill(self, request: pb.KillRequest, call: Call) -> pb.KillResponse:
         try:
-            self._s.remote_kill(request.msg, context.peer())
+            self._s.remote_kill(request.msg, call.peer())
         except Exception as e:
-            await errors.abort(context, e)
+            await errors.abort(call, e)
         return pb.KillResponse()

@@ -33,12 +33,13 @@ from typing import Any, NoReturn
 
 import grpc
 
-from lighthouse.rpc import auth
+from lighthouse.rpc import auth, errors
 from lighthouse.rpc.h2 import frames
 from lighthouse.rpc.h2.connections import Connections
 from lighthouse.rpc.h2.limits import LIMITS, ProcessBudget
 from lighthouse.rpc.h2.server_connection import Connection
 from lighthouse.rpc.lean.request_stream import RequestStream
+from lighthouse.rpc.tls import TLSConfig
 
 logger = logging.getLogger(__name__)
 
@@ -146,20 +147,20 @@ class _Call:
     def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
         return self.metadata
 
-    # ---- parked calls (lean_server only) --------------------------------------------
+    # ---- the seam's answers from outside the handler (lighthouse.rpc.call) ----------
 
     def park(self, on_end: Callable[[], None]) -> None:
         """Keeps a unary call open after its handler returns, with no task
-        and no future: it is answered later by `answer_now` or `end_now`,
-        and `on_end` runs if it ends otherwise (cancelled, connection lost).
-        The parker owns its deadline. The lighthouse parks each Quorum call
-        until its quorum is issued: a task per call was a third of a call's
-        cost at a step's burst (bench/NOTES.md)."""
+        and no future: it is answered later by `answer` or `fail`, and
+        `on_end` runs if it ends otherwise (cancelled, connection lost).
+        The lighthouse parks each Quorum call until its quorum is issued:
+        a task per call was a third of a call's cost at a step's burst
+        (bench/NOTES.md)."""
         self.on_end = on_end
 
-    def answer_now(self, response: Any) -> None:
-        """Sends a unary call's answer at once, from outside its handler: the
-        handler's own return value is then dropped."""
+    def answer(self, response: Any) -> None:
+        """Sends a unary call's answer at once: the handler's own return
+        value is then dropped."""
         if self.done or self.handler.response_streaming:
             return
         self.done = True
@@ -168,21 +169,23 @@ class _Call:
             self.timer.cancel()
         self.send_message(response, _OK_TRAILERS)
 
-    def end_now(self, code: grpc.StatusCode, details: str) -> None:
-        """Ends a call with a status other than OK, from outside its handler."""
+    def fail(self, error: Exception) -> None:
         self.table.pop((self.conn, self.stream_id), None)
-        self.finish(code, details)
+        self.finish(*errors.status_text(error))
 
-    async def write(self, message: Any) -> None:
-        if not self.write_now(message):
-            raise grpc.RpcError("the call has ended")
-
-    def write_now(self, message: Any) -> bool:
+    def write(self, message: Any) -> bool:
         """A streaming answer's message, sent in this turn; False: the call has ended."""
         if self.done or not self.conn.is_open(self.stream_id):
             return False
         self.send_message(message, None)
         return True
+
+    def deliver(self, sink: Callable[[Any], None]) -> asyncio.Future[None]:
+        """Each message within the read that brought it, with no task woken
+        per message (lighthouse.rpc.lean.request_stream)."""
+        if self.requests is None:
+            raise TypeError(f"{self.method} does not stream its requests")
+        return self.requests.deliver(sink)
 
     # ---- answers -------------------------------------------------------------------
 
@@ -266,10 +269,13 @@ class LeanServer:
 
     # ---- ports and lifetime ---------------------------------------------------------
 
-    def add_insecure_port(self, address: str) -> int:
-        return self._bind(address, None)
-
-    def add_secure_port(self, address: str, context: ssl.SSLContext) -> int:
+    def add_port(self, address: str, tls: TLSConfig | None) -> int:
+        """Binds `address`, with TLS (HTTP/2 by ALPN) when `tls` is set;
+        returns the port, 0 if none bound."""
+        context = None
+        if tls is not None:
+            context = tls.server_context()
+            context.set_alpn_protocols(["h2"])
         return self._bind(address, context)
 
     def _bind(self, address: str, context: ssl.SSLContext | None) -> int:
@@ -501,7 +507,7 @@ class LeanServer:
             return  # parked: answered later
         self._calls.pop((call.conn, call.stream_id), None)
         if call.done:
-            return  # answered by `answer_now`, or ended
+            return  # answered by `answer`, or ended
         if call.handler.response_streaming:
             call.finish(grpc.StatusCode.OK)
             return
@@ -552,4 +558,5 @@ def decompressed(message: bytes, encoding: str) -> tuple[bytes, grpc.StatusCode,
 async def _stream_out(responses: Any, call: _Call) -> None:
     """A response-streaming handler written as an async generator."""
     async for response in responses:
-        await call.write(response)
+        if not call.write(response):
+            raise grpc.RpcError("the call has ended")
