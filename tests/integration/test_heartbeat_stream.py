@@ -342,7 +342,7 @@ def test_the_quorum_call_goes_lean_to_torchfts_rust_lighthouse(reference_lightho
         def no_grpcio(*args, **kwargs):
             raise AssertionError("the Quorum call went through grpcio")
 
-        client._stub.Quorum = no_grpcio
+        client._calls.grpcio.unary_unary = no_grpcio
         member = QuorumMember(replica_id="a", address="a:1", store_address="s:1", step=3)
         for _ in range(3):
             quorum = await client.quorum(member, timedelta(seconds=10))

@@ -166,7 +166,7 @@ def test_with_a_proxy_set_the_quorum_goes_through_grpcio_unless_the_host_is_exem
     async def lean() -> bool:
         client = AsyncLighthouseClient("http://127.0.0.1:1")
         await client.close()
-        return client._lean is not None
+        return client._calls.lean is not None
 
     for name in lean_client.PROXY_ENV + lean_client.NO_PROXY_ENV + lean_client.OTHER_PROXY_ENV:
         monkeypatch.delenv(name, raising=False)
@@ -189,7 +189,7 @@ def test_the_lighthouse_clients_quorum_goes_lean_and_keeps_grpcios_errors():
         def no_grpcio(*args, **kwargs):
             raise AssertionError("the Quorum call went through grpcio")
 
-        ours._stub.Quorum = no_grpcio
+        ours._calls.grpcio.unary_unary = no_grpcio
         for _ in range(3):
             quorum = await ours.quorum(member, timedelta(seconds=10))
             assert [m.replica_id for m in quorum.participants] == ["a"]
@@ -197,7 +197,7 @@ def test_the_lighthouse_clients_quorum_goes_lean_and_keeps_grpcios_errors():
         for lean in (True, False):
             wrong = AsyncLighthouseClient(lighthouse.address(), secret="wrong")
             if not lean:
-                wrong._lean = None
+                wrong._calls.lean = None
             with pytest.raises(Exception) as e:
                 await wrong.quorum(member, timedelta(seconds=5))
             errors.append((type(e.value), str(e.value)))

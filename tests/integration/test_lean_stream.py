@@ -115,7 +115,7 @@ def test_the_lighthouse_clients_heartbeats_go_lean_and_its_end_is_a_death():
         try:
             for _ in range(3):
                 assert await client.stream_heartbeat("g:1", timedelta(seconds=5))
-            assert client._lean_stream is not None and client._heartbeat_call is None
+            assert client._calls.lean is not None and client._calls.lean.connected
             assert client.heartbeat_stream_open()
             await wait_until_async(
                 lambda: lighthouse.status()["replicas"] and healthy(), 5, "the heartbeats to count"
@@ -163,7 +163,7 @@ def test_a_lighthouse_without_the_stream_gets_unary_heartbeats(runtime):
                         return False
 
                 await wait_until_async(refused, 10, "a False from stream_heartbeat")
-                assert not client._lean_paced
+                assert not client._paced
                 await client.heartbeat("g:1", timedelta(seconds=5))
             finally:
                 await client.close()
