@@ -34,9 +34,9 @@ from typing import Any
 import psutil
 
 from lighthouse.client import HEARTBEAT_PACED_METHOD, QUORUM_METHOD
-from lighthouse.rpc.h2.client_connection import ClientConnection
 from lighthouse.rpc.h2.frames import literal
 from lighthouse.rpc.lean.client import grpc_timeout, request_headers
+from lighthouse.rpc.lean.client_calls import GrpcConnection
 from lighthouse.rpc.proto import torchft_pb2 as pb
 
 HEARTBEAT_METHOD = "/torchft.LighthouseService/Heartbeat"
@@ -92,7 +92,7 @@ class Load:
             self.all_in.set_result(None)
 
 
-class LoadConnection(ClientConnection):
+class LoadConnection(GrpcConnection):
     """A client connection that counts the bytes received and stamps each
     Quorum answer with the time the read that ended it began."""
 
@@ -170,7 +170,7 @@ class Group:
 
     def heartbeat(self) -> None:
         if self.stream is not None:
-            self.conn.send(*self.stream, self.beat)
+            self.conn.send_message(*self.stream, self.beat)
         else:  # unary, its answer unread
             self.conn.start(self.load.heartbeat_headers, self.beat)[1].done.add_done_callback(
                 _quiet

@@ -22,8 +22,8 @@ import grpc
 from lighthouse.rpc import auth
 from lighthouse.rpc.channel import aio_channel, tls_refusal, unreachable
 from lighthouse.rpc.errors import error_of
-from lighthouse.rpc.h2.client_connection import CallFailed, Unavailable
 from lighthouse.rpc.lean import client as lean_client
+from lighthouse.rpc.lean.client import CallFailed, Unavailable
 from lighthouse.rpc.tls import TLSConfig
 
 Status = tuple[grpc.StatusCode, str]

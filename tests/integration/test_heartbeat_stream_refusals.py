@@ -14,8 +14,8 @@ import pytest
 
 from lighthouse import LighthouseServer
 from lighthouse.client import HEARTBEAT_PACED_METHOD
-from lighthouse.rpc.h2.client_connection import CallFailed
 from lighthouse.rpc.lean.client import LeanChannel
+from lighthouse.rpc.lean.client_calls import CallFailed
 from lighthouse.rpc.proto import torchft_pb2 as pb
 
 pytestmark = pytest.mark.timeout(60)

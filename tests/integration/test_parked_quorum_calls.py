@@ -16,8 +16,8 @@ import pytest
 
 from lighthouse import LighthouseClient, LighthouseServer, QuorumTimeoutError
 from lighthouse.client import QUORUM_METHOD
-from lighthouse.rpc.h2.client_connection import CallFailed
 from lighthouse.rpc.lean.client import LeanChannel
+from lighthouse.rpc.lean.client_calls import CallFailed
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from tests.e2e import h2_attacks as h2
 from tests.waiting import wait_until, wait_until_async

@@ -1,7 +1,8 @@
-"""lighthouse.rpc.h2.client_connection.ClientConnection against a server that breaks the rules or
-sends too much: a connection fed bytes through a fake transport, its writes parsed (no
-sockets). Each row: what the server sends while a unary call (stream 1) and a streaming
-call (stream 3) are open, and the outcome: ("aborted", code, pattern) the connection
+"""Our client connection (lighthouse.rpc.h2.client_connection, lean.client_calls)
+against a server that breaks the rules or sends too much: a connection fed
+bytes through a fake transport, its writes parsed (no sockets). Each row:
+what the server sends while a unary call (stream 1) and a streaming call
+(stream 3) are open, and the outcome: ("aborted", code, pattern) the connection
 aborted with GOAWAY `code`, both calls Unavailable with a reason matching `pattern`;
 ("failed", stream, status, end) that call failed with `status`, and was reset unless the
 server ended it, the other goes on; ("fine", answer) the unary call answered `answer`,
@@ -20,11 +21,8 @@ import pytest
 from lighthouse.rpc.h2.client_connection import (
     MAX_FRAME,
     MAX_HEADER_BLOCK,
-    MAX_MESSAGE_BYTES,
     MAX_WRITE_BUFFER,
     RECV_WINDOW,
-    CallFailed,
-    ClientConnection,
     Unavailable,
 )
 from lighthouse.rpc.h2.frames import (
@@ -54,6 +52,7 @@ from lighthouse.rpc.h2.frames import (
     frame,
     literal,
 )
+from lighthouse.rpc.lean.client_calls import MAX_MESSAGE_BYTES, CallFailed, GrpcConnection
 from tests.unit.h2_fakes import FakeTransport
 
 RESPONSE = literal(":status", "200") + literal("content-type", "application/grpc")
@@ -92,11 +91,11 @@ def oversized_header_list() -> bytes:
 
 
 class Peer:
-    """A ClientConnection past the handshake, with a unary call on stream 1
+    """A GrpcConnection past the handshake, with a unary call on stream 1
     and a streaming call on stream 3 (must be made on a running loop)."""
 
     def __init__(self, reads: bool = True) -> None:
-        self.conn = ClientConnection()
+        self.conn = GrpcConnection()
         self.t = FakeTransport(self.conn, reads)
         self.conn.connection_made(self.t)
         self.conn.data_received(frame(SETTINGS, 0, 0, b"") + frame(SETTINGS, ACK, 0, b""))

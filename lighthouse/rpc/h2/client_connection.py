@@ -1,5 +1,6 @@
-"""Our HTTP/2 client connection (RFC 9113) on an asyncio Protocol, and its
-calls: what lighthouse.rpc.lean.client's channel sends calls over.
+"""Our HTTP/2 client connection (RFC 9113) on an asyncio Protocol: what
+lighthouse.rpc.lean's client sends its gRPC calls over (their bytes are
+lighthouse.rpc.lean.client_calls's; nothing of gRPC here).
 
 Only what calls to a known server need: the client preface, SETTINGS, PING,
 flow control both ways, GOAWAY and RST_STREAM; HPACK decoding by the
@@ -7,22 +8,19 @@ flow control both ways, GOAWAY and RST_STREAM; HPACK decoding by the
 
 The server is not trusted: what it can make a connection hold is bounded
 (frames of MAX_FRAME bytes, header blocks of MAX_HEADER_BLOCK before
-decoding and MAX_HEADER_LIST after, answers of MAX_MESSAGE_BYTES, windows
-given back as messages are taken, MAX_WRITE_BUFFER of our answers unread).
-A message over its bound fails its call with RESOURCE_EXHAUSTED, as
-grpcio's would; a broken rule of RFC 9113 aborts the connection (GOAWAY
-with the RFC's error code), and its calls raise `Unavailable`.
+decoding and MAX_HEADER_LIST after, what each stream holds by its
+ClientStream, windows given back as the stream takes its bytes,
+MAX_WRITE_BUFFER of our answers unread). A broken rule of RFC 9113 aborts
+the connection (GOAWAY with the RFC's error code), and its streams fail
+with `Unavailable`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote
 
-import grpc
 import hpack
 
 from lighthouse.rpc.h2.frames import (
@@ -67,8 +65,6 @@ from lighthouse.rpc.h2.frames import (
 
 _SETTING = struct.Struct(">HI")
 _U32 = struct.Struct(">I")
-_MESSAGE = struct.Struct(">BI")
-_CODES = {code.value[0]: code for code in grpc.StatusCode}
 MAX_FRAME = DEFAULT_MAX_FRAME
 """The largest frame we accept: we advertise no SETTINGS_MAX_FRAME_SIZE, so
 RFC 9113's initial value; a larger one is a FRAME_SIZE_ERROR."""
@@ -78,16 +74,14 @@ before it is decoded."""
 MAX_HEADER_LIST = 16 * 1024
 """Bytes of one decoded header list, counted as RFC 9113 6.5.2 does (hpack's
 max_header_list_size); grpcio's hard limit on received metadata."""
-MAX_MESSAGE_BYTES = 4 * 1024 * 1024
-"""The largest message of an answer: grpcio's default receive limit; past it
-the call fails with RESOURCE_EXHAUSTED, as grpcio's would."""
-_MAX_ANSWER = 5 + MAX_MESSAGE_BYTES
-"""A unary answer's body: one message and its 5-byte prefix."""
-RECV_WINDOW = 2 * _MAX_ANSWER
+MAX_HELD = 5 + 4 * 1024 * 1024
+"""The most a stream of ours holds at once: our calls hold one message of
+gRPC's default 4 MiB limit and its 5-byte prefix (lean.client_calls)."""
+RECV_WINDOW = 2 * MAX_HELD
 """What the server may send us, per stream and on the connection, before our
-WINDOW_UPDATE. Given back as messages are taken (handed to `on_message`, or
-a finished answer), once half of it is: a largest message always fits in
-what is left, so no answer waits on flow control."""
+WINDOW_UPDATE. Given back as streams take their bytes, once half of it is:
+the most a stream holds always fits in what is left, so no answer waits on
+flow control."""
 _REFRESH = RECV_WINDOW // 2
 _PADDED_OR_PRIORITY = PADDED | PRIORITY_FLAG
 MAX_WRITE_BUFFER = 1024 * 1024
@@ -104,122 +98,31 @@ class Unavailable(Exception):
     """The call could not be made (or finished) on this connection: make it another way."""
 
 
-class CallFailed(Exception):
-    """The server ended the call with a status other than OK."""
+class ClientStream:
+    """One stream of ours: what the connection needs of the call it carries
+    (lighthouse.rpc.lean.client_calls says what the bytes mean)."""
 
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(f"{code.name}: {details}")
-        self.code = code
-        self.details = details
-
-
-class _Call:
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.done: asyncio.Future[bytes] = loop.create_future()
+    def __init__(self) -> None:
         self.headers: list[tuple[str, str]] = []
+        """The response's headers, once they came (trailers go to `finish`)."""
         self.body = bytearray()
+        """What of the stream's DATA it holds; counted against our window."""
         self.unacked = 0
-
-    def fail(self, error: Exception) -> None:
-        if not self.done.done():
-            self.done.set_exception(error)
-
-    def take(self, payload: bytes) -> bool:
-        """Bytes of the answer, held until it ends. False: the call failed
-        (an answer over MAX_MESSAGE_BYTES), and its stream is to be reset.
-        A message declared larger fails here once that many bytes came, or
-        in `finish`: the common path reads no prefix but once."""
-        body = self.body
-        body += payload
-        if len(body) > _MAX_ANSWER:
-            declared: int = _MESSAGE.unpack_from(body)[1]
-            return self.too_large(max(declared, len(body) - 5))
-        return True
-
-    def too_large(self, size: int) -> bool:
-        self.fail(
-            CallFailed(
-                grpc.StatusCode.RESOURCE_EXHAUSTED,
-                f"Received message larger than max ({size} vs. {MAX_MESSAGE_BYTES})",
-            )
-        )
-        return False
-
-    def ending(self, trailers: list[tuple[str, str]]) -> Exception | None:
-        """What the end of the call says went wrong, if anything."""
-        fields = dict(self.headers)
-        fields.update(trailers)
-        if fields.get(":status", "200") != "200":
-            return Unavailable(f"HTTP status {fields[':status']}")
-        try:
-            number = int(fields.get("grpc-status", "2"))
-        except ValueError:
-            number = -1
-        code = _CODES.get(number, grpc.StatusCode.UNKNOWN)
-        if code != grpc.StatusCode.OK:
-            return CallFailed(code, unquote(fields.get("grpc-message", "")))
-        return None
-
-    def finish(self, trailers: list[tuple[str, str]]) -> None:
-        error = self.ending(trailers)
-        if error is not None:
-            self.fail(error)
-            return
-        body = bytes(self.body)
-        if len(body) < 5:
-            self.fail(CallFailed(grpc.StatusCode.INTERNAL, "an answer without a message"))
-            return
-        compressed, size = _MESSAGE.unpack_from(body)
-        if size > MAX_MESSAGE_BYTES:  # an answer cut short by the server
-            self.too_large(size)
-            return
-        if compressed or size != len(body) - 5:  # we accept no encoding: none is sent
-            self.fail(Unavailable("a compressed or malformed answer"))
-            return
-        if not self.done.done():
-            self.done.set_result(body[5:])
-
-
-class StreamingCall(_Call):
-    """A streaming call: each message that arrives goes to `on_message`
-    (which must not raise); `done` is b"" once the server ends it with OK."""
-
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, on_message: Callable[[bytes], None], window: int
-    ) -> None:
-        super().__init__(loop)
-        self.on_message = on_message
-        self.window = window
+        """Bytes of its window taken and not yet given back."""
+        self.window = DEFAULT_WINDOW
         """What we may still send on it (the server's window for the stream)."""
 
     def take(self, payload: bytes) -> bool:
-        """Hands each whole message on as it arrives. False: the call failed
-        (a message over MAX_MESSAGE_BYTES, or compressed), and its stream is
-        to be reset."""
-        if self.done.done():  # failed on our side: nobody reads on
-            return True
-        body = self.body
-        body += payload
-        while len(body) >= 5:
-            compressed, size = _MESSAGE.unpack_from(body)
-            if size > MAX_MESSAGE_BYTES:
-                return self.too_large(size)
-            if compressed:  # we accept no encoding: none is sent
-                self.fail(Unavailable("a compressed message"))
-                return False
-            if len(body) < 5 + size:
-                return True
-            message = bytes(body[5 : 5 + size])
-            del body[: 5 + size]
-            self.on_message(message)
-        return True
+        """DATA's bytes. False: the call failed, and its stream is to be reset."""
+        raise NotImplementedError
 
     def finish(self, trailers: list[tuple[str, str]]) -> None:
-        error = self.ending(trailers)
-        if error is not None:
-            self.fail(error)
-        elif not self.done.done():
-            self.done.set_result(b"")
+        """The server ended the stream, with these trailers."""
+        raise NotImplementedError
+
+    def fail(self, error: Exception) -> None:
+        """The stream ended otherwise: reset, lost, or failed on our side."""
+        raise NotImplementedError
 
 
 class ClientConnection(asyncio.Protocol):
@@ -235,7 +138,7 @@ class ClientConnection(asyncio.Protocol):
         """The stream of a header block still waiting for CONTINUATIONs (0: none)."""
         self._block_end = False
         self._decoded: dict[bytes, list[tuple[str, str]]] = {}
-        self.calls: dict[int, _Call] = {}
+        self.calls: dict[int, ClientStream] = {}
         self._next_stream = 1
         self._send_window = DEFAULT_WINDOW
         self._peer_initial_window = DEFAULT_WINDOW
@@ -332,10 +235,9 @@ class ClientConnection(asyncio.Protocol):
             for key, value in settings(payload):
                 if key == SETTINGS_INITIAL_WINDOW_SIZE:  # every stream's window moves
                     for open_call in self.calls.values():
-                        if isinstance(open_call, StreamingCall):
-                            open_call.window += value - self._peer_initial_window
-                            if open_call.window > MAX_WINDOW:
-                                raise ProtocolError(FLOW_CONTROL_ERROR, "a window over 2^31-1")
+                        open_call.window += value - self._peer_initial_window
+                        if open_call.window > MAX_WINDOW:
+                            raise ProtocolError(FLOW_CONTROL_ERROR, "a window over 2^31-1")
                     self._peer_initial_window = value
                 elif key == SETTINGS_MAX_FRAME_SIZE:
                     self._peer_max_frame = value
@@ -347,7 +249,7 @@ class ClientConnection(asyncio.Protocol):
             if stream_id == 0:
                 self._send_window += increment
                 window = self._send_window
-            elif isinstance(stream := self.calls.get(stream_id), StreamingCall):
+            elif (stream := self.calls.get(stream_id)) is not None:
                 stream.window += increment
                 window = stream.window
             else:
@@ -426,7 +328,7 @@ class ClientConnection(asyncio.Protocol):
                 out.append(frame(WINDOW_UPDATE, 0, stream_id, _U32.pack(call.unacked)))
                 call.unacked = 0
 
-    def _forget(self, stream_id: int) -> _Call | None:
+    def _forget(self, stream_id: int) -> ClientStream | None:
         """Takes a call out of the table; what it held of the window comes back."""
         call = self.calls.pop(stream_id, None)
         if call is not None:
@@ -440,43 +342,42 @@ class ClientConnection(asyncio.Protocol):
             self.transport.write(frame(GOAWAY, 0, 0, detail))
         self.abort(f"the server broke HTTP/2 ({ERROR_NAMES.get(code, code)}): {why}")
 
-    def start(self, headers: bytes, message: bytes) -> tuple[int, _Call]:
-        """Sends one call's headers and message; raises Unavailable if it cannot."""
+    def request(self, headers: bytes, body: bytes, stream: ClientStream) -> int:
+        """Sends one request whole, headers and body, on a new stream that
+        `stream` takes the answer of; returns its id. Raises Unavailable
+        if it cannot go."""
         if self.transport is None or self.closing or self._next_stream > 0x7FFFFFFF:
             raise Unavailable("no open connection")
-        body = _MESSAGE.pack(0, len(message)) + message
         if len(body) > min(self._send_window, self._peer_initial_window, self._peer_max_frame):
             raise Unavailable("a request larger than the server's window or frame size")
         stream_id, self._next_stream = self._next_stream, self._next_stream + 2
-        call = _Call(asyncio.get_running_loop())
-        self.calls[stream_id] = call
+        stream.window = self._peer_initial_window - len(body)
+        self.calls[stream_id] = stream
         self._send_window -= len(body)
         self.transport.write(
             frame(HEADERS, END_HEADERS, stream_id, headers)
             + frame(DATA, END_STREAM, stream_id, body)
         )
-        return stream_id, call
+        return stream_id
 
-    def open_stream(
-        self, headers: bytes, on_message: Callable[[bytes], None]
-    ) -> tuple[int, StreamingCall]:
-        """Opens a streaming call (its headers only); raises Unavailable if it cannot."""
+    def open(self, headers: bytes, stream: ClientStream) -> int:
+        """Opens a stream (its headers only) that `stream` carries; returns
+        its id. Raises Unavailable if it cannot."""
         if self.transport is None or self.closing or self._next_stream > 0x7FFFFFFF:
             raise Unavailable("no open connection")
         stream_id, self._next_stream = self._next_stream, self._next_stream + 2
-        stream = StreamingCall(asyncio.get_running_loop(), on_message, self._peer_initial_window)
+        stream.window = self._peer_initial_window
         self.calls[stream_id] = stream
         self.transport.write(frame(HEADERS, END_HEADERS, stream_id, headers))
-        return stream_id, stream
+        return stream_id
 
-    def send(self, stream_id: int, stream: StreamingCall, message: bytes) -> None:
-        """One message on an open stream; raises Unavailable if it cannot go
-        now (no window, or a server that has not read what we sent)."""
+    def send(self, stream_id: int, stream: ClientStream, body: bytes) -> None:
+        """DATA on an open stream; raises Unavailable if it cannot go now
+        (no window, or a server that has not read what we sent)."""
         if self.transport is None or self.calls.get(stream_id) is not stream:
             raise Unavailable("the stream is closed")
         if self.transport.get_write_buffer_size() > MAX_UNSENT:
             raise Unavailable(f"over {MAX_UNSENT} bytes not taken by the server")
-        body = _MESSAGE.pack(0, len(message)) + message
         if len(body) > min(self._send_window, stream.window, self._peer_max_frame):
             raise Unavailable("a message larger than the server's window or frame size")
         self._send_window -= len(body)

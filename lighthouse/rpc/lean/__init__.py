@@ -2,5 +2,6 @@
 
 - `server`: LeanServer, serving grpcio's generated method tables;
 - `request_stream`: a streaming call's requests, iterated or delivered;
+- `client_calls`: our client's calls: messages framed, statuses read;
 - `client`: LeanChannel, unary and streaming calls on the caller's loop.
 """

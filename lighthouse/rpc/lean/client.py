@@ -26,10 +26,10 @@ from typing import Any
 
 import grpc
 
-from lighthouse.rpc.h2.client_connection import CallFailed as CallFailed
-from lighthouse.rpc.h2.client_connection import ClientConnection, StreamingCall
-from lighthouse.rpc.h2.client_connection import Unavailable as Unavailable
 from lighthouse.rpc.h2.frames import literal
+from lighthouse.rpc.lean.client_calls import CallFailed as CallFailed
+from lighthouse.rpc.lean.client_calls import GrpcConnection, StreamingCall
+from lighthouse.rpc.lean.client_calls import Unavailable as Unavailable
 
 CONNECT_S = 1.0
 """Longest a connection attempt may take (a loopback or LAN connect takes
@@ -107,17 +107,17 @@ class LeanChannel:
         self,
         target: str,
         metadata: tuple[tuple[str, str], ...] = (),
-        connection: type[ClientConnection] = ClientConnection,
+        connection: type[GrpcConnection] = GrpcConnection,
     ) -> None:
         """`connection`: the protocol class of its connections (a benchmark's
         counting subclass)."""
         host, _, port = target.rpartition(":")
         self._host, self._port = host.strip("[]"), int(port)
         self._static = literal(":authority", target) + b"".join(literal(k, v) for k, v in metadata)
-        self._conn: ClientConnection | None = None
-        self._old: list[ClientConnection] = []
+        self._conn: GrpcConnection | None = None
+        self._old: list[GrpcConnection] = []
         """Connections replaced while open (a GOAWAY): closed with the channel."""
-        self._connecting: asyncio.Task[ClientConnection] | None = None
+        self._connecting: asyncio.Task[GrpcConnection] | None = None
         self._closed = False
         self._retry_at = 0.0
         self._prefixes: dict[str, bytes] = {}
@@ -171,7 +171,7 @@ class LeanChannel:
             prefix = self._prefixes[method] = request_headers(method, self._static)
         return prefix
 
-    async def _connection(self, timeout_s: float) -> ClientConnection:
+    async def _connection(self, timeout_s: float) -> GrpcConnection:
         """The open connection, or a new one (waiting at most `timeout_s`,
         and CONNECT_S); callers that find none meanwhile share its attempt."""
         conn = self._conn
@@ -187,7 +187,7 @@ class LeanChannel:
         # Shielded: one caller's cancellation must not end the others' attempt.
         return await asyncio.shield(self._connecting)
 
-    async def _connect(self, timeout_s: float) -> ClientConnection:
+    async def _connect(self, timeout_s: float) -> GrpcConnection:
         loop = asyncio.get_running_loop()
         try:
             _, conn = await asyncio.wait_for(
@@ -219,7 +219,7 @@ class LeanStream:
     when the call ends (b"" on OK; CallFailed, or Unavailable when it was
     lost or cancelled)."""
 
-    def __init__(self, conn: ClientConnection, stream_id: int, stream: StreamingCall) -> None:
+    def __init__(self, conn: GrpcConnection, stream_id: int, stream: StreamingCall) -> None:
         self._conn, self._id, self._stream = conn, stream_id, stream
         self.ended = stream.done
         self.ended.add_done_callback(_retrieved)  # read or not, no "never retrieved" log
@@ -228,7 +228,7 @@ class LeanStream:
         """Raises Unavailable if the message cannot go now; the stream is then done for."""
         if self.ended.done():
             raise Unavailable("the stream has ended")
-        self._conn.send(self._id, self._stream, message)
+        self._conn.send_message(self._id, self._stream, message)
 
     def cancel(self) -> None:
         """Ends the call (RST_STREAM, unless the server ended it): the server
