@@ -52,26 +52,30 @@ class Paced:
     """Work of O(replicas) asked for by each of many events (a decision, a
     round of gone notices): run once for all that arrive meanwhile, no
     sooner than 10x its last run's cost after that run, which keeps it
-    under ~10% of the loop however many events a step brings."""
+    under ~10% of the loop however many events a step brings. `clock`
+    reads the seconds costs are measured in."""
 
-    def __init__(self, run: Callable[[], None]) -> None:
+    def __init__(
+        self, run: Callable[[], None], clock: Callable[[], float] = time.perf_counter
+    ) -> None:
         self._run = run
+        self._clock = clock
         self._handle: asyncio.Handle | None = None
         self._running = False
         self._ended_at = 0.0
-        """perf_counter seconds when the last run ended."""
+        """`clock` seconds when the last run ended."""
         self._cost_s = 0.0
 
     def due(self) -> bool:
         """Whether a run now would keep the pace."""
-        return time.perf_counter() >= self._ended_at + COST_FACTOR * self._cost_s
+        return self._clock() >= self._ended_at + COST_FACTOR * self._cost_s
 
     def soon(self) -> None:
         """Runs in this turn of the loop, or once the pace allows."""
         if self._handle is not None or self._running:
             return
         loop = asyncio.get_running_loop()
-        wait = self._ended_at + COST_FACTOR * self._cost_s - time.perf_counter()
+        wait = self._ended_at + COST_FACTOR * self._cost_s - self._clock()
         if wait > 0:
             self._handle = loop.call_later(wait, self._fire)
         else:
@@ -85,7 +89,7 @@ class Paced:
 
     def ran(self, cost_s: float) -> None:
         """A run (by `soon` or by the caller) ended now, having cost `cost_s`."""
-        self._ended_at = time.perf_counter()
+        self._ended_at = self._clock()
         self._cost_s = cost_s
 
     def _fire(self) -> None:

@@ -31,11 +31,12 @@ from lighthouse.rpc.h2.limits import LIMITS, Limits, ProcessBudget, TokenBucket
 from lighthouse.rpc.h2.server_connection import Connection
 from lighthouse.rpc.lean.server import MAX_MESSAGE_BYTES, decompressed, echo
 from tests.unit.h2_fakes import REQUEST, FakeTransport, RecordingHandler
+from tests.unit.virtual_clock import VirtualClockLoop
 
 
 @pytest.fixture
 def loop():
-    loop = asyncio.new_event_loop()
+    loop = VirtualClockLoop()
     asyncio.set_event_loop(loop)
     yield loop
     asyncio.set_event_loop(None)
@@ -157,7 +158,7 @@ def test_a_peer_that_takes_no_answers_is_not_read_then_cut_off(loop):
     conn.resume_writing()
     assert [k for k, *_ in t.frames()] == [PING] * 3 and t.reading
     conn.pause_writing()
-    loop.run_until_complete(asyncio.sleep(0.05))  # past write_stall_s: a clock deadline
+    loop.run_until_complete(asyncio.sleep(0.05))  # past write_stall_s, on the virtual clock
     assert _goaway(t) == ENHANCE_YOUR_CALM and t.closed
 
 
