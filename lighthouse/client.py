@@ -242,7 +242,9 @@ class AsyncLighthouseClient:
             except FreshStartRefusedError as e:
                 if not logged:
                     logged = True
-                    logger.warning("[%s] not training, waiting: %s", member.replica_id, e)
+                    logger.warning(
+                        "replica group %s not training, waiting: %s", member.replica_id, e
+                    )
                 if deadline - time.monotonic() < 2 * FRESH_START_RETRY_S:
                     raise
                 await asyncio.sleep(FRESH_START_RETRY_S)
