@@ -110,7 +110,7 @@ class InOrderCollectives:
     it; otherwise it is issued at once on the caller's thread.
 
     `abort` breaks the step (a member of its quorum is gone,
-    torchft_like.gone_watch): every allreduce in flight completes at once
+    torchft_like.manager.gone_watch): every allreduce in flight completes at once
     with its error, later ones fail at once, until `reset` (the next step).
     An abandoned gloo collective runs on to its timeout, and would write into
     its tensor if the gone member came back meanwhile (a SIGCONT): so by

@@ -4,8 +4,8 @@ manager servers and clients, for users who build their own loop."""
 from typing import Any
 
 from lighthouse import LighthouseClient
-from torchft_like.manager.client import ManagerClient
-from torchft_like.manager.server import ManagerServer
+from torchft_like.manager.group.client import ManagerClient
+from torchft_like.manager.group.server import ManagerServer
 
 __all__ = ["LighthouseClient", "LighthouseServer", "ManagerClient", "ManagerServer"]  # noqa: F822
 

@@ -7,7 +7,7 @@ it is gone: its heartbeat stream closed (dead), it is silent past the
 heartbeat timeout, or silent far past its rhythm (hung, phi accrual). So the
 lighthouse tells the quorum's other members on their HeartbeatPaced streams
 (`LighthouseGoneNotice`), and their Managers abort the collectives they
-share with it (torchft_like.gone_watch).
+share with it (torchft_like.manager.gone_watch).
 
 A notice names every member judged gone so far, for one quorum id; the set
 only grows until the next quorum is issued, and the membership never issues

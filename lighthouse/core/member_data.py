@@ -8,7 +8,7 @@ keys, in this order:
 
 - `"fingerprint"`: `{"step": s, "values": [one per group rank]}`, the ranks'
   state fingerprints after `s` commits ("" for a rank that sent none), for
-  the divergence check (torchft_like.recovery);
+  the divergence check (lighthouse.core.views.find_divergence);
 - `"heal"`: `{"step", "seconds", "bytes", "sources"}`, the group's last heal,
   merged from its ranks' reports, for the status page (lighthouse.core.heals);
 - `"rendezvous"`: `"local"` when the group's process group never talks to

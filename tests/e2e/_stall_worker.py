@@ -25,8 +25,9 @@ import torch
 from torch import nn
 from torch.distributed import TCPStore
 
-from torchft_like import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo, gone_watch
-from torchft_like.gone_watch import GoneWatch
+from torchft_like import DistributedDataParallel, Manager, Optimizer, ProcessGroupGloo
+from torchft_like.manager import gone_watch
+from torchft_like.manager.gone_watch import StepBreaker
 from torchft_like.process_group import ProcessGroupBabyGloo
 
 parser = argparse.ArgumentParser(allow_abbrev=False)
@@ -57,7 +58,7 @@ logging.basicConfig(
 )
 torch.set_num_threads(1)
 if args.no_abort:
-    GoneWatch.notice = lambda self, quorum_id, gone: None  # type: ignore[method-assign]
+    StepBreaker.notice = lambda self, quorum_id, gone: None  # type: ignore[method-assign]
 if args.no_freeze_veto:
     gone_watch.FROZEN_S = float("inf")
 

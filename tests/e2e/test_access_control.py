@@ -14,7 +14,7 @@ from lighthouse.rpc import auth
 from tests.e2e.test_kill_and_recover import finals
 from tests.e2e.test_lighthouse_cli import lighthouse_command
 from tests.procs import PYTHON, wait_for_line
-from torchft_like.manager.client import ManagerClient
+from torchft_like.manager.group.client import ManagerClient
 
 pytestmark = pytest.mark.timeout(120)
 S = "e2e-secret-0123456789abcdef"
@@ -137,7 +137,7 @@ def test_torchrun_jobs_with_the_secret_file_train_and_one_without_is_turned_away
 HOST_MANAGER_SERVER = """
 import sys, threading
 from lighthouse import LighthouseServer
-from torchft_like.manager.server import ManagerServer
+from torchft_like.manager.group.server import ManagerServer
 secret = open(sys.argv[1]).read().strip()
 lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, secret=secret)
 server = ManagerServer(replica_id="g:1", lighthouse_addr=lighthouse.address(),

@@ -1,7 +1,7 @@
 """End to end: a second group dies while the survivor configures its process
 group for the quorum that dropped the first. With a user's 30 s collective
 timeout, the survivor must pay about a heartbeat, not the store and connect
-timeouts: the lighthouse's gone notice ends the setup (torchft_like.gone_watch
+timeouts: the lighthouse's gone notice ends the setup (torchft_like.manager.gone_watch
 `unless_gone`), and the restarted groups are not refused while the survivor
 is between quorums (lighthouse.core.quorum, "holder_wait"). Real torchrun groups of
 two ranks, real SIGKILLs (bench.double_kill runs the sweep)."""

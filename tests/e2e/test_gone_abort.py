@@ -2,7 +2,7 @@
 a collective costs the survivors about a heartbeat timeout, not the
 collective timeout (30 s here): the lighthouse tells them the group is gone
 (lighthouse.core.gone) and their Managers abort the collective
-(torchft_like.gone_watch). A real lighthouse process, one process per
+(torchft_like.manager.gone_watch). A real lighthouse process, one process per
 group (tests/e2e/_stall_worker.py), real signals."""
 
 from __future__ import annotations
@@ -153,7 +153,7 @@ def test_a_group_continued_inside_its_abandoned_collective_does_not_commit_that_
     # The survivor's abandoned collective still runs (gloo cannot stop it),
     # so the continued group's can complete; the step it was frozen in must
     # not commit there, or it holds other weights than the survivor's at the
-    # same step (torchft_like.gone_watch, check_frozen).
+    # same step (torchft_like.manager.gone_watch, check_frozen).
     hashes = continued_too_soon(children, tmp_path)
     diverged = {step: h for step, h in hashes.items() if len(h) > 1}
     assert not diverged, f"groups committed one step with different weights: {diverged}"

@@ -23,9 +23,9 @@ from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from tests.integration.test_manager import assert_identical, run_groups
 from torchft_like import Manager, ProcessGroupGloo
 from torchft_like.checkpointing import HTTPTransport
-from torchft_like.manager.client import ManagerClient
-from torchft_like.manager.group_request import QuorumRequest
-from torchft_like.manager.server import ManagerServer
+from torchft_like.manager.group.client import ManagerClient
+from torchft_like.manager.group.group_request import QuorumRequest
+from torchft_like.manager.group.server import ManagerServer
 
 pytestmark = pytest.mark.timeout(90)
 S = "s3cret-0123456789abcdef"

@@ -35,9 +35,9 @@ from lighthouse import (
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from tests.waiting import wait_until
 from torchft_like.checkpointing import HTTPTransport
-from torchft_like.manager.client import ManagerClient
-from torchft_like.manager.group_request import QuorumRequest
-from torchft_like.manager.server import ManagerServer
+from torchft_like.manager.group.client import ManagerClient
+from torchft_like.manager.group.group_request import QuorumRequest
+from torchft_like.manager.group.server import ManagerServer
 
 pytestmark = [
     pytest.mark.timeout(60),

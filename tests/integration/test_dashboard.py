@@ -160,9 +160,9 @@ def test_the_kill_button_refuses_without_the_flag_the_secret_or_a_known_replica(
 GROUP = """
 import sys, time
 from datetime import timedelta
-from torchft_like.manager.group_request import QuorumRequest
-from torchft_like.manager.client import LocalManagerClient
-from torchft_like.manager.server import ManagerServer
+from torchft_like.manager.group.group_request import QuorumRequest
+from torchft_like.manager.group.client import LocalManagerClient
+from torchft_like.manager.group.server import ManagerServer
 server = ManagerServer(replica_id="victim:1", lighthouse_addr=sys.argv[1], hostname="127.0.0.1",
                        bind="127.0.0.1:0", store_addr="127.0.0.1:1", world_size=1,
                        secret=sys.argv[2])

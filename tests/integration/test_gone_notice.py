@@ -1,7 +1,7 @@
 """Gone notices end to end in one process: a real lighthouse tells the live
 ManagerServer of a quorum that its other member's process is gone
 (lighthouse.core.gone), and rank 0 passes it to the group's other ranks through
-the group's store (torchft_like.gone_watch)."""
+the group's store (torchft_like.manager.gone_watch)."""
 
 from __future__ import annotations
 
@@ -22,11 +22,11 @@ from lighthouse import LighthouseServer
 from tests.waiting import wait_until
 from torchft_like._work import FutureWork
 from torchft_like.collectives import InOrderCollectives
-from torchft_like.gone_watch import GoneWatch, MemberGoneError
-from torchft_like.manager.client import LocalManagerClient
 from torchft_like.manager.config import resolve_config
-from torchft_like.manager.group_request import QuorumRequest
-from torchft_like.manager.server import ManagerServer
+from torchft_like.manager.gone_watch import MemberGoneError, StepBreaker
+from torchft_like.manager.group.client import LocalManagerClient
+from torchft_like.manager.group.group_request import QuorumRequest
+from torchft_like.manager.group.server import ManagerServer
 from torchft_like.process_group import ProcessGroupGloo
 
 pytestmark = pytest.mark.timeout(60)
@@ -73,7 +73,7 @@ def test_the_live_member_hears_at_once_that_the_other_died_and_nothing_else():
 
 
 class _Server:
-    """What GoneWatch needs of rank 0's ManagerServer."""
+    """What StepBreaker needs of rank 0's ManagerServer."""
 
     def __init__(self) -> None:
         self.listeners: list[Any] = []
@@ -105,7 +105,7 @@ def test_rank_0_passes_a_notice_to_the_other_ranks_through_the_store():
                 lighthouse_addr="http://127.0.0.1:1", environ={},
             )  # fmt: skip
             colls, pg = InOrderCollectives(), _Stuck()
-            watch = GoneWatch(
+            watch = StepBreaker(
                 config, store, "g:x", server if rank == 0 else None, colls, pg,
                 _logger(rank),
             )  # fmt: skip
@@ -145,7 +145,7 @@ def test_a_notice_ends_a_rank_s_process_group_setup_for_that_quorum_at_once():
     )
     server = _Server()
     pg = ProcessGroupGloo(timeout=timedelta(seconds=3))
-    watch = GoneWatch(config, store, "g:x", server, InOrderCollectives(), pg, _logger(0))
+    watch = StepBreaker(config, store, "g:x", server, InOrderCollectives(), pg, _logger(0))
     (listener,) = server.listeners
     try:
         # Rank 0 of 2: the other member never comes (its process died).

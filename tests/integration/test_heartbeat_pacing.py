@@ -17,7 +17,7 @@ from lighthouse.core.pacing import advised_interval_ms
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from tests.waiting import wait_until, wait_until_async
-from torchft_like.manager.server import ManagerServer
+from torchft_like.manager.group.server import ManagerServer
 
 pytestmark = pytest.mark.timeout(60)
 TIMEOUT = timedelta(seconds=5)

@@ -24,9 +24,9 @@ from lighthouse.core.quorum import QuorumMember
 from tests.procs import PYTHON, Children, wait_for_line
 from tests.waiting import wait_until, wait_until_async
 from tools.procs import free_port, kill_tree
-from torchft_like.manager.client import LocalManagerClient
-from torchft_like.manager.group_request import QuorumRequest
-from torchft_like.manager.server import ManagerServer
+from torchft_like.manager.group.client import LocalManagerClient
+from torchft_like.manager.group.group_request import QuorumRequest
+from torchft_like.manager.group.server import ManagerServer
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -36,7 +36,7 @@ DOOMED = """
 import os, sys, time
 from datetime import timedelta
 from lighthouse import LighthouseClient
-from torchft_like.manager.server import ManagerServer
+from torchft_like.manager.group.server import ManagerServer
 addr = sys.argv[1]
 server = ManagerServer(replica_id="doomed", lighthouse_addr=addr, hostname="127.0.0.1",
                        bind="127.0.0.1:0", store_addr="doomed-store:1", world_size=1)
@@ -197,7 +197,7 @@ def test_manager_server_falls_back_to_unary_heartbeats_on_the_reference_lighthou
     reference_lighthouse, caplog
 ):
     address, log = reference_lighthouse
-    caplog.set_level(logging.INFO, logger="torchft_like.manager.session")
+    caplog.set_level(logging.INFO, logger="torchft_like.manager.group.session")
     observer = LighthouseClient(address)
     manager = ManagerServer(
         replica_id="fallback",

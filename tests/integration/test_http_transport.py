@@ -19,10 +19,11 @@ from urllib.parse import urlsplit
 import pytest
 import torch
 
+from lighthouse.core.views import QuorumResult
 from torchft_like.checkpointing import HTTPTransport, http_fetch, state_format
 from torchft_like.checkpointing.transport import capable
+from torchft_like.manager.heal_plan import transfer_plan
 from torchft_like.manager.healing import receive_state
-from torchft_like.recovery import QuorumResult, transfer_plan
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=5)

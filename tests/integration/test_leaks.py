@@ -24,9 +24,9 @@ from torch.distributed import TCPStore
 from lighthouse import LighthouseServer
 from tests.waiting import wait_until
 from torchft_like import Manager, ProcessGroupGloo
-from torchft_like.manager.client import ManagerClient
-from torchft_like.manager.group_request import QuorumRequest
-from torchft_like.manager.server import ManagerServer
+from torchft_like.manager.group.client import ManagerClient
+from torchft_like.manager.group.group_request import QuorumRequest
+from torchft_like.manager.group.server import ManagerServer
 
 pytestmark = pytest.mark.timeout(120)
 T = timedelta(seconds=10)

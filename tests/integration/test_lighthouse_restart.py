@@ -16,9 +16,9 @@ from lighthouse import FreshStartRefusedError, LighthouseServer
 from tests.procs import PYTHON, wait_for_line
 from tests.waiting import wait_until
 from tools.procs import kill_tree
-from torchft_like.manager.client import ManagerClient
-from torchft_like.manager.group_request import QuorumRequest
-from torchft_like.manager.server import ManagerServer
+from torchft_like.manager.group.client import ManagerClient
+from torchft_like.manager.group.group_request import QuorumRequest
+from torchft_like.manager.group.server import ManagerServer
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=20)

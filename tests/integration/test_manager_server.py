@@ -18,9 +18,13 @@ from lighthouse import (
     QuorumError,
     QuorumTimeoutError,
 )
-from torchft_like.manager.client import LocalManagerClient, ManagerClient, ManagerClientProtocol
-from torchft_like.manager.group_request import QuorumRequest
-from torchft_like.manager.server import ManagerServer
+from torchft_like.manager.group.client import (
+    LocalManagerClient,
+    ManagerClient,
+    ManagerClientProtocol,
+)
+from torchft_like.manager.group.group_request import QuorumRequest
+from torchft_like.manager.group.server import ManagerServer
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=20)
@@ -204,8 +208,8 @@ def test_both_clients_honour_the_protocol_with_the_same_signatures(client_kind):
 KILL_IN_PROCESS = """
 import sys
 from lighthouse import LighthouseServer
-from torchft_like.manager.client import LocalManagerClient
-from torchft_like.manager.server import ManagerServer
+from torchft_like.manager.group.client import LocalManagerClient
+from torchft_like.manager.group.server import ManagerServer
 lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
 server = ManagerServer(replica_id="g:1", lighthouse_addr=lighthouse.address(),
                        hostname="127.0.0.1", bind="127.0.0.1:0", store_addr="x:1", world_size=1)

@@ -129,8 +129,8 @@ KILL_WITHOUT_SECRET = """
 import time
 from urllib.parse import urlsplit
 from lighthouse import LighthouseServer
-from torchft_like.manager.client import ManagerClient
-from torchft_like.manager.server import ManagerServer
+from torchft_like.manager.group.client import ManagerClient
+from torchft_like.manager.group.server import ManagerServer
 lighthouse = LighthouseServer(bind="127.0.0.1:0", min_replicas=1)
 server = ManagerServer(replica_id="g:1", lighthouse_addr=lighthouse.address(),
                        hostname="127.0.0.1", bind="127.0.0.1:0", store_addr="x:1", world_size=1)

@@ -27,9 +27,9 @@ from tests.integration.test_manager import assert_identical, run_groups
 from tests.waiting import wait_until
 from torchft_like.checkpointing import HTTPTransport
 from torchft_like.checkpointing.http_fetch import Fetch, FetchTLSError
-from torchft_like.manager.client import ManagerClient
-from torchft_like.manager.group_request import QuorumRequest
-from torchft_like.manager.server import ManagerServer
+from torchft_like.manager.group.client import ManagerClient
+from torchft_like.manager.group.group_request import QuorumRequest
+from torchft_like.manager.group.server import ManagerServer
 
 pytestmark = pytest.mark.timeout(90)
 T = timedelta(seconds=10)

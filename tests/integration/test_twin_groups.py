@@ -9,7 +9,7 @@ import pytest
 
 from lighthouse import DuplicateGroupError, LighthouseClient, LighthouseServer
 from tests.waiting import wait_until
-from torchft_like.manager.server import ManagerServer
+from torchft_like.manager.group.server import ManagerServer
 
 pytestmark = pytest.mark.timeout(60)
 

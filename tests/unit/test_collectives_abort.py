@@ -1,5 +1,5 @@
 """InOrderCollectives.abort: a step's allreduces end at once when a member of
-its quorum is gone (torchft_like.gone_watch), and an abandoned collective
+its quorum is gone (torchft_like.manager.gone_watch), and an abandoned collective
 never writes into the caller's tensor. A fake process group whose
 collectives the test completes by hand; no sockets, no clock."""
 

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import pytest
 
+from lighthouse.core.views import QuorumResult
 from torchft_like.manager.commit import check_retries, rank_vote
-from torchft_like.recovery import QuorumResult, participation
+from torchft_like.manager.heal_plan import participation
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,5 @@
 """Who of the latest quorum is gone and who hears of it (lighthouse.core.gone),
-and what a rank does with a notice (torchft_like.gone_watch): tables, the
+and what a rank does with a notice (torchft_like.manager.gone_watch): tables, the
 time passed in, no sockets."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pytest
 from lighthouse.core import gone as gone_module
 from lighthouse.core.gone import LOG_NAMES, GoneNotice, GoneWatch, judge_gone
 from lighthouse.core.quorum import ArrivalStats, LighthouseConfig
-from torchft_like.gone_watch import GroupNotices, StepBreaks, gone_in_quorum
+from torchft_like.manager.gone_watch import GroupNotices, StepBreaks, gone_in_quorum
 
 CONFIG = LighthouseConfig(min_replicas=1, heartbeat_timeout_ms=1000)
 RHYTHM = ArrivalStats(mean_s=0.1, var_s2=0.0001, count=50)

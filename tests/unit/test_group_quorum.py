@@ -5,7 +5,7 @@ import json
 import pytest
 
 from lighthouse.core.member_data import FINGERPRINT_KEY, heal_report_of
-from torchft_like.manager.group_request import QuorumRequest, merge_requests
+from torchft_like.manager.group.group_request import QuorumRequest, merge_requests
 
 
 def merge(*requests: QuorumRequest, world_size: int | None = None):
@@ -107,7 +107,7 @@ def test_a_request_out_of_range_names_the_field(request_, word):
 def test_a_rank_request_crosses_the_wire_with_every_field():
     from dataclasses import fields
 
-    from torchft_like.manager import wire
+    from torchft_like.manager.group import wire
 
     request = QuorumRequest(
         group_rank=1, step=7, checkpoint_metadata="http://h:3", shrink_only=True,

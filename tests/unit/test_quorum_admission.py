@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from lighthouse.rpc.errors import QuorumError
-from torchft_like.manager.admission import admit
+from torchft_like.manager.group.admission import admit
 
 OWN = "http://10.0.0.5:4001/torchft_like/checkpoint/"
 """Rank 1's registered checkpoint metadata."""

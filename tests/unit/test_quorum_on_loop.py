@@ -10,9 +10,9 @@ from dataclasses import replace
 
 import pytest
 
+from lighthouse.core.views import QuorumResult
 from lighthouse.rpc.errors import QuorumError, QuorumTimeoutError
 from torchft_like.manager.asking import settle_where_it_arrives, steady
-from torchft_like.recovery import QuorumResult
 
 RESULT = QuorumResult(
     quorum_id=7,

@@ -11,14 +11,12 @@ from hypothesis import strategies as st
 
 from lighthouse.core.member_data import fingerprint_entry
 from lighthouse.core.quorum import Quorum, QuorumMember
-from torchft_like.recovery import (
+from lighthouse.core.views import compute_quorum_result, member_fingerprint
+from torchft_like.data.claims import BatchSlot, slot_forecast
+from torchft_like.manager.heal_plan import (
     HEAL_SOURCES_ENV,
-    BatchSlot,
-    compute_quorum_result,
     heal_sources,
     heal_sources_from_env,
-    member_fingerprint,
-    slot_forecast,
     transfer_plan,
 )
 
@@ -394,7 +392,7 @@ def test_member_fingerprint_reads_only_well_formed_entries_of_the_same_step(
 
 def test_the_striped_sources_survive_the_wire_and_an_older_server_sends_none():
     from lighthouse.rpc.proto import torchft_pb2 as pb
-    from torchft_like.manager import wire
+    from torchft_like.manager.group import wire
 
     steps = {"a": 7, "b": 7, "c": 7, "d": 1}
     for me in steps:

@@ -5,7 +5,8 @@ joins and whole-job restarts.
 A simulated job, no sockets and no clock: each round, every live group takes
 its batches from a real StepBatches over a real DataLoader, the quorum and
 each replica's view of it come from the library's pure rules
-(torchft_like.recovery), and a group commits unless the test fails its step.
+(lighthouse.core.views, torchft_like.manager.heal_plan), and a group
+commits unless the test fails its step.
 The committed history (the units each committed step trained) travels with
 the state, as the Manager's does, so the final replica's history is the
 model's.
@@ -24,8 +25,9 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from lighthouse.core.member_data import group_data
 from lighthouse.core.quorum import Quorum, QuorumMember
+from lighthouse.core.views import QuorumResult, compute_quorum_result
 from torchft_like.data import BatchSlot, DistributedSampler, StepBatches, slot_forecast
-from torchft_like.recovery import QuorumResult, compute_quorum_result, participation
+from torchft_like.manager.heal_plan import participation
 
 NUM_SAMPLES, BATCH = 96, 4
 

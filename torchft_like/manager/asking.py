@@ -20,9 +20,9 @@ from datetime import timedelta
 from functools import partial
 from typing import Any
 
+from lighthouse.core.views import QuorumResult
 from lighthouse.rpc.errors import QuorumTimeoutError
-from torchft_like.manager.client import LocalManagerClient, ManagerClientProtocol
-from torchft_like.recovery import QuorumResult
+from torchft_like.manager.group.client import LocalManagerClient, ManagerClientProtocol
 
 ResultOf = Callable[[], QuorumResult]
 

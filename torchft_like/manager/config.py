@@ -27,8 +27,8 @@ from lighthouse.client import LIGHTHOUSE_ENV, lighthouse_target
 from lighthouse.rpc.address import BIND_HOST_ENV, HOSTNAME_ENV
 from lighthouse.rpc.auth import secret_from_env
 from lighthouse.rpc.tls import TLSConfig, tls_from_env
+from torchft_like.manager.heal_plan import heal_sources_from_env
 from torchft_like.manager.metrics import metrics_port_from_env
-from torchft_like.recovery import heal_sources_from_env
 
 MANAGER_PORT_ENV = "TORCHFT_MANAGER_PORT"
 TIMEOUT_SEC_ENV = "TORCHFT_TIMEOUT_SEC"

@@ -22,13 +22,14 @@ from typing import Any
 import torch
 
 from lighthouse.core.member_data import rank_heal_report
+from lighthouse.core.views import QuorumResult
 from lighthouse.rpc.tls import TLSConfig
 from torchft_like.checkpointing import CheckpointTransport
 from torchft_like.checkpointing.http_fetch import GONE_AFTER_S
 from torchft_like.checkpointing.transport import capable
-from torchft_like.manager.client import ManagerClientProtocol
 from torchft_like.manager.config import ManagerConfig
-from torchft_like.recovery import QuorumResult, TransferPlan
+from torchft_like.manager.group.client import ManagerClientProtocol
+from torchft_like.manager.heal_plan import TransferPlan
 
 
 @dataclass(frozen=True)

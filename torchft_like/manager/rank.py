@@ -32,14 +32,14 @@ from torchft_like._work import completed_work, or_default
 from torchft_like.checkpointing import CheckpointTransport
 from torchft_like.collectives import InOrderCollectives
 from torchft_like.data.claims import BatchClaims, BatchSlot
-from torchft_like.gone_watch import GoneWatch
 from torchft_like.manager import healing, parent_watch, threads
 from torchft_like.manager.asking import ask_quorum
-from torchft_like.manager.client import ManagerClientProtocol
 from torchft_like.manager.commit import check_retries, rank_vote
 from torchft_like.manager.config import WorldSizeMode, config_arguments, resolve_config
 from torchft_like.manager.fingerprint import step_fingerprint
-from torchft_like.manager.group_request import QuorumRequest
+from torchft_like.manager.gone_watch import StepBreaker
+from torchft_like.manager.group.client import ManagerClientProtocol
+from torchft_like.manager.group.group_request import QuorumRequest
 from torchft_like.manager.metrics import ManagerMetrics
 from torchft_like.manager.settling import QuorumSettlement
 from torchft_like.manager.startup import (
@@ -182,7 +182,7 @@ class Manager:
         self.replica_id = started.replica_id
         self._client: ManagerClientProtocol = started.client
         self._metrics_server = started.metrics_server
-        self._gone = GoneWatch(
+        self._gone = StepBreaker(
             config,
             self._store,
             self.replica_id,

@@ -17,18 +17,19 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from lighthouse.core.views import QuorumResult
 from lighthouse.rpc.errors import DuplicateGroupError, IncompatibleGroupError, QuorumError
 from torchft_like.checkpointing import CheckpointTransport
 from torchft_like.checkpointing.staging import streams_done
 from torchft_like.checkpointing.transport import capable
 from torchft_like.data.claims import BatchClaims
-from torchft_like.gone_watch import GoneWatch, MemberGoneError
 from torchft_like.manager import healing, threads
 from torchft_like.manager.config import ManagerConfig, WorldSizeMode
+from torchft_like.manager.gone_watch import MemberGoneError, StepBreaker
+from torchft_like.manager.heal_plan import participation, transfer_plan
 from torchft_like.manager.metrics import ManagerMetrics
 from torchft_like.manager.step_state import StepState
 from torchft_like.manager.training_thread import TrainingThreadReads
-from torchft_like.recovery import QuorumResult, participation, transfer_plan
 
 
 class QuorumSettlement:
@@ -47,7 +48,7 @@ class QuorumSettlement:
         config: ManagerConfig,
         replica_id: str,
         claims: BatchClaims,
-        gone: GoneWatch,
+        gone: StepBreaker,
         transport: CheckpointTransport[Any],
         training_thread: TrainingThreadReads,
         metrics: ManagerMetrics,

@@ -24,10 +24,10 @@ from lighthouse.rpc.address import join_host_port, loopback_advertisement_warnin
 from lighthouse.rpc.tls import TLSConfig
 from lighthouse.web.metrics import MetricsServer
 from torchft_like.checkpointing import CheckpointTransport, HTTPTransport
-from torchft_like.manager.client import LocalManagerClient, ManagerClientProtocol
 from torchft_like.manager.config import ManagerConfig
+from torchft_like.manager.group.client import LocalManagerClient, ManagerClientProtocol
+from torchft_like.manager.group.server import ManagerServer
 from torchft_like.manager.metrics import ManagerMetrics
-from torchft_like.manager.server import ManagerServer
 from torchft_like.process_group import ProcessGroupDummy
 
 MANAGER_ADDR_KEY = "manager_addr"

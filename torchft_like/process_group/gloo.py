@@ -358,7 +358,7 @@ class ProcessGroupGloo(Registrable, dist.ProcessGroup):  # type: ignore[misc]
     scatter = unsupported("scatter")
 
     def abort(self, errored: bool = True) -> None:
-        """Drops the group now (a member is gone, torchft_like.gone_watch):
+        """Drops the group now (a member is gone, torchft_like.manager.gone_watch):
         later collectives raise until configure(). gloo cannot interrupt a
         collective in flight: it runs on, on the dropped group, to its
         timeout; the Manager's own futures are settled at once instead."""

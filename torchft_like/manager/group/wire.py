@@ -8,7 +8,7 @@ server, which knows its group's size (QuorumRequest.check).
 from __future__ import annotations
 
 from lighthouse.rpc.proto import torchft_pb2 as pb
-from torchft_like.manager.group_request import QuorumRequest
+from torchft_like.manager.group.group_request import QuorumRequest
 
 __all__ = [
     "quorum_request_from_proto",

@@ -138,7 +138,7 @@ class StepBreaks:
     """Which quorums are broken, and whether this rank's current step is one.
 
     `notice` and `quorum_applied` each return the gone members when the
-    step must abort now; None otherwise. Not thread-safe (GoneWatch locks).
+    step must abort now; None otherwise. Not thread-safe (StepBreaker locks).
     """
 
     def __init__(self, keep: int = KEEP_BROKEN) -> None:
@@ -165,8 +165,10 @@ def _key(replica_id: str, rank: int, seq: int) -> str:
     return f"{GONE_KEY}{replica_id}/{rank}/{seq}"
 
 
-class GoneWatch:
-    """One rank's side: hears the notices and breaks its steps.
+class StepBreaker:
+    """One rank's side: hears the gone notices and breaks its step of a
+    quorum that lost a member (the lighthouse's side, which judges who is
+    gone, is lighthouse.core.gone.GoneWatch).
 
     Args:
         config: the Manager's (the group's store, this rank, the group's size).

@@ -1,10 +1,10 @@
 """The per-group ManagerServer, hosted by group rank 0: the group's gatherings.
 
 The server gathers one Quorum call from every rank of the group, asks the
-lighthouse once for the whole group (group_request, through its session,
-manager.session), and answers each rank with its share of the quorum
-(lighthouse.core.views). It also collects the group's commit votes. It runs on a
-private asyncio loop, so waiting never holds the GIL.
+lighthouse once for the whole group (group_request, through its session),
+and answers each rank with its share of the quorum (lighthouse.core.views).
+It also collects the group's commit votes. It runs on a private asyncio
+loop, so waiting never holds the GIL.
 """
 
 from __future__ import annotations
@@ -17,6 +17,7 @@ from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any
 
+from lighthouse.core.views import QuorumResult
 from lighthouse.loop import BackgroundLoop, wait_for_future
 from lighthouse.rpc import auth, serve
 from lighthouse.rpc.address import advertised_host, join_host_port, parse_bind
@@ -28,12 +29,11 @@ from lighthouse.rpc.errors import (
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.rpc.tls import TLSConfig, scheme
 from torchft_like.manager import threads
-from torchft_like.manager.gathering import Round
-from torchft_like.manager.group_request import QuorumRequest, merge_requests
-from torchft_like.manager.quorum_gate import QuorumGate
-from torchft_like.manager.servicer import ManagerServicer
-from torchft_like.manager.session import GoneListener, LighthouseSession
-from torchft_like.recovery import QuorumResult
+from torchft_like.manager.group.gathering import Round
+from torchft_like.manager.group.group_request import QuorumRequest, merge_requests
+from torchft_like.manager.group.quorum_gate import QuorumGate
+from torchft_like.manager.group.servicer import ManagerServicer
+from torchft_like.manager.group.session import GoneListener, LighthouseSession
 
 __all__ = ["ManagerServer"]
 
@@ -180,7 +180,7 @@ class ManagerServer:
             QuorumTimeoutError: no answer within `timeout_s`; the text names the
                 ranks that did not ask, or carries the lighthouse's reason.
             ValueError: a field out of range (QuorumRequest.check).
-            ValueError, QuorumError: a stray or forged call (quorum_admission).
+            ValueError, QuorumError: a stray or forged call (admission.admit).
         """
         request.check(self._world_size)
         wait_s = MAX_WAIT_S if timeout_s is None else timeout_s
@@ -240,7 +240,7 @@ class ManagerServer:
     def add_gone_listener(self, listener: GoneListener) -> None:
         """`listener(quorum_id, gone)` runs on this server's loop when the
         lighthouse says members of the group's latest quorum are gone
-        (torchft_like.gone_watch); it must return at once."""
+        (torchft_like.manager.gone_watch); it must return at once."""
         self.session.add_gone_listener(listener)
 
     # ---- commit vote -------------------------------------------------------

@@ -1,9 +1,9 @@
 """The ManagerServer's door to its quorum round: who gets in, and when the round may go on.
 
-Applies torchft_like.manager.admission's verdicts to the live round (refuse,
-take the place of an untrusted call, hold a round that is complete only
-thanks to untrusted calls) and keeps what the verdicts need: each rank's
-registered checkpoint metadata and the group's last quorum's max step.
+Applies admission's verdicts to the live round (refuse, take the place of
+an untrusted call, hold a round that is complete only thanks to untrusted
+calls) and keeps what the verdicts need: each rank's registered checkpoint
+metadata and the group's last quorum's max step.
 The server holds the round's waiting; the gate holds who may wait in it.
 """
 
@@ -15,9 +15,9 @@ import time
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from torchft_like.manager.admission import UNTRUSTED_HOLD_S, admit
-from torchft_like.manager.gathering import Round
-from torchft_like.manager.group_request import QuorumRequest
+from torchft_like.manager.group.admission import UNTRUSTED_HOLD_S, admit
+from torchft_like.manager.group.gathering import Round
+from torchft_like.manager.group.group_request import QuorumRequest
 
 logger = logging.getLogger(__name__)
 

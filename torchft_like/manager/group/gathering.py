@@ -29,7 +29,7 @@ class Round(Generic[T]):
     """Every rank that called in this round, also those that gave up since."""
     untrusted: dict[int, float] = field(default_factory=dict)
     """Ranks whose waiting call may be a stray one -> when it came
-    (torchft_like.manager.admission); quorum rounds only."""
+    (admission); quorum rounds only."""
 
     def join(self, group_rank: int, call: T, deadline: float) -> asyncio.Future[Any]:
         """Registers a rank's call; a second call of the same rank supersedes the first."""

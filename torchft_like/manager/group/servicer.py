@@ -7,13 +7,13 @@ from __future__ import annotations
 
 from typing import Protocol
 
+from lighthouse.core.views import QuorumResult
 from lighthouse.loop import reply_budget_s
 from lighthouse.rpc import errors
 from lighthouse.rpc.call import Call
 from lighthouse.rpc.proto import torchft_pb2 as pb
-from torchft_like.manager import wire
-from torchft_like.manager.group_request import QuorumRequest
-from torchft_like.recovery import QuorumResult
+from torchft_like.manager.group import wire
+from torchft_like.manager.group.group_request import QuorumRequest
 
 
 class GroupCalls(Protocol):

@@ -31,7 +31,7 @@ from lighthouse.rpc.errors import (
     QuorumTimeoutError,
 )
 from lighthouse.rpc.tls import TLSConfig
-from torchft_like.gone_watch import GroupNotices
+from torchft_like.manager.gone_watch import GroupNotices
 
 logger = logging.getLogger(__name__)
 
@@ -228,7 +228,7 @@ class LighthouseSession:
     def add_gone_listener(self, listener: GoneListener) -> None:
         """`listener(quorum_id, gone)` runs on the server's loop when the
         lighthouse says members of the group's latest quorum are gone
-        (torchft_like.gone_watch); it must return at once."""
+        (torchft_like.manager.gone_watch); it must return at once."""
         self._gone_listeners.append(listener)
 
     def _on_gone(self, quorum_id: int, gone: tuple[str, ...]) -> None:

@@ -12,6 +12,7 @@ from concurrent.futures import Future
 from datetime import timedelta
 from typing import Any, Protocol
 
+from lighthouse.core.views import QuorumResult
 from lighthouse.loop import LoopStalledError
 from lighthouse.rpc.address import url_to_target
 from lighthouse.rpc.channel import BlockingCalls
@@ -19,9 +20,8 @@ from lighthouse.rpc.errors import QuorumTimeoutError
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.rpc.tls import TLSConfig, check_scheme
-from torchft_like.manager import wire
-from torchft_like.manager.group_request import QuorumRequest
-from torchft_like.recovery import QuorumResult
+from torchft_like.manager.group import wire
+from torchft_like.manager.group.group_request import QuorumRequest
 
 
 class ManagerClientProtocol(Protocol):
