@@ -190,12 +190,12 @@ class _TransportHeldUntil(HTTPTransport):
         super().__init__(timeout=TIMEOUT, hostname="127.0.0.1")
         self.released, self.wait_s, self.saw_release = released, wait_s, False
 
-    def recv_checkpoint(self, src_rank, metadata, step, timeout, on_begun=None):
+    def recv_checkpoint_striped(self, sources, step, timeout, *, on_begun=None, **kwargs):
         def begun() -> None:
             on_begun()
             self.saw_release = self.released.wait(self.wait_s)
 
-        return super().recv_checkpoint(src_rank, metadata, step, timeout, on_begun=begun)
+        return super().recv_checkpoint_striped(sources, step, timeout, on_begun=begun, **kwargs)
 
 
 def test_a_healing_replica_allreduces_while_its_state_is_still_arriving(lighthouse):

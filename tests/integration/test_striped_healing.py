@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from torchft_like.checkpointing import HTTPTransport, state_format, striped
+from torchft_like.checkpointing.heal_source import HealSource
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=20)
@@ -78,15 +79,14 @@ def test_a_sender_cut_off_mid_transfer_leaves_its_ranges_to_the_others(transport
             cut.set()
             senders[1].disallow_checkpoint()  # hangs up its transfers in flight
 
-    peers = [striped.Source(f"sender {r}", "127.0.0.1", int(m.split(":")[2].split("/")[0]))
-             for r, m in sources]  # fmt: skip
+    peers = [HealSource.parse(r, m) for r, m in sources]
     fetch = striped.StripedFetch(
         peers, STEP, deadline=_deadline(T), ranges_per_source=2, progress=progress
     )
     got, nbytes, report = fetch.run()
     assert cut.is_set()
     assert same(got, st)
-    assert list(report.errors) == ["sender 1"], report.summary()
+    assert list(report.errors) == [peers[1].label], report.summary()
     assert report.refetched >= 1
     assert report.ranges_by_source[1] == []  # nothing of sender 1's counted
     assert sorted(report.ranges_by_source[0] + report.ranges_by_source[2]) == list(range(6))
@@ -153,8 +153,7 @@ def _deadline(timeout: timedelta) -> float:
 def test_an_error_that_is_no_sources_fault_ends_the_fetch_at_once(transports):
     *senders, _ = transports
     sources = serve(senders, state(mb=1))
-    peers = [striped.Source(f"sender {r}", "127.0.0.1", int(m.split(":")[2].split("/")[0]))
-             for r, m in sources]  # fmt: skip
+    peers = [HealSource.parse(r, m) for r, m in sources]
 
     def progress(source: int, nbytes: int) -> None:
         raise KeyError("a bug in the caller's callback")

@@ -9,7 +9,6 @@ import time
 import urllib.error
 import urllib.request
 from datetime import timedelta
-from urllib.parse import urlsplit
 
 import grpc
 import pytest
@@ -26,6 +25,7 @@ from tests.certs import Certs, make_certs
 from tests.integration.test_manager import assert_identical, run_groups
 from tests.waiting import wait_until
 from torchft_like.checkpointing import HTTPTransport
+from torchft_like.checkpointing.heal_source import HealSource
 from torchft_like.checkpointing.http_fetch import Fetch, FetchTLSError
 from torchft_like.manager.group.client import ManagerClient
 from torchft_like.manager.group.group_request import QuorumRequest
@@ -296,8 +296,7 @@ def test_a_fetch_without_a_client_certificate_is_refused_under_mutual_tls(
     caplog.set_level(logging.WARNING, logger="lighthouse.rpc.auth")
     source = make_transport(node(certs, True))
     source.send_checkpoint([1], 5, {"w": torch.ones(3)}, T)
-    url = urlsplit(source.metadata())
-    fetch = Fetch(url.hostname, url.port, 5, time.monotonic() + 10, None,
+    fetch = Fetch(HealSource.parse(0, source.metadata()), 5, time.monotonic() + 10, None,
                   ca_only(certs).client_context())  # fmt: skip
     with pytest.raises(ssl.SSLError) as e:
         fetch.run(1)

@@ -149,27 +149,6 @@ def test_a_storage_of_another_size_than_the_pickle_names_is_refused():
         tf.decode(io.BytesIO(out.getvalue()), "peer")
 
 
-@pytest.mark.parametrize(
-    "metadata, torchft",
-    [
-        ("http://vm:1234/checkpoint/", True),
-        ("http://[::1]:1234/checkpoint/", True),
-        ("http://127.0.0.1:1234/torchft_like/checkpoint/", False),
-        ("http://127.0.0.1:1234", False),
-        ("https://127.0.0.1:1234/", False),
-    ],
-)
-def test_a_torchft_peer_is_told_by_its_metadata_path(metadata, torchft):
-    assert tf.is_torchft_peer(metadata) is torchft
-
-
-def test_torchft_receivers_append_step_and_key_to_either_metadata():
-    assert tf.state_url("http://h:1/checkpoint/", 5) == "http://h:1/checkpoint/5/full"
-    assert (
-        tf.state_url("http://h:1" + tf.OWN_PATH, 5) == "http://h:1/torchft_like/checkpoint/5/full"
-    )
-
-
 def test_a_state_already_on_the_cpu_is_served_without_a_copy():
     state = {"w": torch.ones(2), "n": [torch.zeros(1)]}
     assert tf.on_cpu(state) is state

@@ -21,6 +21,7 @@ import torch
 
 from lighthouse.rpc import auth
 from torchft_like.checkpointing import checksum, staging, state_format
+from torchft_like.checkpointing.heal_source import HealSource
 
 logger = logging.getLogger(__name__)
 
@@ -93,8 +94,7 @@ class Fetch:
 
     def __init__(
         self,
-        host: str,
-        port: int,
+        source: HealSource,
         step: int,
         deadline: float,
         secret: str | None = None,
@@ -102,11 +102,13 @@ class Fetch:
         on_begun: Callable[[], None] | None = None,
         device: torch.device | None = None,
     ) -> None:
-        """`context`: fetch over HTTPS with it; None: plain HTTP. `on_begun`:
-        called once the source has accepted every stream (from then on it
-        serves them to the end). `device`: where leaves the source held on
-        CUDA go (`staging.target_device`)."""
-        self._host, self._port, self._step, self._deadline = host, port, step, deadline
+        """`source`: a torchft_like peer (torchft's are fetched by
+        torchft_http). `context`: fetch over HTTPS with it; None: plain
+        HTTP. `on_begun`: called once the source has accepted every stream
+        (from then on it serves them to the end). `device`: where leaves the
+        source held on CUDA go (`staging.target_device`)."""
+        assert not source.torchft, "a torchft peer's state is fetched by torchft_http"
+        self._source, self._step, self._deadline = source, step, deadline
         self._device = device
         self._context = context
         self._on_begun = on_begun
@@ -189,7 +191,7 @@ class Fetch:
             more = f" (and {len(bad) - 1} more segments)" if len(bad) > 1 else ""
             raise ChecksumMismatch(
                 f"tensor {spec.path} bytes [{offset}, {offset + length}) of {spec.nbytes} from "
-                f"http://{self._host}:{self._port} has {header.checksum} {got:08x}, the source "
+                f"{self._source.base_url} has {header.checksum} {got:08x}, the source "
                 f"sent {crc:08x}{more}; the state was not applied"
             )
 
@@ -203,14 +205,15 @@ class Fetch:
     ) -> tuple[http.client.HTTPConnection, http.client.HTTPResponse, bytes]:
         """Asks for range `chunk` of `of` of the staged step: the connection,
         its response and the state's header, once the source has begun."""
+        host, port = self._source.host, self._source.port
         if self._context is None:
-            conn = http.client.HTTPConnection(self._host, self._port, timeout=self._remaining())
+            conn = http.client.HTTPConnection(host, port, timeout=self._remaining())
         else:
             conn = http.client.HTTPSConnection(
-                self._host, self._port, timeout=self._remaining(), context=self._context
+                host, port, timeout=self._remaining(), context=self._context
             )
         self._conns.append(conn)
-        path = f"/checkpoint/{self._step}" + (f"?chunk={chunk}&of={of}" if of > 1 else "")
+        path = self._source.state_path(self._step) + (f"?chunk={chunk}&of={of}" if of > 1 else "")
         conn.request("GET", path, headers=self._headers)
         response = conn.getresponse()
         if response.status != 200:

@@ -18,6 +18,7 @@ from urllib.parse import parse_qs, urlsplit
 from lighthouse.rpc import auth
 from lighthouse.web.server import QuietHTTPServer
 from torchft_like.checkpointing import checksum, staging, state_format, torchft_http
+from torchft_like.checkpointing.heal_source import KEY, OWN_PATH
 from torchft_like.checkpointing.http_fetch import NOT_SERVING, SLICE, WRONG_STEP, hang_up
 
 logger = logging.getLogger("torchft_like.checkpointing.http_transport")  # one name per transport
@@ -177,7 +178,7 @@ class Handler(BaseHTTPRequestHandler):
             return self._refuse(
                 404,
                 f"unknown path {url.path!r}; use /checkpoint/{{step}}, or torchft's "
-                f"{torchft_http.OWN_PATH}{{step}}/{torchft_http.KEY}",
+                f"{OWN_PATH}{{step}}/{KEY}",
             )
         try:
             chunk, of = parse_chunk(url.query)
@@ -198,11 +199,11 @@ class Handler(BaseHTTPRequestHandler):
 
     def _serve_torchft(self, step: int, key: str) -> None:
         """torchft's scheme: the whole state of `step`, torch's streaming format."""
-        if key != torchft_http.KEY:
+        if key != KEY:
             return self._refuse(
                 400,
                 f"key {key!r} is not served: torchft_like serves torchft's checkpoint format "
-                f"whole only, at {torchft_http.OWN_PATH}{{step}}/{torchft_http.KEY} "
+                f"whole only, at {OWN_PATH}{{step}}/{KEY} "
                 "(torchft's HTTPTransport with num_chunks=0, its Manager's default)",
             )
         slot = self.server.slot

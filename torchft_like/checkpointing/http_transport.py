@@ -23,8 +23,9 @@ in torchft's scheme that comes before its step is staged waits for it (up
 to the transport's timeout), as torchft's server makes it.
 
 `metadata()` is ``http://host:port/torchft_like/checkpoint/``: torchft's
-receiver appends ``{step}/full`` to it; ours reads host and port from it,
-and fetches from a peer whose metadata is torchft's own
+receiver appends ``{step}/full`` to it; ours parses it once, on the way
+in, into a `heal_source.HealSource` that the fetches below read, and
+fetches from a peer whose metadata is torchft's own
 (``http://host:port/checkpoint/``) in torchft's format, weights_only.
 
 Replicas at one step hold the same state bit for bit, so a receiver may
@@ -57,7 +58,6 @@ import time
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
-from urllib.parse import SplitResult, urlsplit
 
 import torch
 
@@ -65,6 +65,7 @@ from lighthouse.rpc import auth
 from lighthouse.rpc.address import BIND_HOST_ENV
 from lighthouse.rpc.tls import FIX, TLSConfig, check_scheme, is_refusal, scheme
 from torchft_like.checkpointing import staging, striped, torchft_http
+from torchft_like.checkpointing.heal_source import OWN_PATH, HealSource, heal_fetch
 from torchft_like.checkpointing.http_fetch import (
     GONE_AFTER_S,
     ChecksumMismatch,
@@ -191,7 +192,7 @@ class HTTPTransport(CheckpointTransport[Any]):
             logger.warning("%s", warning)
         host = f"[{host}]" if ":" in host else host
         self._url = f"{scheme(tls)}://{host}:{self._server.server_address[1]}"
-        self._metadata = self._url + torchft_http.OWN_PATH
+        self._metadata = self._url + OWN_PATH
 
     def metadata(self) -> str:
         """See base class: ``http://host:port/torchft_like/checkpoint/``."""
@@ -260,25 +261,26 @@ class HTTPTransport(CheckpointTransport[Any]):
             UnsafeStateError: (a ValueError) a torchft source's state needs
                 more than torch's weights_only unpickler allows: refused.
             ValueError: the source sent something that is not a state stream,
-                or `metadata` is not a torchft_like or torchft HTTP address.
+                or `metadata` is not a torchft_like or torchft HTTP address
+                (BadMetadata) or not of this process's scheme.
         """
-        url = self._check_metadata(metadata)
-        torchft = torchft_http.is_torchft_peer(metadata)
-        source = "torchft replica rank" if torchft else "replica rank"
-        where = f"step {step} from {source} {src_rank} at {metadata}"
-        requested = (
-            torchft_http.state_url(metadata, step)
-            if torchft
-            else f"{url.scheme}://{url.netloc}/checkpoint/{step}"
-        )
+        return self._receive(self._source(src_rank, metadata), step, timeout, on_begun)
+
+    def _receive(
+        self,
+        source: HealSource,
+        step: int,
+        timeout: timedelta,
+        on_begun: Callable[[], None] | None,
+    ) -> Any:
+        """`recv_checkpoint` from one parsed source."""
+        where = f"step {step} from {source.label}"
 
         def attempt(deadline: float) -> tuple[Any, int]:
-            if torchft:  # one stream, torchft's format, decoded weights_only
-                return torchft_http.fetch(metadata, step, deadline, where)
-            assert url.hostname and url.port
+            if source.torchft:  # one stream, torchft's format, decoded weights_only
+                return torchft_http.fetch(source, step, deadline)
             fetch = Fetch(
-                url.hostname,
-                url.port,
+                source,
                 step,
                 deadline,
                 self.secret,
@@ -289,17 +291,18 @@ class HTTPTransport(CheckpointTransport[Any]):
             return fetch.run(self._num_chunks)
 
         started = time.monotonic()
-        state, nbytes = self._retrying(attempt, step, metadata, where, requested, timeout)
+        requested = source.state_url(step)
+        state, nbytes = self._retrying(attempt, step, source.metadata, where, requested, timeout)
         took = time.monotonic() - started
         logger.info(
             "received step %d from %s: %.1f MB in %.2f s (%.0f MB/s, %d streams%s)",
             step,
-            metadata,
+            source.metadata,
             nbytes / 1e6,
             took,
             nbytes / 1e6 / max(took, 1e-9),
-            1 if torchft else self._num_chunks,
-            ", torchft's format" if torchft else "",
+            1 if source.torchft else self._num_chunks,
+            ", torchft's format" if source.torchft else "",
         )
         return state
 
@@ -309,6 +312,7 @@ class HTTPTransport(CheckpointTransport[Any]):
         step: int,
         timeout: timedelta,
         *,
+        on_begun: Callable[[], None] | None = None,
         ranges_per_source: int = 4,
         stall_timeout: timedelta = timedelta(seconds=10),
     ) -> Any:
@@ -318,8 +322,12 @@ class HTTPTransport(CheckpointTransport[Any]):
 
         Args:
             sources: (replica rank, metadata) of peers at `step`, the primary
-                first. One source, or a torchft peer among them, fetches
-                from the first alone, as `recv_checkpoint`.
+                first. Whether they are fetched striped or the first alone
+                (one distinct source, or a torchft peer among them) is
+                `heal_source.heal_fetch`'s rule.
+            on_begun: as `recv_checkpoint`'s, when the rule picks one source;
+                a striped fetch does not call it (its collectives wait for
+                the whole transfer).
             ranges_per_source: byte ranges per source; a failed source's
                 unfinished range is fetched again, whole, from another.
             stall_timeout: a source silent this long mid-range is dropped and
@@ -332,34 +340,23 @@ class HTTPTransport(CheckpointTransport[Any]):
 
         Raises:
             ValueError: (LayoutMismatch) two sources describe different
-                states, or `sources` is empty.
+                states, `sources` is empty, or a source's metadata is bad
+                (BadMetadata) or not of this process's scheme.
             RuntimeError: as `recv_checkpoint` (its errors are RuntimeErrors
                 too), when every source failed.
         """
         if not sources:
             raise ValueError("recv_checkpoint_striped needs at least one (rank, metadata) source")
-        first_rank: dict[str, int] = {}  # metadata -> rank, in the order given
-        for rank, metadata in sources:
-            first_rank.setdefault(metadata, rank)
-        unique = list(first_rank.items())
-        if len(unique) == 1 or any(torchft_http.is_torchft_peer(m) for _, m in sources):
-            rank, metadata = sources[0]
-            return self.recv_checkpoint(rank, metadata, step, timeout)
-        peers = []
-        for metadata, rank in unique:
-            url = self._check_metadata(metadata)
-            assert url.hostname and url.port
-            peers.append(
-                striped.Source(f"replica rank {rank} at {metadata}", url.hostname, url.port)
-            )
-        where = (
-            f"step {step} striped from {len(peers)} replicas ({', '.join(m for m, _ in unique)})"
-        )
+        plan = heal_fetch([self._source(rank, metadata) for rank, metadata in sources])
+        if not plan.striped:
+            return self._receive(plan.first, step, timeout, on_begun)
+        names = ", ".join(s.metadata for s in plan.sources)
+        where = f"step {step} striped from {len(plan.sources)} replicas ({names})"
         reports: list[striped.StripeReport] = []
 
         def attempt(deadline: float) -> tuple[Any, int]:
             fetch = striped.StripedFetch(
-                peers,
+                plan.sources,
                 step,
                 deadline,
                 self.secret,
@@ -374,13 +371,13 @@ class HTTPTransport(CheckpointTransport[Any]):
             return state, nbytes
 
         started = time.monotonic()
-        state, nbytes = self._retrying(attempt, step, unique[0][0], where, where, timeout)
+        state, nbytes = self._retrying(attempt, step, plan.first.metadata, where, where, timeout)
         took = time.monotonic() - started
         self.last_stripe_report = reports[-1]
         logger.info(
             "received step %d striped from %d replicas: %.1f MB in %.2f s (%.0f MB/s; %s)",
             step,
-            len(peers),
+            len(plan.sources),
             nbytes / 1e6,
             took,
             nbytes / 1e6 / max(took, 1e-9),
@@ -388,21 +385,13 @@ class HTTPTransport(CheckpointTransport[Any]):
         )
         return state
 
-    def _check_metadata(self, metadata: str) -> SplitResult:
-        check_scheme(metadata, self.tls, "checkpoint server address")
-        url = urlsplit(metadata)
-        if url.scheme != scheme(self.tls) or not url.hostname or not url.port:
-            raise ValueError(
-                f"checkpoint metadata {metadata!r} is not an {scheme(self.tls)}://host:port URL"
-            )
-        torchft = torchft_http.is_torchft_peer(metadata)
-        if not torchft and url.path not in ("", "/", torchft_http.OWN_PATH):
-            raise ValueError(
-                f"checkpoint metadata {metadata!r} is neither a torchft_like HTTPTransport's "
-                f"(path {torchft_http.OWN_PATH!r} or none) nor a torchft HTTPTransport's "
-                f"(path {torchft_http.TORCHFT_PATH!r})"
-            )
-        return url
+    def _source(self, replica_rank: int, metadata: str) -> HealSource:
+        """`metadata` parsed, the one parse on its way down, and checked
+        against this process's scheme (TLS or not)."""
+        source = HealSource.parse(replica_rank, metadata)
+        if source.scheme != scheme(self.tls):
+            check_scheme(metadata, self.tls, "checkpoint server address")  # raises, with the fix
+        return source
 
     def _retrying(
         self,

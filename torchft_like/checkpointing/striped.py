@@ -27,11 +27,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from torchft_like.checkpointing import checksum, staging, state_format
+from torchft_like.checkpointing.heal_source import HealSource
 from torchft_like.checkpointing.http_fetch import (
     ChecksumMismatch,
     Fetch,
@@ -48,14 +49,6 @@ _RETRY_S = 0.05
 """How long a source that does not serve the step yet waits before asking again."""
 MAX_RANGES = 256
 """The server's bound on `of` in ``?chunk=i&of=n``."""
-
-
-class Source(NamedTuple):
-    """One peer serving the step: a label for messages, and where it listens."""
-
-    label: str
-    host: str
-    port: int
 
 
 class LayoutMismatch(ValueError):
@@ -237,14 +230,14 @@ class _SourceFetch(Fetch):
 
     def __init__(
         self,
-        source: Source,
+        source: HealSource,
         step: int,
         deadline: float,
         stall_s: float,
         secret: str | None,
         context: ssl.SSLContext | None,
     ) -> None:
-        super().__init__(source.host, source.port, step, deadline, secret, context)
+        super().__init__(source, step, deadline, secret, context)
         self._stall_s = stall_s
 
     def _remaining(self) -> float:
@@ -289,7 +282,7 @@ class StripedFetch:
 
     def __init__(
         self,
-        sources: Sequence[Source],
+        sources: Sequence[HealSource],
         step: int,
         deadline: float,
         secret: str | None = None,

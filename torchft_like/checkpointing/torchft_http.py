@@ -19,7 +19,7 @@ The contract, as torchft's HTTPTransport keeps it:
 
 Our own metadata is ``http://{host}:{port}/torchft_like/checkpoint/``: a
 torchft receiver appends ``{step}/full`` to it like to its own, and our
-receiver tells the two kinds of peer apart by that path.
+receiver tells the two kinds of peer apart by that path (`heal_source`).
 
 Fetching is safe: both pickles of the body (the record list and the state)
 are read only by torch's weights_only unpickler, which builds tensors,
@@ -47,11 +47,11 @@ import pickle
 import re
 import time
 from typing import Any
-from urllib.parse import urlsplit
 
 import torch
 
 from torchft_like.checkpointing import state_format
+from torchft_like.checkpointing.heal_source import KEY, HealSource
 from torchft_like.checkpointing.http_fetch import SLICE, DeadlinePassed, NotReady, Refused
 
 try:
@@ -59,12 +59,6 @@ try:
 except ImportError:  # torch < 2.7 or no torch.distributed: torchft sends torch.save's zip
     _streaming_save = None  # type: ignore[assignment]
 
-TORCHFT_PATH = "/checkpoint/"
-"""The path of a torchft HTTPTransport's metadata."""
-OWN_PATH = "/torchft_like/checkpoint/"
-"""The path of ours: torchft receivers append ``{step}/full`` to it."""
-KEY = "full"
-"""The one key of torchft's URL scheme that we serve and fetch."""
 ZIP_MAGIC = b"PK\x03\x04"
 _BUFFER = 64 << 10
 """Bytes read ahead for the unpickler's small reads; larger records are
@@ -73,16 +67,6 @@ read straight into their memory."""
 
 class UnsafeStateError(ValueError):
     """A torchft peer's state that only an unrestricted unpickler could load."""
-
-
-def is_torchft_peer(metadata: str) -> bool:
-    """True when `metadata` is a torchft HTTPTransport's, by its path."""
-    return urlsplit(metadata).path == TORCHFT_PATH
-
-
-def state_url(metadata: str, step: int) -> str:
-    """The URL of the whole state of `step`, as torchft's receiver builds it."""
-    return f"{metadata}{step}/{KEY}"
 
 
 def encode(state: Any, out: Any) -> None:
@@ -318,9 +302,9 @@ class _DeadlineReader:
         return k
 
 
-def fetch(metadata: str, step: int, deadline: float, where: str) -> tuple[Any, int]:
-    """One attempt to fetch `step` from the torchft peer at `metadata`;
-    returns the state and the number of body bytes.
+def fetch(source: HealSource, step: int, deadline: float) -> tuple[Any, int]:
+    """One attempt to fetch `step` from the torchft peer `source`; returns
+    the state and the number of body bytes.
 
     Raises:
         NotReady: the peer answered a server error (torchft answers 500 when
@@ -329,15 +313,13 @@ def fetch(metadata: str, step: int, deadline: float, where: str) -> tuple[Any, i
         UnsafeStateError, ValueError: the body cannot be loaded safely.
         OSError, http.client.HTTPException: the connection failed.
     """
-    url = urlsplit(state_url(metadata, step))
-    if url.hostname is None:
-        raise ValueError(f"checkpoint metadata {metadata!r} names no host")
     remaining = deadline - time.monotonic()
     if remaining <= 0:
         raise DeadlinePassed("the deadline passed before the request")
-    conn = http.client.HTTPConnection(url.hostname, url.port, timeout=remaining)
+    conn = http.client.HTTPConnection(source.host, source.port, timeout=remaining)
     try:
-        conn.request("GET", url.path)  # torchft checks no secret: ours is not sent
+        # torchft checks no secret: ours is not sent
+        conn.request("GET", source.state_path(step))
         response = conn.getresponse()
         if response.status != 200:
             body = response.read(4096).decode("utf-8", "replace")
@@ -347,7 +329,7 @@ def fetch(metadata: str, step: int, deadline: float, where: str) -> tuple[Any, i
                 raise NotReady(f"answered HTTP {response.status}: {message}")
             raise Refused(response.status, message)
         reader = _DeadlineReader(conn, response, deadline)
-        state = decode(reader, f"{where} (key {KEY!r})")
+        state = decode(reader, f"step {step} from {source.label} (key {KEY!r})")
         return state, reader.received
     finally:
         conn.close()

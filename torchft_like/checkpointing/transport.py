@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import ClassVar, Generic, TypeVar
 
@@ -109,10 +109,17 @@ class CheckpointTransport(ABC, Generic[T]):
         """
 
     def recv_checkpoint_striped(
-        self, sources: Sequence[tuple[int, str]], step: int, timeout: timedelta
+        self,
+        sources: Sequence[tuple[int, str]],
+        step: int,
+        timeout: timedelta,
+        *,
+        on_begun: Callable[[], None] | None = None,
     ) -> T:
-        """Fetches the state of `step` in stripes from every (replica rank,
-        metadata) of `sources` at once; only where `can_stripe`.
+        """Fetches the state of `step` from the (replica rank, metadata) of
+        `sources`, in stripes from all at once or from the first alone, as
+        `heal_source.heal_fetch` says; only where `can_stripe`. `on_begun`
+        (where `reports_begun`): as `recv_checkpoint`'s, for a fetch from one.
 
         Raises:
             NotImplementedError: this transport cannot stripe.

@@ -9,45 +9,75 @@ answer (the quorum in place, nothing to heal or serve) is applied on the loop
 when it arrives. Any other answer, or an error, is settled on the quorum
 thread as before, where configuring a process group or moving a state may
 block.
+
+The step's ask travels as one value, `QuorumAsk`, from the Manager
+(rank.py) through here to settling, so that no layer passes it on by
+position.
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 from concurrent.futures import Executor, Future
+from dataclasses import dataclass
 from datetime import timedelta
-from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING
 
 from lighthouse.core.views import QuorumResult
 from lighthouse.rpc.errors import QuorumTimeoutError
 from torchft_like.manager.group.client import LocalManagerClient, ManagerClientProtocol
 
+if TYPE_CHECKING:
+    from torchft_like.manager.group.group_request import QuorumRequest
+    from torchft_like.manager.step_state import StepState
+
 ResultOf = Callable[[], QuorumResult]
+"""The answer to an ask, or its error raised, when called."""
+
+
+@dataclass(frozen=True, slots=True)
+class QuorumAsk:
+    """One step's ask for a quorum, and what settling its answer needs."""
+
+    step: int
+    """The Manager's step when it asked."""
+    step_state: StepState
+    """This step's record; settling writes the quorum's outcome into it."""
+    request: Callable[[], QuorumRequest]
+    """Builds the request where it is sent: on the quorum thread for a gRPC ask."""
+    timeout: timedelta
+    allow_heal: bool
+    """This step may serve or receive a healing state."""
+    every_member_counts: bool
+    """Every member of the quorum counts in this step's collectives, a
+    healing one too (heal_plan.participation): a synchronous quorum that may heal."""
+    started: float
+    """time.monotonic() when it was asked; the quorum's latency counts from here."""
 
 
 def ask_quorum(
+    ask: QuorumAsk,
+    *,
     client: ManagerClientProtocol,
-    request: Callable[[], Any],
-    timeout: timedelta,
-    settle: Callable[[float, ResultOf], None],
+    settle: Callable[[QuorumAsk, ResultOf], None],
     quorum_id: Callable[[], int],
     executor: Executor,
 ) -> Future[None]:
-    """The step's quorum, done once `settle(start, result_of)` has taken the
+    """The step's quorum, done once `settle(ask, result_of)` has taken the
     answer. Group rank 0 (a LocalManagerClient) asks on its server's loop,
     and a `steady` answer for the group's current `quorum_id()` is settled
     there; any other answer, and every other rank's gRPC call, on
     `executor` (the quorum thread)."""
-    start = time.monotonic()
-    settle_now = partial(settle, start)
+
+    def settle_now(result_of: ResultOf) -> None:
+        settle(ask, result_of)
+
     if not isinstance(client, LocalManagerClient):
-        return executor.submit(settle_now, lambda: client.quorum(request(), timeout))
+        return executor.submit(settle_now, lambda: client.quorum(ask.request(), ask.timeout))
     try:
-        asked = client.quorum_future(request(), timeout)
+        asked = client.quorum_future(ask.request(), ask.timeout)
     except Exception as e:  # settled as any failed quorum
-        return executor.submit(settle_now, partial(_raise, e))
+        return executor.submit(settle_now, _raising(e))
 
     def is_steady(result: QuorumResult) -> bool:
         return steady(result, quorum_id())
@@ -85,7 +115,9 @@ def settle_where_it_arrives(
             done.set_exception(e)
 
     def arrived(f: Future[QuorumResult]) -> None:
-        result_of = partial(_outcome, f)
+        def result_of() -> QuorumResult:
+            return _outcome(f)
+
         if not f.cancelled() and f.exception() is None and is_steady(f.result()):
             run(result_of)
             return
@@ -104,5 +136,11 @@ def _outcome(asked: Future[QuorumResult]) -> QuorumResult:
     return asked.result()
 
 
-def _raise(e: Exception) -> QuorumResult:
-    raise e
+def _raising(error: Exception) -> ResultOf:
+    """A `ResultOf` that raises `error` (bound now: an except block's name is
+    gone once the block ends)."""
+
+    def result_of() -> QuorumResult:
+        raise error
+
+    return result_of

@@ -2,11 +2,12 @@
 
 Apart from rank.py (the Manager's step machine) because it is the one part of a step that talks to
 other groups' checkpoint servers: ask every source for its checkpoint
-metadata at once, fetch over one stream or striped over several, and
-measure what the heal cost (the metrics and the report the lighthouse's
-heal log gets). The decisions are elsewhere: whether this step heals and
-from which peers is settling's (recovery.transfer_plan), when the state is
-applied is rank's (should_commit).
+metadata at once, hand them to the transport, and measure what the heal
+cost (the metrics and the report the lighthouse's heal log gets). The
+decisions are elsewhere: whether this step heals and from which peers is
+settling's (heal_plan.transfer_plan), one stream or striped is
+checkpointing.heal_source's, when the state is applied is rank's
+(should_commit).
 """
 
 from __future__ import annotations
@@ -58,7 +59,9 @@ def receive_state(
     reach its checkpoint server. `on_begun` is called once a one-source
     transfer has begun at the source (when the transport can say so);
     a striped heal, or a transport that cannot, calls it only after this
-    returns (the caller does).
+    returns (the caller does). One source or several is not decided here:
+    a transport that can stripe gets every source that answered and applies
+    `heal_source.heal_fetch`; one that cannot has a plan of one source.
 
     Raises:
         Exception: the transfer failed, or no source answered for its metadata.
@@ -71,26 +74,17 @@ def receive_state(
         result.recover_src_replica_rank,
         result.recover_src_manager_address,
         result.max_step,
-        f", striped with ranks {[r for r, _ in sources[1:]]}" if len(sources) > 1 else "",
+        f", ranks {[r for r, _ in sources[1:]]} to stripe with" if len(sources) > 1 else "",
     )
-    if len(sources) > 1:
-        # Striped, the collectives wait for the whole transfer: a source
-        # serves one range at a time, so having begun does not hold it to
-        # the end as one stream does; the sources stay at this step (their
-        # allreduce waits for ours) until all came.
-        state = transport.recv_checkpoint_striped(
-            _source_metadata(sources, metadata_of, log), result.max_step, timeout
-        )
+    # Other transports (torchft's signature) cannot say when a transfer
+    # began: their heal's collectives wait for all of it.
+    begun: dict[str, Any] = {"on_begun": on_begun} if capable(transport, "reports_begun") else {}
+    answered = _source_metadata(sources, metadata_of, log)
+    if capable(transport, "can_stripe"):
+        state = transport.recv_checkpoint_striped(answered, result.max_step, timeout, **begun)
     else:
-        metadata = metadata_of(result.recover_src_manager_address)
-        # Other transports (torchft's signature) cannot say when a transfer
-        # began: their heal's collectives wait for all of it.
-        begun: dict[str, Any] = (
-            {"on_begun": on_begun} if capable(transport, "reports_begun") else {}
-        )
-        state = transport.recv_checkpoint(
-            result.recover_src_replica_rank, metadata, result.max_step, timeout, **begun
-        )
+        (rank, metadata), *_ = answered
+        state = transport.recv_checkpoint(rank, metadata, result.max_step, timeout, **begun)
     took = time.monotonic() - start
     num_bytes = tensor_bytes(state)
     report = rank_heal_report(result.max_step, took, num_bytes, result.recover_src_manager_address)
@@ -129,6 +123,9 @@ def _source_metadata(
     """(replica rank, checkpoint metadata) of every source that answers,
     asked at once; a source that does not is left out (logged), and only
     when none answers does the heal fail."""
+    if len(sources) == 1:  # no thread to ask one, and its error is the heal's as it is
+        rank, address = sources[0]
+        return [(rank, metadata_of(address))]
     with ThreadPoolExecutor(len(sources), thread_name_prefix="heal-metadata") as pool:
         futures = [pool.submit(metadata_of, address) for _, address in sources]
     found, errors = [], []

@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from datetime import timedelta
-from functools import partial
 from typing import Any
 
 import torch
@@ -33,7 +32,7 @@ from torchft_like.checkpointing import CheckpointTransport
 from torchft_like.collectives import InOrderCollectives
 from torchft_like.data.claims import BatchClaims, BatchSlot
 from torchft_like.manager import healing, parent_watch, threads
-from torchft_like.manager.asking import ask_quorum
+from torchft_like.manager.asking import QuorumAsk, ask_quorum
 from torchft_like.manager.commit import check_retries, rank_vote
 from torchft_like.manager.config import WorldSizeMode, config_arguments, resolve_config
 from torchft_like.manager.fingerprint import step_fingerprint
@@ -292,21 +291,24 @@ class Manager:
             self._logger,
         )
         self._collectives_ready.clear()
-        args = (shrink_only, state_fingerprint, self._claims.take())
-        timeout = timeout or self.config.quorum_timeout
-        self._quorum_future = ask_quorum(
-            self._client,
-            partial(self._quorum_request, *args),
-            timeout,
-            partial(
-                self._settled.settle,
-                self._step,
-                self._step_state,
-                allow_heal,
-                allow_heal and not self._use_async_quorum,
+        batch_slot = self._claims.take()
+        ask = QuorumAsk(
+            step=self._step,
+            step_state=self._step_state,
+            request=lambda: self._quorum_request(
+                shrink_only=shrink_only, state_fingerprint=state_fingerprint, batch_slot=batch_slot
             ),
-            lambda: self._settled.quorum_id,
-            self._executor,
+            timeout=timeout or self.config.quorum_timeout,
+            allow_heal=allow_heal,
+            every_member_counts=allow_heal and not self._use_async_quorum,
+            started=time.monotonic(),
+        )
+        self._quorum_future = ask_quorum(
+            ask,
+            client=self._client,
+            settle=self._settled.settle,
+            quorum_id=lambda: self._settled.quorum_id,
+            executor=self._executor,
         )
         self._quorum_future.add_done_callback(lambda _: self._training_thread.wake())
         # A replica of a fresh job (every replica at step 0) may receive the

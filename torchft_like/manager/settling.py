@@ -15,11 +15,12 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from lighthouse.core.views import QuorumResult
 from lighthouse.rpc.errors import DuplicateGroupError, IncompatibleGroupError, QuorumError
 from torchft_like.checkpointing import CheckpointTransport
+from torchft_like.checkpointing.heal_source import stripe_cap
 from torchft_like.checkpointing.staging import streams_done
 from torchft_like.checkpointing.transport import capable
 from torchft_like.data.claims import BatchClaims
@@ -28,8 +29,10 @@ from torchft_like.manager.config import ManagerConfig, WorldSizeMode
 from torchft_like.manager.gone_watch import MemberGoneError, StepBreaker
 from torchft_like.manager.heal_plan import participation, transfer_plan
 from torchft_like.manager.metrics import ManagerMetrics
-from torchft_like.manager.step_state import StepState
 from torchft_like.manager.training_thread import TrainingThreadReads
+
+if TYPE_CHECKING:
+    from torchft_like.manager.asking import QuorumAsk, ResultOf
 
 
 class QuorumSettlement:
@@ -80,22 +83,15 @@ class QuorumSettlement:
         self.fatal: DuplicateGroupError | IncompatibleGroupError | None = None
         """An error that no retry can fix: raised by the next start_quorum/should_commit."""
 
-    def settle(
-        self,
-        step: int,
-        step_state: StepState,
-        allow_heal: bool,
-        every_member_counts: bool,
-        start: float,
-        result_of: Callable[[], QuorumResult],
-    ) -> None:
-        """Applies `result_of()`, this step's answer; a failure is the step's error."""
+    def settle(self, ask: QuorumAsk, result_of: ResultOf) -> None:
+        """Applies `result_of()`, the answer to `ask`; a failure is the step's error."""
+        step_state = ask.step_state
         try:
             result = result_of()
             self.heal_report = ""
-            step_state.timings["quorum_s"] = time.monotonic() - start
+            step_state.timings["quorum_s"] = time.monotonic() - ask.started
             self._metrics.quorum_seconds.observe(step_state.timings["quorum_s"])
-            self._apply(result, step, step_state, allow_heal, every_member_counts)
+            self._apply(result, ask)
         except (DuplicateGroupError, IncompatibleGroupError) as e:
             self._log.error("quorum refused, stopping: %s", e)
             self.fatal = e
@@ -110,15 +106,10 @@ class QuorumSettlement:
         finally:
             self._ready.set()
 
-    def _apply(
-        self,
-        result: QuorumResult,
-        step: int,
-        step_state: StepState,
-        allow_heal: bool,
-        every_member_counts: bool,
-    ) -> None:
+    def _apply(self, result: QuorumResult, ask: QuorumAsk) -> None:
         config = self._config
+        step_state, every_member_counts = ask.step_state, ask.every_member_counts
+        allow_heal = ask.allow_heal  # off below when the step cannot commit
         spares = config.world_size_mode == WorldSizeMode.FIXED_WITH_SPARES
         cap = config.min_replica_size if spares else None
         self.num_participants, self.participating_rank = participation(
@@ -146,8 +137,9 @@ class QuorumSettlement:
             self.quorum_id = result.quorum_id
         self._gone.quorum_applied(result.quorum_id)
         transport = self._transport
-        stripes = config.heal_sources if capable(transport, "can_stripe") else 1
-        plan = transfer_plan(result, stripes)
+        plan = transfer_plan(
+            result, stripe_cap(capable(transport, "can_stripe"), config.heal_sources)
+        )
         if allow_heal and plan.serve_to:
             step_state.serving = True
             self._log.info("serving state to replica ranks %s", list(plan.serve_to))
@@ -157,7 +149,7 @@ class QuorumSettlement:
             state = self._training_thread.read(
                 lambda: streams_done(self._read_state()), config.timeout.total_seconds()
             )
-            transport.send_checkpoint(list(plan.serve_to), step, state, config.timeout)
+            transport.send_checkpoint(list(plan.serve_to), ask.step, state, config.timeout)
         step_state.quorum_max_step = result.max_step
         if not (allow_heal and result.heal):
             self._ready.set()

@@ -18,7 +18,6 @@ from typing import Any
 from torchft_like.manager.group.admission import UNTRUSTED_HOLD_S, admit
 from torchft_like.manager.group.gathering import Round
 from torchft_like.manager.group.group_request import QuorumRequest
-from torchft_like.manager.group.log import GroupLog
 
 logger = logging.getLogger(__name__)
 
@@ -44,7 +43,6 @@ class QuorumGate:
         ask: Callable[[Round[QuorumRequest]], Coroutine[Any, Any, None]],
     ) -> None:
         self.replica_id = replica_id
-        self._logger = GroupLog(logger, replica_id)
         self.world_size = world_size
         self.metadata = metadata
         self.round: Round[QuorumRequest] = Round()
@@ -101,9 +99,10 @@ class QuorumGate:
         self.round = Round()
         asyncio.get_running_loop().create_task(self._ask(rnd))
         if rnd.untrusted:
-            self._logger.warning(
-                "group ranks %s: their calls' checkpoint metadata is not what they "
+            logger.warning(
+                "[%s] group ranks %s: their calls' checkpoint metadata is not what they "
                 "registered; taken after %.0f s with no other caller (a rank restarted alone?)",
+                self.replica_id,
                 sorted(rnd.untrusted),
                 UNTRUSTED_HOLD_S,
             )
@@ -121,4 +120,4 @@ class QuorumGate:
         if first:
             self._logged.add((rank, kind))
         level = logging.WARNING if first else logging.DEBUG
-        self._logger.log(level, "%s", text)
+        logger.log(level, "[%s] %s", self.replica_id, text)

@@ -16,7 +16,6 @@ import time
 from collections.abc import Callable
 from dataclasses import replace
 from datetime import timedelta
-from functools import partial
 
 from lighthouse.client import AsyncLighthouseClient
 from lighthouse.core.compat import refusals, training_members
@@ -32,7 +31,6 @@ from lighthouse.rpc.errors import (
 )
 from lighthouse.rpc.tls import TLSConfig
 from torchft_like.manager.gone_watch import GroupNotices
-from torchft_like.manager.group.log import GroupLog
 
 logger = logging.getLogger(__name__)
 
@@ -69,7 +67,6 @@ class LighthouseSession:
         local_collectives: bool,
     ) -> None:
         self.replica_id = replica_id
-        self._logger = GroupLog(logger, replica_id)
         self.lighthouse_addr = lighthouse_addr
         self._heartbeat_interval = heartbeat_interval
         self._connect_timeout = connect_timeout
@@ -136,8 +133,11 @@ class LighthouseSession:
             except LighthouseUnavailableError as e:
                 if outage_start is None:
                     outage_start = time.monotonic()
-                    self._logger.warning(
-                        "lighthouse unreachable, retrying for up to %.1f s: %s", remaining, e
+                    logger.warning(
+                        "[%s] lighthouse unreachable, retrying for up to %.1f s: %s",
+                        self.replica_id,
+                        remaining,
+                        e,
                     )
                 # At most a heartbeat period: a restart costs itself and one period.
                 cap_s = self._heartbeat_interval.total_seconds()
@@ -156,8 +156,9 @@ class LighthouseSession:
                 if attempt >= self._quorum_retries:
                     raise
                 attempt += 1
-                self._logger.warning(
-                    "lighthouse quorum failed (attempt %d of %d), retrying: %s",
+                logger.warning(
+                    "[%s] lighthouse quorum failed (attempt %d of %d), retrying: %s",
+                    self.replica_id,
                     attempt,
                     self._quorum_retries + 1,
                     e,
@@ -165,8 +166,10 @@ class LighthouseSession:
                 await asyncio.sleep(retry_delay_s(attempt - 1))
                 continue
             if outage_start is not None:
-                self._logger.info(
-                    "lighthouse reachable again after %.1f s", time.monotonic() - outage_start
+                logger.info(
+                    "[%s] lighthouse reachable again after %.1f s",
+                    self.replica_id,
+                    time.monotonic() - outage_start,
                 )
             return answer
 
@@ -187,12 +190,19 @@ class LighthouseSession:
         """
         if views:
             members = None
-            result_of = partial(_view_of, views)
+
+            def result_of(group_rank: int) -> QuorumResult:
+                return _view_of(views, group_rank=group_rank)
+
         else:
             if not self._local_collectives:
                 quorum = self._compatible(quorum)
             members = quorum.replica_ids()
-            result_of = partial(QuorumViews(quorum).result, self.replica_id, init_sync=init_sync)
+            shares, replica_id = QuorumViews(quorum), self.replica_id
+
+            def result_of(group_rank: int) -> QuorumResult:
+                return shares.result(replica_id, group_rank=group_rank, init_sync=init_sync)
+
         if not self._local_collectives:
             early = self._notices.applied(quorum.quorum_id, members)
             if early:  # heard before this quorum was taken in
@@ -208,8 +218,9 @@ class LighthouseSession:
         if refused:
             if not refused.keys() <= self._left_out_logged:
                 self._left_out_logged.update(refused)
-                self._logger.warning(
-                    "leaving out of quorum %d: %s",
+                logger.warning(
+                    "[%s] leaving out of quorum %d: %s",
+                    self.replica_id,
                     quorum.quorum_id,
                     "; ".join(refused.values()),
                 )
@@ -257,20 +268,25 @@ class LighthouseSession:
             try:
                 if use_stream and not await self.client.stream_heartbeat(self.replica_id, timeout):
                     use_stream = False
-                    self._logger.info("the lighthouse has no HeartbeatStream; unary heartbeats")
+                    logger.info(
+                        "[%s] the lighthouse has no HeartbeatStream; unary heartbeats",
+                        self.replica_id,
+                    )
                 if not use_stream:
                     await self.client.heartbeat(self.replica_id, timeout)
                 if failing:
-                    self._logger.info("lighthouse heartbeats succeed again")
+                    logger.info("[%s] lighthouse heartbeats succeed again", self.replica_id)
                 failing = False
             except DuplicateGroupError as e:
                 # The quorum calls fail with it too, and the Manager stops there.
                 if not failing:
-                    self._logger.error("refused by the lighthouse: %s", e)
+                    logger.error("[%s] refused by the lighthouse: %s", self.replica_id, e)
                 failing = True
             except Exception as e:
                 if not failing:
-                    self._logger.warning("lighthouse heartbeat failed, will keep trying: %s", e)
+                    logger.warning(
+                        "[%s] lighthouse heartbeat failed, will keep trying: %s", self.replica_id, e
+                    )
                 failing = True
             advised = self.client.advised_interval() if use_stream else None
             period = interval
@@ -324,7 +340,7 @@ class LighthouseSession:
             try:
                 await self.client.leave(self.replica_id, LEAVE_TIMEOUT)
             except Exception as e:
-                self._logger.info("could not tell the lighthouse we leave: %s", e)
+                logger.info("[%s] could not tell the lighthouse we leave: %s", self.replica_id, e)
         await self.client.close()
 
 
