@@ -15,4 +15,5 @@ and collects the group's commit votes. The rank reaches it through
 - `servicer`: ManagerService's gRPC face of the server.
 - `client`: the client protocol, its gRPC client, rank 0's in-process client.
 - `wire`: ManagerService messages <-> dataclasses.
+- `log`: the rooms' logger adapter: each line names the group.
 """

@@ -18,6 +18,7 @@ from typing import Any
 from torchft_like.manager.group.admission import UNTRUSTED_HOLD_S, admit
 from torchft_like.manager.group.gathering import Round
 from torchft_like.manager.group.group_request import QuorumRequest
+from torchft_like.manager.group.log import GroupLog
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +44,7 @@ class QuorumGate:
         ask: Callable[[Round[QuorumRequest]], Coroutine[Any, Any, None]],
     ) -> None:
         self.replica_id = replica_id
+        self._logger = GroupLog(logger, replica_id)
         self.world_size = world_size
         self.metadata = metadata
         self.round: Round[QuorumRequest] = Round()
@@ -99,10 +101,9 @@ class QuorumGate:
         self.round = Round()
         asyncio.get_running_loop().create_task(self._ask(rnd))
         if rnd.untrusted:
-            logger.warning(
-                "[%s] group ranks %s: their calls' checkpoint metadata is not what they "
+            self._logger.warning(
+                "group ranks %s: their calls' checkpoint metadata is not what they "
                 "registered; taken after %.0f s with no other caller (a rank restarted alone?)",
-                self.replica_id,
                 sorted(rnd.untrusted),
                 UNTRUSTED_HOLD_S,
             )
@@ -120,4 +121,4 @@ class QuorumGate:
         if first:
             self._logged.add((rank, kind))
         level = logging.WARNING if first else logging.DEBUG
-        logger.log(level, "[%s] %s", self.replica_id, text)
+        self._logger.log(level, "%s", text)

@@ -31,6 +31,7 @@ from lighthouse.rpc.tls import TLSConfig, scheme
 from torchft_like.manager import threads
 from torchft_like.manager.group.gathering import Round
 from torchft_like.manager.group.group_request import QuorumRequest, merge_requests
+from torchft_like.manager.group.log import GroupLog
 from torchft_like.manager.group.quorum_gate import QuorumGate
 from torchft_like.manager.group.servicer import ManagerServicer
 from torchft_like.manager.group.session import GoneListener, LighthouseSession
@@ -93,6 +94,7 @@ class ManagerServer:
         if world_size < 1:
             raise ValueError(f"world_size ({world_size}) must be at least 1")
         self.replica_id = replica_id
+        self._logger = GroupLog(logger, replica_id)
         self._lighthouse_addr = lighthouse_addr
         self._store_addr = store_addr
         self._world_size = world_size
@@ -127,12 +129,10 @@ class ManagerServer:
             raise
         host_port = join_host_port(hostname or advertised_host(host), self._port)
         self._address = f"{scheme(tls)}://{host_port}"
-        logger.info(
-            "[%s] manager server listening on %s (bind %s)", replica_id, self._address, bind
-        )
+        self._logger.info("manager server listening on %s (bind %s)", self._address, bind)
         warning = auth.exposure_warning(secret, host, "manager server")
         if warning:
-            logger.warning("[%s] %s", replica_id, warning)
+            self._logger.warning("%s", warning)
         self._kill_refusals = auth.RefusalLog()
 
     async def _start(self, host: str, port: int) -> int:
@@ -234,7 +234,7 @@ class ManagerServer:
                 f.set_exception(QuorumError(str(e)))
                 continue
             if result.divergence:
-                logger.error("[%s] DIVERGENCE: %s", self.replica_id, result.divergence)
+                self._logger.error("DIVERGENCE: %s", result.divergence)
             f.set_result(result)
 
     def add_gone_listener(self, listener: GoneListener) -> None:
@@ -263,12 +263,7 @@ class ManagerServer:
             decision = all(rnd.calls.values())
             if not decision:
                 no = sorted(r for r, v in rnd.calls.items() if not v)
-                logger.info(
-                    "[%s step=%d] commit refused: group ranks %s voted no",
-                    self.replica_id,
-                    step,
-                    no,
-                )
+                self._logger.info("commit refused: group ranks %s voted no", no, step=step)
             for f in rnd.futures.values():
                 if not f.done():
                     f.set_result(decision)
@@ -292,12 +287,7 @@ class ManagerServer:
         same checks and log line, no waiting (nobody else votes)."""
         self._check_rank(group_rank)
         if not vote:
-            logger.info(
-                "[%s step=%d] commit refused: group ranks %s voted no",
-                self.replica_id,
-                step,
-                [group_rank],
-            )
+            self._logger.info("commit refused: group ranks %s voted no", [group_rank], step=step)
         return vote
 
     def checkpoint_metadata(self, rank: int) -> str:
@@ -311,7 +301,7 @@ class ManagerServer:
 
     def kill(self, msg: str) -> None:
         """Ends this process (the whole group) shortly, once the caller is answered."""
-        logger.error("[%s] killed by request: %s", self.replica_id, msg)
+        self._logger.error("killed by request: %s", msg)
         asyncio.get_running_loop().call_later(0.1, os._exit, 1)
 
     def remote_kill(self, msg: str, peer: str) -> None:

@@ -31,6 +31,7 @@ from lighthouse.rpc.errors import (
 )
 from lighthouse.rpc.tls import TLSConfig
 from torchft_like.manager.gone_watch import GroupNotices
+from torchft_like.manager.group.log import GroupLog
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class LighthouseSession:
         local_collectives: bool,
     ) -> None:
         self.replica_id = replica_id
+        self._logger = GroupLog(logger, replica_id)
         self.lighthouse_addr = lighthouse_addr
         self._heartbeat_interval = heartbeat_interval
         self._connect_timeout = connect_timeout
@@ -133,11 +135,8 @@ class LighthouseSession:
             except LighthouseUnavailableError as e:
                 if outage_start is None:
                     outage_start = time.monotonic()
-                    logger.warning(
-                        "[%s] lighthouse unreachable, retrying for up to %.1f s: %s",
-                        self.replica_id,
-                        remaining,
-                        e,
+                    self._logger.warning(
+                        "lighthouse unreachable, retrying for up to %.1f s: %s", remaining, e
                     )
                 # At most a heartbeat period: a restart costs itself and one period.
                 cap_s = self._heartbeat_interval.total_seconds()
@@ -156,9 +155,8 @@ class LighthouseSession:
                 if attempt >= self._quorum_retries:
                     raise
                 attempt += 1
-                logger.warning(
-                    "[%s] lighthouse quorum failed (attempt %d of %d), retrying: %s",
-                    self.replica_id,
+                self._logger.warning(
+                    "lighthouse quorum failed (attempt %d of %d), retrying: %s",
                     attempt,
                     self._quorum_retries + 1,
                     e,
@@ -166,10 +164,8 @@ class LighthouseSession:
                 await asyncio.sleep(retry_delay_s(attempt - 1))
                 continue
             if outage_start is not None:
-                logger.info(
-                    "[%s] lighthouse reachable again after %.1f s",
-                    self.replica_id,
-                    time.monotonic() - outage_start,
+                self._logger.info(
+                    "lighthouse reachable again after %.1f s", time.monotonic() - outage_start
                 )
             return answer
 
@@ -218,9 +214,8 @@ class LighthouseSession:
         if refused:
             if not refused.keys() <= self._left_out_logged:
                 self._left_out_logged.update(refused)
-                logger.warning(
-                    "[%s] leaving out of quorum %d: %s",
-                    self.replica_id,
+                self._logger.warning(
+                    "leaving out of quorum %d: %s",
                     quorum.quorum_id,
                     "; ".join(refused.values()),
                 )
@@ -268,25 +263,20 @@ class LighthouseSession:
             try:
                 if use_stream and not await self.client.stream_heartbeat(self.replica_id, timeout):
                     use_stream = False
-                    logger.info(
-                        "[%s] the lighthouse has no HeartbeatStream; unary heartbeats",
-                        self.replica_id,
-                    )
+                    self._logger.info("the lighthouse has no HeartbeatStream; unary heartbeats")
                 if not use_stream:
                     await self.client.heartbeat(self.replica_id, timeout)
                 if failing:
-                    logger.info("[%s] lighthouse heartbeats succeed again", self.replica_id)
+                    self._logger.info("lighthouse heartbeats succeed again")
                 failing = False
             except DuplicateGroupError as e:
                 # The quorum calls fail with it too, and the Manager stops there.
                 if not failing:
-                    logger.error("[%s] refused by the lighthouse: %s", self.replica_id, e)
+                    self._logger.error("refused by the lighthouse: %s", e)
                 failing = True
             except Exception as e:
                 if not failing:
-                    logger.warning(
-                        "[%s] lighthouse heartbeat failed, will keep trying: %s", self.replica_id, e
-                    )
+                    self._logger.warning("lighthouse heartbeat failed, will keep trying: %s", e)
                 failing = True
             advised = self.client.advised_interval() if use_stream else None
             period = interval
@@ -340,7 +330,7 @@ class LighthouseSession:
             try:
                 await self.client.leave(self.replica_id, LEAVE_TIMEOUT)
             except Exception as e:
-                logger.info("[%s] could not tell the lighthouse we leave: %s", self.replica_id, e)
+                self._logger.info("could not tell the lighthouse we leave: %s", e)
         await self.client.close()
 
 
