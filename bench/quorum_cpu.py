@@ -185,7 +185,7 @@ def main() -> None:
     try:
         floor, group = Floor(args.pace_ms / 1000), OneRankGroup(addr, args.pace_ms / 1000)
         contenders = {
-            "manager": (group.step, loop_thread_id("manager-server-"), lighthouse.pid),
+            "manager": (group.step, loop_thread_id("torchft_manager_server_"), lighthouse.pid),
             "floor": (floor.step, floor.thread.native_id or 0, floor.child.pid),
         }
         for step, _, _ in contenders.values():  # warm-up: connections, first quorum

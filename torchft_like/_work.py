@@ -106,6 +106,7 @@ def or_default(
             timeout.total_seconds(),
             lambda: settle(error=TimeoutError(f"future not done within {timeout}")),
         )
+        timer.name = "torchft_future_timeout"
         timer.daemon = True
         timer.start()
     fut.add_done_callback(done)

@@ -55,7 +55,7 @@ def test_a_managers_per_step_threads_yield_to_training(monkeypatch, setting, exp
         assert manager.should_commit()
         # The quorum thread starts with the first quorum that is not steady
         # (the first one configures the process group).
-        assert policy_of("manager-server-sched") == expected
+        assert policy_of("torchft_manager_server_sched") == expected
         assert policy_of("torchft_quorum") == expected
         assert policy_of("torchft_freeze_watch") == expected
         assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the training thread

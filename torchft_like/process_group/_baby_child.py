@@ -136,7 +136,9 @@ class _Replies:
             try:
                 fut = work.get_future()
             except RuntimeError:
-                threading.Thread(target=wait, args=(work,), daemon=True).start()
+                threading.Thread(
+                    target=wait, args=(work,), name="torchft_baby_p2p", daemon=True
+                ).start()
             else:
                 fut.add_done_callback(settled)
 

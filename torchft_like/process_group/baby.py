@@ -322,7 +322,9 @@ class ProcessGroupBabyGloo(Registrable, dist.ProcessGroup):  # type: ignore[misc
         if wait:
             _reap(child, thread)
         else:
-            threading.Thread(target=_reap, args=(child, thread), daemon=True).start()
+            threading.Thread(
+                target=_reap, args=(child, thread), name="torchft_baby_reap", daemon=True
+            ).start()
 
     def _read(self, child: Child) -> None:
         """Completes each collective as the child reports it done."""

@@ -115,7 +115,7 @@ class ProcessGroupBabyNCCL(ProcessGroupBabyGloo):
         super().__init__(timeout, standby=standby)
         self._backend_kind = child_backend
         self._staging: DeviceStaging | None = None
-        self._watchdog = Watchdog("torchft-baby-nccl-watchdog", self._overdue)
+        self._watchdog = Watchdog("torchft_baby_nccl_watchdog", self._overdue)
         self._generation = 0
 
     def _child_backend(self) -> tuple[str, int | None]:

@@ -174,7 +174,7 @@ class ProcessGroupGloo(Registrable, dist.ProcessGroup):  # type: ignore[misc]
             # still in flight (up to `timeout`), and the peers of our next
             # configure() would time out waiting for us meanwhile.
             dropper = threading.Thread(
-                target=_abort_and_drop, args=(retired,), name="torchft-gloo-abort", daemon=True
+                target=_abort_and_drop, args=(retired,), name="torchft_gloo_abort", daemon=True
             )
             dropper.start()
             self._droppers = [t for t in self._droppers if t.is_alive()] + [dropper]

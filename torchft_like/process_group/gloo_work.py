@@ -110,7 +110,7 @@ class P2PWork(dist.Work):
         with self._lock:
             if self._future is None:
                 self._future = future_for(self._tensors)
-                threading.Thread(target=self._settle, name="torchft-p2p", daemon=True).start()
+                threading.Thread(target=self._settle, name="torchft_gloo_p2p", daemon=True).start()
             return self._future
 
     def _settle(self) -> None:

@@ -161,7 +161,7 @@ class ProcessGroupNCCL(Registrable, dist.ProcessGroup):  # type: ignore[misc]
         self._generation = 0
         """Bumped when a communicator is dropped: its late news is not ours."""
         self._lock = threading.Lock()
-        self._watchdog = Watchdog("torchft-nccl-watchdog", self._overdue)
+        self._watchdog = Watchdog("torchft_nccl_watchdog", self._overdue)
         self._pending: dict[int, torch.futures.Future[Any]] = {}
         """Our futures not yet settled, failed at once by an abort."""
         self._next_id = 0
@@ -235,7 +235,7 @@ class ProcessGroupNCCL(Registrable, dist.ProcessGroup):  # type: ignore[misc]
             # Off this thread: the caller (the watchdog, a gone notice) must
             # not wait on an abort.
             dropper = threading.Thread(
-                target=_abort_and_drop, args=(retired,), name="torchft-nccl-abort", daemon=True
+                target=_abort_and_drop, args=(retired,), name="torchft_nccl_abort", daemon=True
             )
             dropper.start()
             self._droppers = [t for t in self._droppers if t.is_alive()] + [dropper]
@@ -471,7 +471,7 @@ def _future_of(work: Any) -> torch.futures.Future[Any]:
             else:
                 fut.set_result(None)
 
-        threading.Thread(target=wait, name="torchft-nccl-p2p", daemon=True).start()
+        threading.Thread(target=wait, name="torchft_nccl_p2p", daemon=True).start()
         return fut
 
 

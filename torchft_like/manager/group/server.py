@@ -121,7 +121,7 @@ class ManagerServer:
         self._votes: dict[int, Round[bool]] = {}
         self._stopped = False
         host, port = parse_bind(bind)
-        self._loop = BackgroundLoop(f"manager-server-{replica_id}", batch=sched_batch)
+        self._loop = BackgroundLoop(f"torchft_manager_server_{replica_id}", batch=sched_batch)
         try:
             self._port = self._loop.run(self._start(host, port))
         except BaseException:
