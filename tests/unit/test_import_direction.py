@@ -237,3 +237,83 @@ def test_no_module_imports_another_modules_private_names(path):
         and (where, alias.name) not in PRIVATE_IMPORTS_LEFT
     ]  # fmt: skip
     assert not found, f"{where} imports private names: {found}"
+
+
+def module_edges(path: Path, files: dict[str, Path]) -> set[str]:
+    """The modules of `files` that `path` imports, anywhere in it. `from pkg
+    import mod` is an edge to pkg.mod alone: the package's __init__ runs for
+    any of its modules, so counting it would make every module import its
+    package's re-exports."""
+    edges: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            edges |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            submodules = {f"{node.module}.{alias.name}" for alias in node.names}
+            edges |= submodules if submodules <= files.keys() else {node.module}
+    return {e for e in edges if e in files}
+
+
+FOLDER_LOOPS_ALLOWED: dict[tuple[str, str], str] = {}
+"""(folder, module outside it) pairs whose way back into the folder is
+accepted, and why; none today."""
+
+
+@pytest.mark.parametrize("folder", ["torchft_like.manager"])
+def test_nothing_a_folder_imports_imports_the_folder_back(folder):
+    """A loop at folder level: a module outside `folder` that the folder's
+    modules import (directly or through others outside it) imports the
+    folder back, so neither can be read, tested or moved without the other.
+    torchft_like.gone_watch, which imports manager.config, was one before it
+    moved into manager/."""
+    files = {module_name(p): p for p in python_files(*PACKAGES)}
+    graph = {name: module_edges(path, files) for name, path in files.items()}
+
+    def inside(name: str) -> bool:
+        return name == folder or name.startswith(folder + ".")
+
+    outside_used = {n for name in files if inside(name) for n in graph[name] if not inside(n)}
+    loops = []
+    for start in sorted(outside_used):
+        trail = {start: start}
+        todo = [start]
+        while todo:
+            node = todo.pop()
+            for nxt in sorted(graph[node]):
+                if inside(nxt) and (folder, start) not in FOLDER_LOOPS_ALLOWED:
+                    loops.append(f"{trail[node]} -> {nxt}")
+                elif not inside(nxt) and nxt not in trail:
+                    trail[nxt] = f"{trail[node]} -> {nxt}"
+                    todo.append(nxt)
+    assert not loops, f"{folder} imports modules that import it back: " + "; ".join(loops)
+
+
+MAX_OWN_MODULES = 15
+"""Modules a folder holds of its own when it has no subpackages."""
+MAX_OWN_MODULES_LAYERED = 20
+"""... and when subpackages name its layers (each with a map in its __init__)."""
+WAITING_FOR_MOVES: set[str] = set()
+"""Folders over the limit whose moves into subpackages are under way (paths
+relative to the repository); each is checked to be still over it."""
+
+
+def package_dirs() -> list[Path]:
+    dirs = {p.parent for p in python_files(*PACKAGES) if "__pycache__" not in p.parts}
+    return sorted(dirs)
+
+
+@pytest.mark.parametrize("folder", package_dirs(), ids=lambda p: str(p.relative_to(REPO)))
+def test_no_folder_holds_too_many_modules_of_its_own(folder):
+    """A reader finds a module by the folder's layers, not in a flat list:
+    15 modules of its own at most, 20 with subpackages that name its layers."""
+    own = sorted(p.name for p in folder.glob("*.py"))
+    layers = [d.name for d in folder.iterdir() if (d / "__init__.py").is_file()]
+    limit = MAX_OWN_MODULES_LAYERED if layers else MAX_OWN_MODULES
+    where = str(folder.relative_to(REPO))
+    if where in WAITING_FOR_MOVES:
+        assert len(own) > limit, f"{where} holds {len(own)}: take it out of WAITING_FOR_MOVES"
+        return
+    assert len(own) <= limit, (
+        f"{where} holds {len(own)} modules of its own (at most {limit} "
+        f"{'with' if layers else 'without'} subpackages): {own}"
+    )
