@@ -122,7 +122,7 @@ class ManagerConfig:
     """Every this many committed steps, compare a fingerprint of the state
     across replicas; a replica whose state differs from the others' at the
     same step is logged (ERROR) and heals from one that agrees (rule:
-    recovery.find_divergence). None: off."""
+    lighthouse.core.views.find_divergence). None: off."""
     secret: str | None = None
     """The job's shared secret (lighthouse.rpc.auth), sent with every call and
     required by our servers (TORCHFT_SECRET_FILE or TORCHFT_SECRET). None:
