@@ -172,7 +172,7 @@ class LighthouseServer:
         self.metrics = LighthouseMetrics()
         self._state = StateFile(state_file) if state_file else None
         self._coord = Coordinator(self.config, self.metrics, self._state, collect_after_issue)
-        self._loop = BackgroundLoop("lighthouse")
+        self._loop = BackgroundLoop("lighthouse_loop")
         self._http = None
         self._stopped = False
         self._secret = secret

@@ -136,7 +136,7 @@ class StatusServer:
         self._server.service = "status page"
         self._host = advertised_host(host)
         self._thread = threading.Thread(
-            target=self._server.serve_forever, name="lighthouse-http", daemon=True
+            target=self._server.serve_forever, name="lighthouse_status_http", daemon=True
         )
         self._thread.start()
         logger.info("lighthouse status page on %s", self.address())

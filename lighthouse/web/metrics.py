@@ -58,7 +58,7 @@ class MetricsServer:
         self._server.service = what
         self._host = advertised_host(host)
         self._thread = threading.Thread(
-            target=self._server.serve_forever, name="metrics-http", daemon=True
+            target=self._server.serve_forever, name="lighthouse_metrics_http", daemon=True
         )
         self._thread.start()
 

@@ -1,4 +1,5 @@
-"""Every thread torchft_like starts is named `torchft_<what>` (docs/architecture.md,
+"""Every thread the project starts is named `<package>_<what>`: `torchft_`
+in torchft_like, `lighthouse_` in the lighthouse (docs/architecture.md,
 "Threads"): a stack dump, a profile or a test finds a thread by its name.
 Read from the source with `ast`, as test_import_direction does."""
 
@@ -11,7 +12,11 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-SCHEME = re.compile(r"torchft_[a-z0-9_]+")
+SCHEMES = {
+    "torchft_like": re.compile(r"torchft_[a-z0-9_]+"),
+    "lighthouse": re.compile(r"lighthouse_[a-z0-9_]+"),
+}
+"""Each package's scheme, by its folder."""
 
 NAMED_BY = {
     "Thread": "name",
@@ -24,21 +29,9 @@ NAMED_BY = {
 PASSED_ON = {
     ("torchft_like/process_group/watchdog.py", "self._name"): "Watchdog's first argument",
     ("torchft_like/manager/gone_watch.py", "name"): "built as torchft_{what} just above",
+    ("lighthouse/loop.py", "name"): "BackgroundLoop's first argument",
 }
 """Names not written at the call: where they come from."""
-
-NAMES_LEFT = {
-    ("torchft_like/manager/healing.py", "heal-metadata"),
-    ("torchft_like/checkpointing/http_transport.py", "checkpoint-http"),
-    ("torchft_like/checkpointing/http_transport.py", "checkpoint-http-stop"),
-    ("torchft_like/checkpointing/striped.py", "checkpoint-stripe-"),
-    ("torchft_like/checkpointing/http_fetch.py", "checkpoint-recv"),
-    ("torchft_like/checkpointing/http_fetch.py", "checkpoint-verify"),
-    ("torchft_like/checkpointing/http_fetch.py", "checkpoint-prefault"),
-}
-"""Names of the older schemes still in files under other changes; each is
-checked to be still there, so that this table only shrinks."""
-
 
 def called(node: ast.Call) -> str | None:
     func = node.func
@@ -100,25 +93,30 @@ def timer_name(tree: ast.Module, timer: ast.Call) -> str | None:
     return None
 
 
-def library_files() -> list[Path]:
-    return sorted(p for p in (REPO / "torchft_like").rglob("*.py"))
+def package_files() -> list[Path]:
+    return sorted(p for package in SCHEMES for p in (REPO / package).rglob("*.py"))
 
 
-@pytest.mark.parametrize("path", library_files(), ids=lambda p: str(p.relative_to(REPO)))
-def test_every_thread_the_library_starts_is_named_by_the_one_scheme(path):
+@pytest.mark.parametrize("path", package_files(), ids=lambda p: str(p.relative_to(REPO)))
+def test_every_thread_the_project_starts_is_named_by_its_packages_scheme(path):
     where = str(path.relative_to(REPO))
+    package = where.split("/")[0]
     wrong = []
     for line, call, name in thread_names(path):
         if name is None:
             wrong.append(f"line {line}: {call} without a name")
-        elif (where, name) in PASSED_ON or (where, name) in NAMES_LEFT:
+        elif (where, name) in PASSED_ON:
             continue
-        elif not SCHEME.match(name):
+        elif not SCHEMES[package].match(name):
             wrong.append(f"line {line}: {call} named {name!r}")
-    assert not wrong, f"{where}: threads not named torchft_<what>: {wrong}"
+    assert not wrong, f"{where}: threads not named {package}'s way: {wrong}"
 
 
-@pytest.mark.parametrize("where, name", sorted(NAMES_LEFT))
-def test_the_names_left_are_still_there(where, name):
-    names = [n for _, _, n in thread_names(REPO / where)]
-    assert name in names, f"{where} no longer names a thread {name!r}: take it out of NAMES_LEFT"
+def test_the_check_finds_unnamed_and_misnamed_threads(tmp_path):
+    sample = tmp_path / "sample.py"
+    sample.write_text(
+        "import threading\n"
+        "threading.Thread(target=print).start()\n"
+        "threading.Thread(target=print, name='checkpoint-http').start()\n"
+    )
+    assert thread_names(sample) == [(2, "Thread", None), (3, "Thread", "checkpoint-http")]

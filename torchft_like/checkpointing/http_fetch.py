@@ -229,7 +229,7 @@ class Fetch:
         return conn, response, self.read(conn, response, header_len)
 
     def _in_parallel(self, fill: Callable[[int], None], num_chunks: int) -> None:
-        with ThreadPoolExecutor(num_chunks, thread_name_prefix="checkpoint-recv") as pool:
+        with ThreadPoolExecutor(num_chunks, thread_name_prefix="torchft_checkpoint_recv") as pool:
             futures = [pool.submit(fill, i) for i in range(num_chunks)]
             done, _ = wait(futures, return_when=FIRST_EXCEPTION)
             failed = [f for f in done if f.exception() is not None]
@@ -295,7 +295,7 @@ class _Verifier:
         self._crcs: dict[tuple[int, int], int] = {}
         self._error: BaseException | None = None
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="checkpoint-verify", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="torchft_checkpoint_verify", daemon=True)
         self._thread.start()
 
     def add(self, key: tuple[int, int], view: memoryview) -> None:
@@ -362,7 +362,7 @@ class Prefaulter:
         self._claimed: set[Piece] = set()
         self._faulting: Piece | None = None
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="checkpoint-prefault", daemon=True)
+        self._thread = threading.Thread(target=self._run, name="torchft_checkpoint_prefault", daemon=True)
         if self._order:
             self._thread.start()
 

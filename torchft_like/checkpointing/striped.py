@@ -349,7 +349,7 @@ class StripedFetch:
                 threading.Thread(
                     target=self._work,
                     args=(s, (r, opened) if (s, k) == (source, 0) else None),
-                    name=f"checkpoint-stripe-{s}-{k}",
+                    name=f"torchft_checkpoint_stripe_{s}_{k}",
                     daemon=True,
                 )
                 for s in range(len(self.sources))

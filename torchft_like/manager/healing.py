@@ -126,7 +126,7 @@ def _source_metadata(
     if len(sources) == 1:  # no thread to ask one, and its error is the heal's as it is
         rank, address = sources[0]
         return [(rank, metadata_of(address))]
-    with ThreadPoolExecutor(len(sources), thread_name_prefix="heal-metadata") as pool:
+    with ThreadPoolExecutor(len(sources), thread_name_prefix="torchft_heal_metadata") as pool:
         futures = [pool.submit(metadata_of, address) for _, address in sources]
     found, errors = [], []
     for (rank, address), future in zip(sources, futures):
