@@ -33,6 +33,7 @@ PASSED_ON = {
 }
 """Names not written at the call: where they come from."""
 
+
 def called(node: ast.Call) -> str | None:
     func = node.func
     if isinstance(func, ast.Attribute):

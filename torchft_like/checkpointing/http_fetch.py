@@ -295,7 +295,9 @@ class _Verifier:
         self._crcs: dict[tuple[int, int], int] = {}
         self._error: BaseException | None = None
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="torchft_checkpoint_verify", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="torchft_checkpoint_verify", daemon=True
+        )
         self._thread.start()
 
     def add(self, key: tuple[int, int], view: memoryview) -> None:
@@ -362,7 +364,9 @@ class Prefaulter:
         self._claimed: set[Piece] = set()
         self._faulting: Piece | None = None
         self._stopped = False
-        self._thread = threading.Thread(target=self._run, name="torchft_checkpoint_prefault", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name="torchft_checkpoint_prefault", daemon=True
+        )
         if self._order:
             self._thread.start()
 

@@ -185,7 +185,9 @@ class HTTPTransport(CheckpointTransport[Any]):
         if tls is not None:
             self._server.ssl_context = tls.server_context()
         self._server.refusals = auth.RefusalLog()
-        self._thread = threading.Thread(target=self._serve, name="torchft_checkpoint_http", daemon=True)
+        self._thread = threading.Thread(
+            target=self._serve, name="torchft_checkpoint_http", daemon=True
+        )
         self._thread.start()
         warning = auth.exposure_warning(secret, listen, "checkpoint server")
         if warning:
@@ -470,7 +472,9 @@ class HTTPTransport(CheckpointTransport[Any]):
         if wait:
             self._stop()
         else:
-            threading.Thread(target=self._stop, name="torchft_checkpoint_http_stop", daemon=True).start()
+            threading.Thread(
+                target=self._stop, name="torchft_checkpoint_http_stop", daemon=True
+            ).start()
 
     def _stop(self) -> None:
         self._server.shutdown()
