@@ -78,7 +78,7 @@ def _bypassed(host: str, entry: str) -> bool:
 def grpc_timeout(timeout_s: float) -> str:
     """gRPC's timeout header: milliseconds, or from 10 s whole seconds
     (rounded down: at most a tenth earlier), so that a group's calls each
-    step repeat one header block, which the server decodes once (http2)."""
+    step repeat one header block, which the server decodes once (h2.server_connection)."""
     if timeout_s >= 10:
         return f"{int(timeout_s)}S"
     return f"{max(1, int(timeout_s * 1000))}m"

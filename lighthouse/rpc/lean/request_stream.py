@@ -1,4 +1,4 @@
-"""A streaming call's requests, as lean_server hands them to its handler:
+"""A streaming call's requests, as our server (lean.server) hands them over:
 an async iterator (grpcio's shape), or, for a handler that asks, each
 message delivered within the read that brought it (`deliver`)."""
 
@@ -38,7 +38,7 @@ class RequestStream:
         brought it, not through the handler's task (a wake per message was
         most of a heartbeat's cost). Returns the future of the stream's end:
         None, or what `sink` or the decoder raised, after which nothing more
-        is delivered. A lean_server extension; grpcio's iterators lack it."""
+        is delivered (lighthouse.rpc.call.Call.deliver)."""
         self._ended = asyncio.get_running_loop().create_future()
         self._sink = sink
         while self._items and self._sink is not None:
