@@ -22,14 +22,16 @@ from lighthouse.rpc.h2.frames import (
     GOAWAY,
     HEADERS,
     PING,
+    PRIORITY,
     REFUSED_STREAM,
     RST_STREAM,
     SETTINGS,
+    WINDOW_UPDATE,
     frame,
 )
 from lighthouse.rpc.h2.limits import LIMITS, Limits, ProcessBudget, TokenBucket
 from lighthouse.rpc.h2.server_connection import Connection
-from lighthouse.rpc.lean.server import MAX_MESSAGE_BYTES, decompressed, echo
+from lighthouse.rpc.lean.server import MAX_MESSAGE_BYTES, LeanServer, decompressed, echo
 from tests.unit.h2_fakes import REQUEST, FakeTransport, RecordingHandler
 from tests.unit.virtual_clock import VirtualClockLoop
 
@@ -233,3 +235,141 @@ def test_an_answer_echoes_no_more_than_a_bounded_part_of_the_request():
 def test_a_token_bucket_allows_its_burst_then_its_rate():
     bucket = TokenBucket((3.0, 0.0))
     assert [bucket.take() for _ in range(4)] == [True, True, True, False]
+
+
+def _feed(conn: Connection, t: FakeTransport, data: bytes) -> None:
+    """`data` as one read, and the turns its work budget leaves for later."""
+    conn.data_received(data)
+    while conn._backlog and not t.closed:
+        conn._resume()
+
+
+_BLOCK = hpack.Encoder().encode(REQUEST)
+_UNKNOWN = hpack.Encoder().encode([(n, "/svc/Nope" if n == ":path" else v) for n, v in REQUEST])
+
+
+def _answered(conn: Connection, t: FakeTransport) -> None:
+    """Stream 1 opened, then answered and closed."""
+    _feed(conn, t, frame(HEADERS, END_HEADERS | END_STREAM, 1, _BLOCK))
+    conn.send(1, b"H", b"", b"T")
+
+
+def _open(conn: Connection, t: FakeTransport) -> None:
+    _feed(conn, t, frame(HEADERS, END_HEADERS, 1, _BLOCK))
+
+
+def _calls(count: int, block: bytes = _BLOCK) -> bytes:
+    """HEADERS of `count` new calls, streams 1, 3, ..."""
+    return b"".join(
+        frame(HEADERS, END_HEADERS | END_STREAM, sid, block) for sid in range(1, 2 * count, 2)
+    )
+
+
+def _unknown_calls(count: int) -> bytes:
+    return _calls(count, _UNKNOWN)
+
+
+_U32_ONE = struct.pack(">I", 1)
+NO_WORK_FLOODS = {
+    # kind: (setup, the flood of `count` frames, its rate)
+    "priority": (None, lambda n: frame(PRIORITY, 0, 1, bytes(5)) * n, LIMITS.priority_rate),
+    "window_update": (
+        None,
+        lambda n: frame(WINDOW_UPDATE, 0, 0, _U32_ONE) * n,
+        LIMITS.idle_window_update_rate,
+    ),
+    "empty_data": (_open, lambda n: frame(DATA, 0, 1, b"") * n, LIMITS.empty_data_rate),
+    "closed_stream": (
+        _answered,
+        lambda n: (
+            (frame(RST_STREAM, 0, 1, _U32_ONE) + frame(WINDOW_UPDATE, 0, 1, _U32_ONE)) * (n // 2)
+        ),
+        LIMITS.closed_stream_rate,
+    ),
+    "answered_headers": (
+        _answered,
+        lambda n: frame(HEADERS, END_HEADERS | END_STREAM, 1, _BLOCK) * n,
+        LIMITS.answered_headers_rate,
+    ),
+    "refused_call": (None, _unknown_calls, LIMITS.refused_call_rate),
+}
+
+
+@pytest.mark.parametrize("kind", list(NO_WORK_FLOODS))
+def test_frames_that_do_no_work_pass_below_their_rate_and_are_calmed_past_it(loop, kind):
+    setup, flood, (burst, _) = NO_WORK_FLOODS[kind]
+    for count, over in ((int(burst) - 2, False), (int(burst) * 2, True)):
+        budget = ProcessBudget()
+        handler, t = LeanServer(), FakeTransport()
+        conn = Connection(handler, limits=LIMITS, budget=budget)
+        conn.connection_made(t)
+        conn.data_received(frames.PREFACE + frame(SETTINGS, 0, 0, b""))
+        if setup is not None:
+            setup(conn, t)
+        t.frames()
+        _feed(conn, t, flood(count))
+        if over:
+            assert _goaway(t) == ENHANCE_YOUR_CALM and t.closed
+            assert conn.calmed == kind and budget.calmed == {kind: 1}
+        else:
+            assert _goaway(t) is None and not t.closed and budget.calmed == {}
+
+
+def test_window_updates_for_data_sent_are_not_counted_against_the_rate(loop):
+    conn, t, _ = _connect()
+    _feed(conn, t, frame(HEADERS, END_HEADERS | END_STREAM, 1, _BLOCK))
+    conn.send(1, b"H", bytes(1000), b"T")  # one DATA frame: earns its window updates
+    updates = int(LIMITS.idle_window_update_rate[0]) + LIMITS.window_updates_per_data - 2
+    _feed(conn, t, frame(WINDOW_UPDATE, 0, 0, _U32_ONE) * updates)
+    assert not t.closed
+    _feed(conn, t, frame(WINDOW_UPDATE, 0, 0, _U32_ONE) * 4)
+    assert _goaway(t) == ENHANCE_YOUR_CALM and conn.calmed == "window_update"
+
+
+def test_refused_calls_do_not_clear_ping_strikes(loop):
+    handler, t = LeanServer(), FakeTransport()
+    conn = Connection(handler)
+    conn.connection_made(t)
+    conn.data_received(frames.PREFACE + frame(SETTINGS, 0, 0, b""))
+    for sid in range(1, 2 * (LIMITS.ping_strikes + 2), 2):
+        conn.data_received(frame(PING, 0, 0, b"12345678"))
+        conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, sid, _UNKNOWN))
+    assert _goaway(t) == ENHANCE_YOUR_CALM and conn.calmed == "ping"
+
+
+def test_a_window_update_frames_only_what_it_unblocks(loop):
+    """100 answers parked on zero stream windows: a connection WINDOW_UPDATE
+    visits none of them, a stream's frames only its newly allowed bytes."""
+    conn, t, _ = _connect()
+    _feed(conn, t, frame(SETTINGS, 0, 0, struct.pack(">HI", 0x4, 0)))  # zero windows
+    _feed(conn, t, _calls(100))
+    for sid in range(1, 200, 2):
+        conn.send(sid, b"H", bytes(100_000), b"T")
+    t.frames()
+    framed = []
+    data_frames = conn._data_frames
+
+    def counted(stream_id, out, data, chunks):
+        sent = data_frames(stream_id, out, data, chunks)
+        framed.append((stream_id, sent))
+        return sent
+
+    conn._data_frames = counted  # type: ignore[method-assign]
+    _feed(conn, t, frame(WINDOW_UPDATE, 0, 0, struct.pack(">I", 1 << 20)))
+    assert framed == [] and t.frames() == []
+    _feed(conn, t, frame(WINDOW_UPDATE, 0, 7, struct.pack(">I", 10)))
+    assert framed == [(7, 10)]
+    assert [(k, sid, len(p)) for k, _, sid, p in t.frames()] == [(DATA, 7, 10)]
+    assert conn._unsent == 100 * 100_000 - 10
+
+
+def test_a_settings_frame_is_charged_by_its_entries_and_the_streams_walked_once(loop):
+    conn, t, _ = _connect()
+    _feed(conn, t, _calls(50))  # 50 open streams
+    entries = [struct.pack(">HI", 0x4, 1000 + i) for i in range(2000)]
+    conn.data_received(frame(SETTINGS, 0, 0, b"".join(entries)) + frame(PING, 0, 0, bytes(8)))
+    assert conn._work == LIMITS.work_per_read - 1 - 2000 - 50
+    assert conn._backlog and [k for k, *_ in t.frames()] == [SETTINGS]  # the PING waits
+    assert {s.window for s in conn._streams.values()} == {1000 + 1999}
+    conn._resume()
+    assert [k for k, *_ in t.frames()] == [PING]

@@ -19,6 +19,7 @@ from lighthouse.rpc.h2.frames import (
     DEFAULT_WINDOW,
     END_HEADERS,
     END_STREAM,
+    HEADER,
     HEADERS,
     RST_STREAM,
     U32,
@@ -26,6 +27,9 @@ from lighthouse.rpc.h2.frames import (
     frame,
 )
 from lighthouse.rpc.h2.limits import Limits, ProcessBudget
+
+_MAX_EARNED = 10_000
+"""The most WINDOW_UPDATEs DATA frames sent may earn ahead (`_wu_earned`)."""
 
 
 class Stream:
@@ -78,6 +82,9 @@ class StreamTable:
         self._answered = True
         """An answer (HEADERS or DATA) went out since the last PING."""
         self._ping_strikes = 0
+        self._wu_earned = 0
+        """WINDOW_UPDATEs the peer may send for DATA frames we sent
+        (`Limits.window_updates_per_data` each) before its rate applies."""
 
     def _write(self, data: bytes) -> None:
         raise NotImplementedError
@@ -178,39 +185,61 @@ class StreamTable:
         if chunks:
             self._write(b"".join(chunks))
 
-    def _data_frames(self, stream_id: int, out: Stream, data: bytes, chunks: list[bytes]) -> int:
-        """Appends DATA frames of `data` that the windows allow; returns bytes framed."""
+    def _data_frames(
+        self, stream_id: int, out: Stream, data: bytes | memoryview, chunks: list[bytes]
+    ) -> int:
+        """Appends DATA frames of `data` that the windows allow; returns bytes
+        framed. Only those bytes are sliced: `data` may be a view of what waits."""
         allowed = min(len(data), out.window, self._send_window)
         if allowed <= 0:
             return 0
         step = self._peer_max_frame
         for pos in range(0, allowed, step):
             piece = data[pos : min(pos + step, allowed)]
-            chunks.append(frame(DATA, 0, stream_id, piece))
+            length = len(piece)
+            chunks.append(HEADER.pack(length >> 16, length & 0xFFFF, DATA, 0, stream_id) + piece)
         out.window -= allowed
         self._send_window -= allowed
+        earned = self._wu_earned + self._limits.window_updates_per_data * (
+            (allowed + step - 1) // step
+        )
+        self._wu_earned = earned if earned < _MAX_EARNED else _MAX_EARNED
         return allowed
 
-    def _flush_pending(self) -> None:
-        """Sends what waited on flow control, as the windows now allow."""
-        if not self._blocked:
-            return  # the usual case, on each of a client's WINDOW_UPDATEs
+    def _flush_pending(self, only: Stream | None = None) -> int:
+        """Sends what waited on flow control as the windows now allow (`only`:
+        that stream's); returns the bytes sent. Only streams with data waiting
+        and an open window are visited, and only the newly allowed bytes are
+        sliced: a peer's WINDOW_UPDATE costs what it unblocks, no more."""
+        if self._send_window <= 0 or not self._blocked:
+            return 0  # the usual case, on each of a client's WINDOW_UPDATEs
         chunks: list[bytes] = []
-        for stream_id in list(self._blocked):
+        done: list[Stream] = []
+        total = 0
+        for stream_id in (only.sid,) if only is not None else self._blocked:
             out = self._streams[stream_id]
-            data = bytes(out.pending)
-            sent = self._data_frames(stream_id, out, data, chunks)
-            del out.pending[:sent]
-            self._unsent -= sent
+            if out.window <= 0:
+                continue
+            with memoryview(out.pending) as waiting:
+                sent = self._data_frames(stream_id, out, waiting, chunks)
+            del out.pending[:sent]  # from the front: no copy of the rest
+            total += sent
             if not out.pending:
-                self._blocked.discard(stream_id)
+                done.append(out)
                 if out.end_after is not None:
                     chunks.append(
                         frame(HEADERS, END_HEADERS | END_STREAM, stream_id, out.end_after)
                     )
-                    self._forget(stream_id)
+            if self._send_window <= 0:
+                break
+        self._unsent -= total
+        for out in done:  # not while the set is iterated
+            self._blocked.discard(out.sid)
+            if out.end_after is not None:
+                self._forget(out.sid)
         if chunks:
             self._write(b"".join(chunks))
+        return total
 
     def reset(self, stream_id: int, code: int = CANCEL) -> None:
         """Ends a stream at once (RST_STREAM); nothing more is sent on it."""

@@ -63,9 +63,34 @@ class Limits:
     reset_rate: tuple[float, float] = (200.0, 50.0)
     """Streams the peer resets, or that we must refuse: a burst, then so many
     a second (rapid reset, CVE-2023-44487)."""
+    priority_rate: tuple[float, float] = (100.0, 10.0)
+    """PRIORITY frames: RFC 9113 deprecates them and neither our client nor
+    grpcio's sends any, yet each costs a frame's work (Envoy allows 100 a stream)."""
+    idle_window_update_rate: tuple[float, float] = (100.0, 20.0)
+    """WINDOW_UPDATEs that unblock nothing: beyond `window_updates_per_data`
+    per DATA frame we sent, and with no answer waiting on a window (Envoy's
+    max_inbound_window_update_frames_per_data_frame_sent). A client sends
+    one or two as it connects, then about one per DATA frame it reads."""
+    window_updates_per_data: int = 10
+    """WINDOW_UPDATEs each DATA frame we send earns the peer (Envoy's default)."""
+    empty_data_rate: tuple[float, float] = (100.0, 10.0)
+    """DATA frames with no payload and no END_STREAM: no work for us but a
+    frame's (CVE-2019-9518); a client's half-close is an empty DATA with
+    END_STREAM, which passes."""
+    closed_stream_rate: tuple[float, float] = (200.0, 100.0)
+    """RST_STREAM and WINDOW_UPDATE on streams already closed: a client's may
+    cross our last frame, about one a call; more are a flood."""
+    answered_headers_rate: tuple[float, float] = (100.0, 20.0)
+    """Header blocks on streams already answered: decoded (the HPACK table
+    is shared), then dropped; a gRPC client sends none (no trailers)."""
+    refused_call_rate: tuple[float, float] = (100.0, 20.0)
+    """Calls answered without running (unknown method, refused secret,
+    unsupported encoding, not gRPC): a misconfigured client retries with
+    backoff, far below this; faster is someone probing."""
     work_per_read: int = 512
-    """Work units (a frame 1, a new stream 8) one turn of the loop gives one
-    connection; the rest of its read waits for the next turn."""
+    """Work units (a frame 1, a new stream 8, a SETTINGS entry or a stream its
+    window change walks 1) one turn of the loop gives one connection; the
+    rest of its read waits for the next turn."""
     max_connections: int = 16_384
     """Open connections; past it the longest idle one makes room."""
     idle_s: float = 300.0
@@ -110,6 +135,9 @@ class ProcessBudget:
         self.limits = limits
         self.held = 0
         self.granted = 0
+        self.calmed: dict[str, int] = {}
+        """Connections closed with ENHANCE_YOUR_CALM for a frame flood, by kind
+        (Connection.calm: "priority", "empty_data", ...)."""
 
     def hold(self, nbytes: int) -> bool:
         """Counts `nbytes` more held; False (and nothing counted) past the cap."""

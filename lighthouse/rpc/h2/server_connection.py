@@ -27,7 +27,7 @@ import asyncio
 import collections
 import logging
 import time
-from typing import Any, Protocol
+from typing import Any, NoReturn, Protocol
 
 import hpack
 
@@ -152,6 +152,14 @@ class Connection(StreamTable, asyncio.Protocol):
         self._ping_at = 0.0
         self._settings_rate = TokenBucket(limits.settings_rate)
         self._reset_rate = TokenBucket(limits.reset_rate)
+        self._priority_rate = TokenBucket(limits.priority_rate)
+        self._idle_wu_rate = TokenBucket(limits.idle_window_update_rate)
+        self._empty_data_rate = TokenBucket(limits.empty_data_rate)
+        self._closed_stream_rate = TokenBucket(limits.closed_stream_rate)
+        self._answered_headers_rate = TokenBucket(limits.answered_headers_rate)
+        self._refused_rate = TokenBucket(limits.refused_call_rate)
+        self.calmed = ""
+        """The flood this connection was closed for, if any (`_calm`)."""
 
     # ---- asyncio.Protocol --------------------------------------------------------
 
@@ -343,6 +351,8 @@ class Connection(StreamTable, asyncio.Protocol):
         elif kind == PRIORITY:
             if U32.unpack_from(payload)[0] & MAX_WINDOW == stream_id:
                 raise ProtocolError(PROTOCOL_ERROR, "a stream that depends on itself", stream_id)
+            if not self._priority_rate.take():
+                self._calm("priority", "too many PRIORITY frames")
         elif kind == GOAWAY:
             self._closing = True
         elif kind == PUSH_PROMISE:
@@ -398,7 +408,12 @@ class Connection(StreamTable, asyncio.Protocol):
             return
         if stream_id <= self._last_stream:
             if end_stream and stream_id not in self._reset_by_peer:
-                return  # trailers of a call answered already
+                # Trailers of a call answered already: decoded for the shared
+                # table, dropped, and charged as a call; a gRPC client sends none.
+                self._work -= _NEW_STREAM_WORK
+                if not self._answered_headers_rate.take():
+                    self._calm("answered_headers", "too many header blocks on answered streams")
+                return
             raise ProtocolError(PROTOCOL_ERROR, f"HEADERS opening old stream {stream_id}")
         self._last_stream = stream_id
         self._work -= _NEW_STREAM_WORK
@@ -434,6 +449,8 @@ class Connection(StreamTable, asyncio.Protocol):
 
     def _data(self, flags: int, stream_id: int, payload: bytes) -> None:
         length = len(payload)
+        if not length and not flags & END_STREAM and not self._empty_data_rate.take():
+            self._calm("empty_data", "too many empty DATA frames")  # CVE-2019-9518
         if length > self._credit:
             raise ProtocolError(FLOW_CONTROL_ERROR, "DATA past the connection's window")
         self._credit -= length
@@ -464,21 +481,33 @@ class Connection(StreamTable, asyncio.Protocol):
             self._held += size
         end = stream.remote_done = bool(flags & END_STREAM)
         if length != size:
+            if not size and not end and not self._empty_data_rate.take():
+                self._calm("empty_data", "too many DATA frames of padding only")
             self._give_back(stream)  # the padding is consumed now
         self._handler.on_data(self, stream_id, data, end)
 
     def _settings(self, payload: bytes) -> None:
+        """Charged to the work budget by what it costs: its entries, and the
+        open streams walked when the initial window changes. That walk is
+        done once a frame, with the last value: a frame of 2,730 entries
+        walks the streams once, not 2,730 times."""
         if not self._settings_rate.take():
-            raise ProtocolError(ENHANCE_YOUR_CALM, "too many SETTINGS frames")
-        for key, value in settings(payload):
+            self._calm("settings", "too many SETTINGS frames")
+        pairs = settings(payload)
+        self._work -= len(pairs)
+        window = -1
+        for key, value in pairs:
             if key == SETTINGS_INITIAL_WINDOW_SIZE:
-                delta, self._peer_initial_window = value - self._peer_initial_window, value
-                for out in self._streams.values():
-                    out.window += delta
-                    if out.window > MAX_WINDOW:
-                        raise ProtocolError(FLOW_CONTROL_ERROR, "a stream window over 2^31-1")
+                window = value
             elif key == SETTINGS_MAX_FRAME_SIZE:
                 self._peer_max_frame = value
+        if window >= 0 and window != self._peer_initial_window:
+            delta, self._peer_initial_window = window - self._peer_initial_window, window
+            self._work -= len(self._streams)
+            for out in self._streams.values():
+                out.window += delta
+                if out.window > MAX_WINDOW:
+                    raise ProtocolError(FLOW_CONTROL_ERROR, "a stream window over 2^31-1")
         self._write(frame(SETTINGS, ACK, 0, b""))
         self._flush_pending()
 
@@ -490,11 +519,23 @@ class Connection(StreamTable, asyncio.Protocol):
             if self._send_window + increment > MAX_WINDOW:
                 raise ProtocolError(FLOW_CONTROL_ERROR, "a connection window over 2^31-1")
             self._send_window += increment
+            if self._blocked and self._flush_pending():
+                return
         elif (out := self._streams.get(stream_id)) is not None:
             if out.window + increment > MAX_WINDOW:
                 raise ProtocolError(FLOW_CONTROL_ERROR, "a window over 2^31-1", stream_id)
             out.window += increment
-        self._flush_pending()
+            if stream_id in self._blocked and self._flush_pending(out):
+                return
+        else:
+            if not self._closed_stream_rate.take():
+                self._calm("closed_stream", "too many frames on closed streams")
+            return
+        # It unblocked nothing: free for the DATA frames we sent, then rated.
+        if self._wu_earned > 0:
+            self._wu_earned -= 1
+        elif not self._idle_wu_rate.take():
+            self._calm("window_update", "too many WINDOW_UPDATEs with nothing to send")
 
     def _ping(self, payload: bytes) -> None:
         """Answered, but a peer that pings faster than `ping_interval_s`
@@ -503,7 +544,7 @@ class Connection(StreamTable, asyncio.Protocol):
         if not self._answered and now - self._ping_at < self._limits.ping_interval_s:
             self._ping_strikes += 1
             if self._ping_strikes > self._limits.ping_strikes:
-                raise ProtocolError(ENHANCE_YOUR_CALM, "too many pings")
+                self._calm("ping", "too many pings")
         self._ping_at, self._answered = now, False
         self._write(frame(PING, ACK, 0, payload))
 
@@ -512,10 +553,12 @@ class Connection(StreamTable, asyncio.Protocol):
             raise ProtocolError(PROTOCOL_ERROR, f"RST_STREAM on idle stream {stream_id}")
         if stream_id in self._streams:
             if not self._reset_rate.take():
-                raise ProtocolError(ENHANCE_YOUR_CALM, "too many streams reset")
+                self._calm("reset", "too many streams reset")
             self._forget(stream_id)
             self._reset_by_peer.append(stream_id)
             self._handler.on_closed(self, stream_id)
+        elif not self._closed_stream_rate.take():
+            self._calm("closed_stream", "too many frames on closed streams")
 
     def _stream_error(self, e: ProtocolError) -> None:
         if e.stream in self._streams:
@@ -526,8 +569,31 @@ class Connection(StreamTable, asyncio.Protocol):
     def _refuse(self, stream_id: int, code: int) -> None:
         """RST_STREAM on a stream the peer made us end (resets are rate-bounded)."""
         if not self._reset_rate.take():
-            raise ProtocolError(ENHANCE_YOUR_CALM, "too many streams refused")
+            self._calm("reset", "too many streams refused")
         self._write(frame(RST_STREAM, 0, stream_id, U32.pack(code)))
+
+    def refuse_call(self, stream_id: int, headers: bytes, trailers: bytes | None) -> None:
+        """Answers a call that will not run (an unknown method, a refused
+        secret, an unsupported encoding; `trailers` None: not gRPC, reset).
+        Refusals cost us a decode and an answer, so they are rated; and they
+        do not clear PING strikes, or refused calls would buy a PING flood."""
+        if not self._refused_rate.take():
+            self._calm("refused_call", "too many calls refused")
+        if trailers is None:
+            self.reset(stream_id, PROTOCOL_ERROR)
+            return
+        answered, strikes = self._answered, self._ping_strikes
+        self.send(stream_id, headers, b"", trailers)
+        self._answered, self._ping_strikes = answered, strikes
+
+    def _calm(self, kind: str, why: str) -> NoReturn:
+        """A flood of frames or calls that do no work: the connection ends
+        with GOAWAY ENHANCE_YOUR_CALM (logged once per host), counted by kind
+        in the process budget."""
+        self.calmed = kind
+        counts = self._budget.calmed
+        counts[kind] = counts.get(kind, 0) + 1
+        raise ProtocolError(ENHANCE_YOUR_CALM, why)
 
     def _write(self, data: bytes) -> None:
         """Writes now, or at the end of the read under way: what one read

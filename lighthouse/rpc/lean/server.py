@@ -362,7 +362,8 @@ class LeanServer:
                 if value not in _WBITS:
                     named = echo(value)
                     unsupported = f"compression {named!r} is not supported (gzip, deflate are)"
-                    conn.send(stream_id, _OK_HEADERS, b"", _trailers(_UNIMPLEMENTED, unsupported))
+                    trailers = _trailers(_UNIMPLEMENTED, unsupported)
+                    conn.refuse_call(stream_id, _OK_HEADERS, trailers)
                     return
                 encoding = value
             elif name not in _RESERVED:
@@ -370,20 +371,19 @@ class LeanServer:
                 if name == auth.METADATA_KEY:
                     presented = value
         if method != "POST" or not content_type.startswith("application/grpc"):
-            conn.reset(stream_id, frames.PROTOCOL_ERROR)  # not a gRPC request
+            conn.refuse_call(stream_id, _OK_HEADERS, None)  # not a gRPC request: reset
             return
         handler = self._handlers.get(path)
         if handler is None:
             unknown = _trailers(_UNIMPLEMENTED, f"Method not found: {echo(path)}")
-            conn.send(stream_id, _OK_HEADERS, b"", unknown)
+            conn.refuse_call(stream_id, _OK_HEADERS, unknown)
             return
         if self._secret is not None:
             why = auth.refusal(presented, self._secret, self._service)
             if why is not None:
                 self._refusals.refused(conn.peer.rsplit(":", 1)[0], path, why)
-                conn.send(
-                    stream_id, _OK_HEADERS, b"", _trailers(grpc.StatusCode.UNAUTHENTICATED, why)
-                )
+                trailers = _trailers(grpc.StatusCode.UNAUTHENTICATED, why)
+                conn.refuse_call(stream_id, _OK_HEADERS, trailers)
                 return
         call = _Call(conn, stream_id, handler, path, self._calls)
         call.metadata = tuple(metadata)
