@@ -226,3 +226,53 @@ def test_header_blocks_decode_as_a_fresh_decoder_would_and_only_literal_ones_are
     for block in [ours, resize] + [encoder.encode(trailers) for _ in range(3)] + [ours]:
         assert conn._decode(block) == [(str(k), str(v)) for k, v in reference.decode(block)]
     assert conn._decoded == {ours: first}
+
+
+def test_against_a_server_that_sends_goaway_and_never_closes_we_hold_at_most_two_sockets():
+    """A raw server: it answers every call, then sends GOAWAY and never
+    closes. Each call then goes on a new connection; the old ones are
+    closed by us (issue 48), not held one per step."""
+    import struct
+
+    from lighthouse.rpc.h2.frames import DATA, END_HEADERS, END_STREAM, GOAWAY, HEADERS, frame
+
+    answer = literal(":status", "200") + literal("content-type", "application/grpc")
+    trailers = literal("grpc-status", "0")
+    open_sockets: set[asyncio.StreamWriter] = set()
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        open_sockets.add(writer)
+        try:
+            await reader.readexactly(24)  # the preface
+            writer.write(frame(4, 0, 0, b""))  # our SETTINGS
+            while True:
+                head = await reader.readexactly(9)
+                length = int.from_bytes(head[:3], "big")
+                kind, flags, sid = head[3], head[4], struct.unpack(">I", head[5:])[0] & 0x7FFFFFFF
+                await reader.readexactly(length)
+                if kind == DATA and flags & END_STREAM:
+                    writer.write(
+                        frame(HEADERS, END_HEADERS, sid, answer)
+                        + frame(DATA, 0, sid, b"\0\0\0\0\2ok")
+                        + frame(HEADERS, END_HEADERS | END_STREAM, sid, trailers)
+                        + frame(GOAWAY, 0, 0, struct.pack(">II", sid, 0))
+                    )
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass  # the client closed it: never we
+        finally:
+            open_sockets.discard(writer)
+
+    async def scenario() -> None:
+        server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        channel = LeanChannel(f"127.0.0.1:{port}")
+        try:
+            for _ in range(20):
+                assert await channel.unary(QUORUM, b"", 5) == b"ok"
+                assert len(open_sockets) <= 2
+            await wait_until_async(lambda: len(open_sockets) <= 1, timeout=5)
+        finally:
+            channel.close()
+            server.close()
+
+    asyncio.run(scenario())

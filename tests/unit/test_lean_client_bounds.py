@@ -18,11 +18,19 @@ from collections.abc import Callable
 import grpc
 import pytest
 
+from lighthouse.rpc.h2 import client_connection
 from lighthouse.rpc.h2.client_connection import (
+    KEEPALIVE_S,
+    MAX_CONTINUATIONS,
     MAX_FRAME,
     MAX_HEADER_BLOCK,
+    MAX_SETTINGS,
     MAX_WRITE_BUFFER,
+    NO_WORK_RATE,
+    PING_RATE,
+    PING_TIMEOUT_S,
     RECV_WINDOW,
+    SETTINGS_RATE,
     Unavailable,
 )
 from lighthouse.rpc.h2.frames import (
@@ -54,6 +62,7 @@ from lighthouse.rpc.h2.frames import (
 )
 from lighthouse.rpc.lean.client_calls import MAX_MESSAGE_BYTES, CallFailed, GrpcConnection
 from tests.unit.h2_fakes import FakeTransport
+from tests.unit.virtual_clock import VirtualClockLoop
 
 RESPONSE = literal(":status", "200") + literal("content-type", "application/grpc")
 OK = literal("grpc-status", "0")
@@ -80,6 +89,22 @@ def answer(sid: int, body: bytes = b"ok") -> bytes:
 
 def u32(value: int) -> bytes:
     return struct.pack(">I", value)
+
+
+def flood(frames: bytes, rate: tuple[float, float]) -> bytes:
+    """Twice a rate's burst of `frames`: past it however slow the test runs."""
+    return frames * int(2 * rate[0])
+
+
+NO_WORK = int(2 * NO_WORK_RATE[0])
+
+
+def empty_continuations() -> bytes:
+    """Header blocks of MAX_CONTINUATIONS frames each, all empty but the first."""
+    block = frame(HEADERS, 0, 1, RESPONSE) + frame(CONTINUATION, 0, 1, b"") * (
+        MAX_CONTINUATIONS - 1
+    )
+    return (block + frame(CONTINUATION, END_HEADERS, 1, b"")) * (NO_WORK // MAX_CONTINUATIONS)
 
 
 def oversized_header_list() -> bytes:
@@ -194,6 +219,43 @@ ROWS: list[tuple[str, Callable[[], bytes], tuple]] = [
      lambda: frame(0xFA, 0xFF, 1, b"?") + frame(PRIORITY, 0, 1, u32(0) + b"\x10")
      + frame(PING, 0, 0, bytes(8)) + frame(SETTINGS, 0, 0, struct.pack(">HI", 0xF00D, 1)),
      ("fine", b"ok")),
+    ("a-burst-of-each-no-work-frame",
+     lambda: (frame(PRIORITY, 0, 1, u32(0) + b"\x10") + frame(DATA, 0, 1, b"")
+              + frame(WINDOW_UPDATE, 0, 0, u32(1)) + frame(PING, ACK, 0, bytes(8))) * 100
+     + frame(HEADERS, 0, 3, RESPONSE) + frame(CONTINUATION, 0, 3, b"") * (MAX_CONTINUATIONS - 1)
+     + frame(CONTINUATION, END_HEADERS, 3, b"")
+     + frame(PING, 0, 0, bytes(8)) * 100 + frame(SETTINGS, 0, 0, bytes(6 * MAX_SETTINGS)) * 20,
+     ("fine", b"ok")),
+    # Work without bytes: frames that do nothing, past their rates (issue 48).
+    ("empty-continuations-in-one-block",
+     lambda: frame(HEADERS, 0, 1, RESPONSE) + frame(CONTINUATION, 0, 1, b"") * 100_000,
+     ("aborted", ENHANCE_YOUR_CALM, "a header block in too many frames")),
+    ("empty-continuations-in-many-blocks", empty_continuations,
+     ("aborted", ENHANCE_YOUR_CALM, "too many empty CONTINUATION frames")),
+    ("empty-data-without-end-stream", lambda: frame(DATA, 0, 1, b"") * NO_WORK,
+     ("aborted", ENHANCE_YOUR_CALM, "too many empty DATA frames")),
+    ("priority-flood", lambda: frame(PRIORITY, 0, 1, u32(0) + b"\x10") * NO_WORK,
+     ("aborted", ENHANCE_YOUR_CALM, f"too many frames of type {PRIORITY}")),
+    ("unknown-frame-flood", lambda: frame(0xFA, 0, 0, b"") * NO_WORK,
+     ("aborted", ENHANCE_YOUR_CALM, "too many frames of type 250")),
+    ("unasked-ping-acks", lambda: frame(PING, ACK, 0, bytes(8)) * NO_WORK,
+     ("aborted", ENHANCE_YOUR_CALM, f"too many frames of type {PING}")),
+    ("unasked-acks-of-our-keepalive", lambda: frame(PING, ACK, 0, b"keepaliv") * NO_WORK,
+     ("aborted", ENHANCE_YOUR_CALM, f"too many frames of type {PING}")),
+    ("unasked-settings-acks", lambda: frame(SETTINGS, ACK, 0, b"") * NO_WORK,
+     ("aborted", ENHANCE_YOUR_CALM, f"too many frames of type {SETTINGS}")),
+    ("window-update-plus-1-flood", lambda: frame(WINDOW_UPDATE, 0, 0, u32(1)) * NO_WORK,
+     ("aborted", ENHANCE_YOUR_CALM, "too many WINDOW_UPDATE frames past the data we sent")),
+    ("stream-window-update-flood", lambda: frame(WINDOW_UPDATE, 0, 3, u32(1)) * NO_WORK,
+     ("aborted", ENHANCE_YOUR_CALM, "too many WINDOW_UPDATE frames past the data we sent")),
+    ("ping-flood", lambda: flood(frame(PING, 0, 0, bytes(8)), PING_RATE),
+     ("aborted", ENHANCE_YOUR_CALM, "too many PINGs")),
+    ("settings-flood", lambda: flood(frame(SETTINGS, 0, 0, b""), SETTINGS_RATE),
+     ("aborted", ENHANCE_YOUR_CALM, "too many SETTINGS frames")),
+    ("settings-of-2730-entries", lambda: frame(SETTINGS, 0, 0, bytes(6 * 2730)),
+     ("aborted", ENHANCE_YOUR_CALM, f"over {MAX_SETTINGS} SETTINGS entries")),
+    ("rst-stream-on-a-stream-never-opened", lambda: frame(RST_STREAM, 0, 5, u32(CANCEL)),
+     ("aborted", PROTOCOL_ERROR, "RST_STREAM on stream 5")),
 ]
 # fmt: on
 
@@ -272,7 +334,9 @@ def test_windows_come_back_as_messages_are_taken_not_as_bytes_arrive():
     asyncio.run(scenario())
 
 
-def test_a_server_that_asks_for_answers_and_reads_none_is_dropped():
+def test_a_server_that_asks_for_answers_and_reads_none_is_dropped(monkeypatch):
+    monkeypatch.setattr(client_connection, "PING_RATE", (1e9, 1e9))  # the rate comes first
+
     async def scenario() -> None:
         p = Peer(reads=False)
         pings = frame(PING, 0, 0, bytes(8)) * 1000
@@ -289,3 +353,107 @@ def test_a_server_that_asks_for_answers_and_reads_none_is_dropped():
         assert p.t.frames() == []
 
     asyncio.run(scenario())
+
+
+ENDED = [
+    ("rst-stream", frame(RST_STREAM, 0, 1, u32(CANCEL)), "RST_STREAM frames on ended calls"),
+    ("headers", frame(HEADERS, END_HEADERS, 1, OK), "HEADERS frames on ended calls"),
+    ("goaway", frame(GOAWAY, 0, 0, u32(3) + u32(0)), "GOAWAY frames"),
+]
+
+
+@pytest.mark.parametrize("one, pattern", [r[1:] for r in ENDED], ids=[r[0] for r in ENDED])
+def test_frames_on_an_ended_call_are_no_work_past_their_rate(one, pattern):
+    """The unary call answered, a flood on it (or of GOAWAYs) ends the
+    connection, and the stream still open on it fails Unavailable."""
+
+    async def scenario() -> None:
+        p = Peer()
+        p.conn.data_received(answer(1) + one * 10)  # one crossing our reset: fine
+        assert p.unary.done.result() == b"ok" and not p.t.aborted
+        p.conn.data_received(one * NO_WORK)
+        goaways = [struct.unpack(">I", f[3][4:8])[0] for f in p.t.frames() if f[0] == GOAWAY]
+        assert p.t.aborted and goaways == [ENHANCE_YOUR_CALM]
+        error = p.stream.done.exception()
+        assert isinstance(error, Unavailable) and f"too many {pattern}" in str(error), error
+
+    asyncio.run(scenario())
+
+
+def goaway(last: int) -> bytes:
+    return frame(GOAWAY, 0, 0, u32(last) + u32(0))
+
+
+def test_a_connection_the_server_sent_goaway_on_is_closed_once_its_last_call_ends():
+    async def scenario() -> None:
+        # GOAWAY with both calls under its last stream: they go on; closed after the last.
+        p = Peer()
+        p.conn.data_received(goaway(3) + answer(1))
+        assert p.unary.done.result() == b"ok" and not p.t.closed
+        with pytest.raises(Unavailable, match="no open connection"):
+            p.conn.start(b"", b"another")
+        p.conn.data_received(frame(DATA, 0, 3, message(b"hi")))
+        assert p.messages == [b"hi"] and not p.t.closed
+        p.conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, 3, OK))
+        assert p.stream.done.result() == b"" and p.t.closed
+        assert GOAWAY not in [f[0] for f in p.t.frames()]  # closed, not broken
+        # The call the GOAWAY leaves out fails; the other's answer closes it.
+        p = Peer()
+        p.conn.data_received(goaway(1))
+        assert "going away" in str(p.stream.done.exception()) and not p.t.closed
+        p.conn.data_received(answer(1))
+        assert p.unary.done.result() == b"ok" and p.t.closed
+        # Answered first, then GOAWAY: closed at once. Cancelled: closed too.
+        p = Peer()
+        p.conn.cancel(3)
+        p.conn.data_received(answer(1) + goaway(1))
+        assert p.t.closed
+        p = Peer()
+        p.conn.data_received(goaway(3))
+        p.conn.cancel(1)
+        assert not p.t.closed
+        p.conn.cancel(3)
+        assert p.t.closed and [f[0] for f in p.t.frames()] == [RST_STREAM, RST_STREAM]
+
+    asyncio.run(scenario())
+
+
+def pings(frames: list[tuple[int, int, int, bytes]]) -> list[bytes]:
+    return [f[3] for f in frames if f[0] == PING and not f[1] & ACK]
+
+
+def test_a_silent_server_is_pinged_and_dropped_without_an_answer():
+    """On a virtual clock: with calls open, silence for KEEPALIVE_S gets a
+    PING; an answer (any frame) keeps the connection, none within
+    PING_TIMEOUT_S ends it. Without calls, no timer and no PING."""
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        p = Peer()
+        await asyncio.sleep(KEEPALIVE_S * 3)
+        assert len(pings(p.t.frames())) == 1 and p.t.aborted  # one PING, no answer
+        error = p.unary.done.exception()
+        assert isinstance(error, Unavailable) and "of our PING" in str(error), error
+
+        p = Peer()
+        start = loop.time()
+        await asyncio.sleep(KEEPALIVE_S + 0.5)  # silence: the PING is out
+        sent = pings(p.t.frames())
+        assert len(sent) == 1 and not p.t.aborted
+        p.conn.data_received(frame(PING, ACK, 0, sent[0]))
+        await asyncio.sleep(PING_TIMEOUT_S)
+        assert not p.t.aborted
+        for _ in range(10):  # a server that talks is never pinged
+            await asyncio.sleep(KEEPALIVE_S / 2)
+            p.conn.data_received(frame(DATA, 0, 3, message(b"hi")))
+        assert pings(p.t.frames()) == [] and not p.t.aborted
+        assert loop.time() - start > 6 * KEEPALIVE_S
+        p.conn.data_received(answer(1) + frame(HEADERS, END_HEADERS | END_STREAM, 3, OK))
+        await asyncio.sleep(KEEPALIVE_S * 10)  # no call open: nothing to ask
+        assert pings(p.t.frames()) == [] and not p.t.aborted
+
+    loop = VirtualClockLoop()
+    try:
+        loop.run_until_complete(scenario())
+    finally:
+        loop.close()

@@ -10,9 +10,18 @@ The server is not trusted: what it can make a connection hold is bounded
 (frames of MAX_FRAME bytes, header blocks of MAX_HEADER_BLOCK before
 decoding and MAX_HEADER_LIST after, what each stream holds by its
 ClientStream, windows given back as the stream takes its bytes,
-MAX_WRITE_BUFFER of our answers unread). A broken rule of RFC 9113 aborts
-the connection (GOAWAY with the RFC's error code), and its streams fail
-with `Unavailable`.
+MAX_WRITE_BUFFER of our answers unread), and so is the work it can make
+us do: frames that do nothing for a call (PRIORITY, empty DATA or
+CONTINUATION, SETTINGS, PINGs, resets and window updates past what our
+calls explain) have rates per connection, as our server's do
+(lighthouse.rpc.h2.limits). A broken rule of RFC 9113, or a rate passed,
+aborts the connection (GOAWAY with the RFC's error code, or
+ENHANCE_YOUR_CALM), and its streams fail with `Unavailable`.
+
+Time is bounded too: a connection with calls open that hears nothing for
+KEEPALIVE_S is PINGed, and aborted without an answer (a server gone
+without FIN); one the server sent GOAWAY on is closed once its last call
+ends (a server that never closes it would cost us a socket per step).
 """
 
 from __future__ import annotations
@@ -62,6 +71,7 @@ from lighthouse.rpc.h2.frames import (
     unpad,
     window_increment,
 )
+from lighthouse.rpc.h2.limits import TokenBucket
 
 _SETTING = struct.Struct(">HI")
 _U32 = struct.Struct(">I")
@@ -92,6 +102,34 @@ MAX_UNSENT = 65_536
 fails: a server that takes none of them is as good as gone."""
 CACHED_BLOCKS = 16
 """Decoded header blocks a connection keeps (ClientConnection._decode)."""
+MAX_CONTINUATIONS = 64
+"""CONTINUATION frames in one header block, as our server allows."""
+MAX_SETTINGS = 64
+"""Entries in one SETTINGS frame (RFC 9113 defines six; 16 KiB holds 2,730)."""
+NO_WORK_RATE = (1024.0, 256.0)
+"""Frames that do nothing for a call (PRIORITY, empty DATA without
+END_STREAM, empty CONTINUATION, unknown types, acks we did not ask for,
+HEADERS or RST_STREAM on ended calls, GOAWAY after the first, window
+updates past UPDATES_PER_SEND): a burst, then so many a second. A server
+sends these rarely (an answer crossing our reset), a flood keeps our loop
+busy."""
+SETTINGS_RATE = (32.0, 4.0)
+"""SETTINGS frames: a burst, then so many a second (our server's rate)."""
+PING_RATE = (256.0, 64.0)
+"""The server's PINGs: a burst, then so many a second. Generous: servers
+probe bandwidth with PINGs as answers flow (C-core's BDP estimator)."""
+UPDATES_PER_SEND = 2
+"""WINDOW_UPDATEs a stream id we opened or DATA frame we sent explains (the
+stream's and the connection's), beyond UPDATE_SLACK; past them they are
+no-work frames."""
+UPDATE_SLACK = 64
+KEEPALIVE_S = 10.0
+"""With calls open, a connection that heard nothing from the server within
+one to two of these is sent a PING (checked on a timer, not per read)."""
+PING_TIMEOUT_S = 5.0
+"""... and aborted if nothing comes back within this: the server is gone
+without a FIN (a partition), and the calls would wait out their deadlines."""
+_KEEPALIVE_PING = b"keepaliv"
 
 
 class Unavailable(Exception):
@@ -146,6 +184,23 @@ class ClientConnection(asyncio.Protocol):
         self._recv_unacked = 0
         """Bytes of the connection's window taken or dropped and not yet given back."""
         self.closing = False
+        """No new calls: lost, aborted, or the server sent GOAWAY (then
+        closed by us once `calls` is empty)."""
+        self._block_frames = 0
+        self._no_work = TokenBucket(NO_WORK_RATE)
+        self._settings_rate = TokenBucket(SETTINGS_RATE)
+        self._ping_rate = TokenBucket(PING_RATE)
+        self._updates = 0
+        """WINDOW_UPDATEs received (UPDATES_PER_SEND)."""
+        self._data_frames = 0
+        """DATA frames sent by `send` (requests count by stream id)."""
+        self._reads = 0
+        """Reads from the server: the keepalive timer checks it moved."""
+        self._reads_seen = 0
+        self._pinged = False
+        """Our keepalive PING waits for its ACK: that one is no flood."""
+        self._keepalive: asyncio.TimerHandle | None = None
+        """The keepalive's timer while calls are open; None when idle."""
 
     def connection_made(self, transport: Any) -> None:
         self.transport = transport
@@ -168,11 +223,15 @@ class ClientConnection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport, self.closing = None, True
+        if self._keepalive is not None:
+            self._keepalive.cancel()
+            self._keepalive = None
         calls, self.calls = self.calls, {}
         for call in calls.values():
             call.fail(Unavailable(f"connection lost: {exc or 'closed by the server'}"))
 
     def data_received(self, data: bytes) -> None:
+        self._reads += 1
         buf = self._buf
         buf += data
         pos, size, out = 0, len(buf), list[bytes]()
@@ -198,6 +257,8 @@ class ClientConnection(asyncio.Protocol):
             self._recv_unacked = 0
         if out and self.transport is not None:
             self.transport.write(b"".join(out))
+        if self.closing and not self.calls:
+            self._drained()
 
     def _frame(
         self, kind: int, flags: int, stream_id: int, payload: bytes, out: list[bytes]
@@ -215,9 +276,16 @@ class ClientConnection(asyncio.Protocol):
             self._block_stream, self._block_end = stream_id, bool(flags & END_STREAM)
             if flags & END_HEADERS:
                 self._headers_done()
+            else:
+                self._block_frames = 0
         elif kind == CONTINUATION:
             if stream_id != self._block_stream or not stream_id:
                 raise ProtocolError(PROTOCOL_ERROR, "CONTINUATION without its HEADERS")
+            self._block_frames += 1
+            if self._block_frames > MAX_CONTINUATIONS:
+                raise ProtocolError(ENHANCE_YOUR_CALM, "a header block in too many frames")
+            if not payload:
+                self._idle("empty CONTINUATION frames")
             if len(self._block) + len(payload) > MAX_HEADER_BLOCK:
                 raise ProtocolError(ENHANCE_YOUR_CALM, "a header block over the limit")
             self._block += payload
@@ -232,19 +300,32 @@ class ClientConnection(asyncio.Protocol):
     ) -> None:
         """Frames but DATA and header blocks, their lengths and stream checked."""
         if kind == SETTINGS and not flags & ACK:
+            if not self._settings_rate.take():
+                raise ProtocolError(ENHANCE_YOUR_CALM, "too many SETTINGS frames")
+            if len(payload) > 6 * MAX_SETTINGS:
+                raise ProtocolError(ENHANCE_YOUR_CALM, f"over {MAX_SETTINGS} SETTINGS entries")
+            window = None
             for key, value in settings(payload):
-                if key == SETTINGS_INITIAL_WINDOW_SIZE:  # every stream's window moves
-                    for open_call in self.calls.values():
-                        open_call.window += value - self._peer_initial_window
-                        if open_call.window > MAX_WINDOW:
-                            raise ProtocolError(FLOW_CONTROL_ERROR, "a window over 2^31-1")
-                    self._peer_initial_window = value
+                if key == SETTINGS_INITIAL_WINDOW_SIZE:
+                    window = value  # the last one holds; streams move once
                 elif key == SETTINGS_MAX_FRAME_SIZE:
                     self._peer_max_frame = value
+            if window is not None:  # every stream's window moves
+                for open_call in self.calls.values():
+                    open_call.window += window - self._peer_initial_window
+                    if open_call.window > MAX_WINDOW:
+                        raise ProtocolError(FLOW_CONTROL_ERROR, "a window over 2^31-1")
+                self._peer_initial_window = window
             out.append(frame(SETTINGS, ACK, 0, b""))
         elif kind == PING and not flags & ACK:
+            if not self._ping_rate.take():
+                raise ProtocolError(ENHANCE_YOUR_CALM, "too many PINGs")
             out.append(frame(PING, ACK, 0, payload))
         elif kind == WINDOW_UPDATE:
+            self._updates += 1
+            explained = self._next_stream + UPDATES_PER_SEND * self._data_frames + UPDATE_SLACK
+            if self._updates > explained:
+                self._idle("WINDOW_UPDATE frames past the data we sent")
             increment = window_increment(payload, stream_id)
             if stream_id == 0:
                 self._send_window += increment
@@ -257,11 +338,17 @@ class ClientConnection(asyncio.Protocol):
             if window > MAX_WINDOW:
                 raise ProtocolError(FLOW_CONTROL_ERROR, "a window over 2^31-1")
         elif kind == RST_STREAM:
+            if not stream_id % 2 or stream_id >= self._next_stream:
+                raise ProtocolError(PROTOCOL_ERROR, f"RST_STREAM on stream {stream_id}, not ours")
             call = self._forget(stream_id)
-            if call is not None:
+            if call is None:
+                self._idle("RST_STREAM frames on ended calls")
+            else:
                 (code,) = _U32.unpack(payload)
                 call.fail(Unavailable(f"the server reset the call (HTTP/2 error {code})"))
         elif kind == GOAWAY:
+            if self.closing:
+                self._idle("GOAWAY frames")
             self.closing = True
             last = _U32.unpack_from(payload)[0] & MAX_WINDOW
             for sid in [s for s in self.calls if s > last]:
@@ -270,7 +357,10 @@ class ClientConnection(asyncio.Protocol):
                     call.fail(Unavailable("the server is going away"))
         elif kind == PUSH_PROMISE:
             raise ProtocolError(PROTOCOL_ERROR, "PUSH_PROMISE, though we disabled push")
-        # PRIORITY, the acks and unknown types: nothing to do.
+        elif kind == PING and self._pinged and payload == _KEEPALIVE_PING:
+            self._pinged = False  # our keepalive's answer (its read counted: data_received)
+        else:  # PRIORITY, acks we did not ask for (but SETTINGS's first), unknown types
+            self._idle(f"frames of type {kind} that do nothing")
 
     def _headers_done(self) -> None:
         stream_id, self._block_stream = self._block_stream, 0
@@ -279,13 +369,30 @@ class ClientConnection(asyncio.Protocol):
         if call is None:
             if not stream_id % 2 or stream_id >= self._next_stream:
                 raise ProtocolError(PROTOCOL_ERROR, f"HEADERS on stream {stream_id}, not ours")
-            return  # a call that has ended
+            self._idle("HEADERS frames on ended calls")
+            return
         if not self._block_end:
             call.headers = headers
             return
         del self.calls[stream_id]
         self._recv_unacked += len(call.body)  # what it held comes back
         call.finish(headers)
+
+    def _idle(self, what: str) -> None:
+        """A frame that did no work: past NO_WORK_RATE, the connection ends."""
+        if not self._no_work.take():
+            raise ProtocolError(ENHANCE_YOUR_CALM, f"too many {what}")
+
+    def _drained(self) -> None:
+        """After the server's GOAWAY, the connection is closed by us once no
+        call is left on it (checked after each read and `cancel`): a server
+        may never close it itself."""
+        transport = self.transport
+        if transport is not None:
+            if transport.get_write_buffer_size():
+                transport.abort()  # what is left would only keep the socket
+            else:
+                transport.close()
 
     def _decode(self, block: bytes) -> list[tuple[str, str]]:
         """Every block is decoded in order (the table is shared state), but
@@ -307,6 +414,8 @@ class ClientConnection(asyncio.Protocol):
         they arrive: a call holds at most one message, so the server can
         make us hold no more than that per call."""
         size = len(payload)
+        if not size and not flags & END_STREAM:
+            self._idle("empty DATA frames")
         if flags & PADDED:
             payload = unpad(flags, payload)
         call = self.calls.get(stream_id)
@@ -354,6 +463,8 @@ class ClientConnection(asyncio.Protocol):
         stream.window = self._peer_initial_window - len(body)
         self.calls[stream_id] = stream
         self._send_window -= len(body)
+        if self._keepalive is None:
+            self._arm(KEEPALIVE_S, self._keepalive_due)
         self.transport.write(
             frame(HEADERS, END_HEADERS, stream_id, headers)
             + frame(DATA, END_STREAM, stream_id, body)
@@ -368,6 +479,8 @@ class ClientConnection(asyncio.Protocol):
         stream_id, self._next_stream = self._next_stream, self._next_stream + 2
         stream.window = self._peer_initial_window
         self.calls[stream_id] = stream
+        if self._keepalive is None:
+            self._arm(KEEPALIVE_S, self._keepalive_due)
         self.transport.write(frame(HEADERS, END_HEADERS, stream_id, headers))
         return stream_id
 
@@ -382,7 +495,40 @@ class ClientConnection(asyncio.Protocol):
             raise Unavailable("a message larger than the server's window or frame size")
         self._send_window -= len(body)
         stream.window -= len(body)
+        self._data_frames += 1
         self.transport.write(frame(DATA, 0, stream_id, body))
+
+    def _arm(self, delay: float, then: Any) -> None:
+        """The keepalive's next check, `delay` from now; what it has heard
+        counts from here."""
+        self._reads_seen = self._reads
+        self._keepalive = asyncio.get_running_loop().call_later(delay, then)
+
+    def _keepalive_due(self) -> None:
+        """KEEPALIVE_S since the last check: heard from the server since, or
+        no call open, nothing to do (and, idle, no timer until the next
+        call); else a PING, which PING_TIMEOUT_S must see answered."""
+        self._keepalive = None
+        if self.transport is None or not self.calls:
+            return
+        if self._reads != self._reads_seen:
+            self._arm(KEEPALIVE_S, self._keepalive_due)
+            return
+        self.transport.write(frame(PING, 0, 0, _KEEPALIVE_PING))
+        self._pinged = True
+        self._arm(PING_TIMEOUT_S, self._ping_due)
+
+    def _ping_due(self) -> None:
+        self._keepalive = None
+        if self.transport is None:
+            return
+        if self._reads == self._reads_seen:
+            self.abort(
+                f"nothing from the server within {PING_TIMEOUT_S:g} s of our PING, "
+                f"after {KEEPALIVE_S:g} s of silence"
+            )
+        elif self.calls:
+            self._arm(KEEPALIVE_S, self._keepalive_due)
 
     def cancel(self, stream_id: int) -> None:
         if self._forget(stream_id) is not None and self.transport is not None:
@@ -391,6 +537,8 @@ class ClientConnection(asyncio.Protocol):
                 out += frame(WINDOW_UPDATE, 0, 0, _U32.pack(self._recv_unacked))
                 self._recv_unacked = 0
             self.transport.write(out)
+            if self.closing and not self.calls:
+                self._drained()
 
     def abort(self, why: str) -> None:
         self.closing = True

@@ -116,7 +116,9 @@ class LeanChannel:
         self._static = literal(":authority", target) + b"".join(literal(k, v) for k, v in metadata)
         self._conn: GrpcConnection | None = None
         self._old: list[GrpcConnection] = []
-        """Connections replaced while open (a GOAWAY): closed with the channel."""
+        """Connections replaced while open (a GOAWAY): each closes itself once
+        its last call ends (ClientConnection._drained), or with the channel;
+        so only those still carrying a call are kept."""
         self._connecting: asyncio.Task[GrpcConnection] | None = None
         self._closed = False
         self._retry_at = 0.0
