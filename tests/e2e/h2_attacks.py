@@ -725,6 +725,37 @@ def stream_flood(addr: str, budget: Budget) -> Attack:
     return Attack(budget, [peer], f"{messages} heartbeats on one stream; {peer.state()}")
 
 
+def priority_flood(addr: str, budget: Budget) -> Attack:
+    """(o) PRIORITY frames, which ask for no work (RFC 9113 deprecates them), as fast as
+    the server takes them."""
+    peer = Peer(addr, budget, rcvbuf=SMALL_RCVBUF)
+    return _flood(peer, budget, frame(PRIORITY, 0, 1, bytes(5)), "PRIORITY")
+
+
+def window_update_flood(addr: str, budget: Budget) -> Attack:
+    """(p) Connection WINDOW_UPDATEs of +1 while the server has nothing to send."""
+    peer = Peer(addr, budget, rcvbuf=SMALL_RCVBUF)
+    return _flood(peer, budget, frame(WINDOW_UPDATE, 0, 0, _U32.pack(1)), "WINDOW_UPDATE +1")
+
+
+def empty_data_flood(addr: str, budget: Budget) -> Attack:
+    """(q) Empty DATA frames without END_STREAM on an open call (CVE-2019-9518)."""
+    peer = Peer(addr, budget, rcvbuf=SMALL_RCVBUF)
+    stream_id = peer.open(request_headers(peer.authority, method("Quorum")))
+    return _flood(peer, budget, frame(DATA, 0, stream_id, b""), "empty DATA")
+
+
+def answered_headers_flood(addr: str, budget: Budget) -> Attack:
+    """(r) A call to an unknown method, answered; then its header block again and again on
+    that answered stream (HEADERS with END_STREAM, as trailers): each is decoded, then
+    dropped."""
+    peer = Peer(addr, budget, rcvbuf=SMALL_RCVBUF)
+    block = literals(request_headers(peer.authority, method("NoSuchMethod")))
+    peer.send(frame(HEADERS, END_HEADERS | END_STREAM, 1, block))
+    peer.wait_ended(1)
+    return _flood(peer, budget, frame(HEADERS, END_HEADERS | END_STREAM, 1, block), "HEADERS")
+
+
 @dataclass(frozen=True)
 class Spec:
     run: Callable[[str, Budget], Attack]
@@ -748,4 +779,8 @@ ATTACKS: dict[str, Spec] = {
     "malformed_frames": Spec(malformed_frames, 8 * MB),
     "work_budget": Spec(work_budget, 64 * MB),
     "stream_flood": Spec(stream_flood, 256 * MB),
+    "priority_flood": Spec(priority_flood, 64 * MB),
+    "window_update_flood": Spec(window_update_flood, 64 * MB),
+    "empty_data_flood": Spec(empty_data_flood, 64 * MB),
+    "answered_headers_flood": Spec(answered_headers_flood, 64 * MB),
 }
