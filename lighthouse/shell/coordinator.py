@@ -134,8 +134,6 @@ class Coordinator:
         self.deadlines = Deadlines(self._overdue)
         self._response: tuple[Quorum | None, bytes] = (None, b"")
         self._views: QuorumViews | None = None
-        self.spares: dict[int, asyncio.Future[str]] = {}
-        """ticket -> the future of a waiting TakeReplicaGroup call."""
         self.outboxes: dict[str, set[Outbox]] = {}
         """replica_id -> the outboxes of its HeartbeatPaced streams (gone notices)."""
         self._deciding = Paced(self._decide_now)
@@ -168,9 +166,11 @@ class Coordinator:
         elif isinstance(effect, Fail):
             self.end(effect.ticket, effect.error)
         elif isinstance(effect, Placed):
-            spare = self.spares.pop(effect.ticket, None)
-            if spare is not None and not spare.done():
-                spare.set_result(effect.group)
+            waiting = self.parked.pop(effect.ticket, None)
+            if waiting is not None:  # the membership let it go as it placed it
+                if waiting.slot >= 0:
+                    self.deadlines.remove(waiting.slot, effect.ticket)
+                waiting.call.answer(pb.TakeReplicaGroupResponse(replica_group=effect.group))
             self.metrics.spares_waiting.set(self.membership.num_spares_waiting())
         elif isinstance(effect, Handed):
             if effect.promotion:
@@ -273,13 +273,21 @@ class Coordinator:
             self.end(ticket, self.timeout_error(call.replica_id, call.budget_s))
 
     def end(self, ticket: int, error: Exception) -> None:
-        """Fails a waiting Quorum call with `error`."""
+        """Ends a waiting call: a Quorum call fails with `error`; a spare is
+        answered "no group yet" (it asks again: a spare outlives deadlines
+        and lighthouse restarts)."""
         waiting = self.parked.pop(ticket, None)
-        if waiting is not None:
-            if waiting.slot >= 0:
-                self.deadlines.remove(waiting.slot, ticket)
-            self.membership.withdraw(waiting.replica_id, ticket)
-            waiting.call.fail(error)
+        if waiting is None:
+            return
+        if waiting.slot >= 0:
+            self.deadlines.remove(waiting.slot, ticket)
+        if waiting.spare:
+            self.membership.spare_ends(ticket)
+            self.metrics.spares_waiting.set(self.membership.num_spares_waiting())
+            waiting.call.answer(pb.TakeReplicaGroupResponse(replica_group=""))
+            return
+        self.membership.withdraw(waiting.replica_id, ticket)
+        waiting.call.fail(error)
 
     def quorum_response(self, quorum: Quorum, viewer: wire.Viewer | None = None) -> bytes:
         """`viewer`'s view of `quorum` when it asked for one (O(its group
@@ -301,6 +309,10 @@ class Coordinator:
         waiting = self.parked.pop(ticket, None)
         if waiting is not None and waiting.slot >= 0:
             self.deadlines.remove(waiting.slot, ticket)
+        if waiting is not None and waiting.spare:
+            self.membership.spare_ends(ticket)
+            self.metrics.spares_waiting.set(self.membership.num_spares_waiting())
+            return
         self.membership.withdraw(replica_id, ticket)
 
     def leave(self, replica_id: str) -> None:
@@ -322,22 +334,27 @@ class Coordinator:
         now = time.monotonic()
         self.apply(self.membership.stream_ended(now, replica_id), now)
 
-    async def take_replica_group(self, spare_id: str, wanted: str) -> str:
-        """Waits until the caller may train as a replica group; returns its name."""
+    def park_spare(
+        self, spare_id: str, wanted: str, call: Call, budget_s: float | None
+    ) -> Parked | None:
+        """Registers a TakeReplicaGroup call that waits parked, beside the
+        Quorum calls: `call` gets the group to train as once there is one,
+        or "" (ask again) when `budget_s` (None: no deadline) is up. Returns
+        its record while it waits (None: answered in this turn); the caller
+        must `withdraw` it if it ends otherwise."""
         now = time.monotonic()
         outcome = self.membership.spare_waits(now, spare_id, wanted)
         if outcome.error is not None:
             raise outcome.error
-        future: asyncio.Future[str] = asyncio.get_running_loop().create_future()
-        self.spares[outcome.ticket] = future
+        parked = Parked(call, spare_id, outcome.ticket, None, now, budget_s, spare=True)
+        self.parked[outcome.ticket] = parked
         self.metrics.spares_waiting.set(self.membership.num_spares_waiting())
-        self.apply(outcome, now)
-        try:
-            return await asyncio.shield(future)
-        finally:
-            if self.spares.pop(outcome.ticket, None) is not None:
-                self.membership.spare_ends(outcome.ticket)
-                self.metrics.spares_waiting.set(self.membership.num_spares_waiting())
+        self.apply(outcome, now)  # may place it already
+        if self.parked.get(outcome.ticket) is not parked:
+            return None
+        if budget_s is not None:
+            parked.slot = self.deadlines.add(parked.ticket, budget_s)
+        return parked
 
     def decide_soon(self) -> None:
         """Decides once for all the calls that arrive meanwhile: a decision

@@ -1,4 +1,5 @@
-"""Quorum calls parked until their quorum (lighthouse.rpc.call's `park`):
+"""Calls parked until their answer (lighthouse.rpc.call's `park`), Quorum
+calls and hot spares' TakeReplicaGroup calls alike:
 their records and their deadlines. On our own runtime a parked call has no
 task and no future; on either, the coordinator answers it through its call
 in the turn that issues its quorum, or fails it with its error (its
@@ -31,6 +32,9 @@ class Parked:
     """How long it may wait (the servicer's reply budget); None: no deadline."""
     slot: int = -1
     """Its deadline's slot in Deadlines (-1: none)."""
+    spare: bool = False
+    """A TakeReplicaGroup call (`replica_id` is then the spare's id): its
+    deadline answers "no group yet" rather than failing it."""
 
 
 class Deadlines:

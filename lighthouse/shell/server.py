@@ -17,11 +17,11 @@ from typing import Any
 
 from lighthouse import wire
 from lighthouse.core.quorum import LighthouseConfig, QuorumMember
-from lighthouse.loop import BackgroundLoop, reply_budget_s, wait_within
+from lighthouse.loop import BackgroundLoop, reply_budget_s
 from lighthouse.rpc import auth, errors, serve
 from lighthouse.rpc.address import advertised_host, join_host_port, parse_bind
 from lighthouse.rpc.call import Call
-from lighthouse.rpc.errors import DuplicateGroupError, QuorumError, QuorumTimeoutError
+from lighthouse.rpc.errors import DuplicateGroupError, QuorumError
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.rpc.tls import TLSConfig, scheme
@@ -91,22 +91,18 @@ class _LighthouseServicer:
             if stream.replica_id:
                 self._coord.stream_ended(stream.replica_id, outbox)
 
-    async def TakeReplicaGroup(
-        self, request: pb.TakeReplicaGroupRequest, call: Call
-    ) -> pb.TakeReplicaGroupResponse:
-        """The group to train as, or "" when the call's deadline comes first
-        (the caller asks again: a spare may wait for hours)."""
+    async def TakeReplicaGroup(self, request: pb.TakeReplicaGroupRequest, call: Call) -> None:
+        """Parks the call: the coordinator answers it with the group to train
+        as, or with "" when the call's deadline comes first (the caller asks
+        again: a spare may wait for hours)."""
+        budget_s = reply_budget_s(call.time_remaining())
         try:
-            group = await wait_within(
-                self._coord.take_replica_group(request.spare_id, request.wanted),
-                reply_budget_s(call.time_remaining()),
-                lambda: QuorumTimeoutError("no group yet"),
-            )
-        except QuorumTimeoutError:
-            group = ""
+            parked = self._coord.park_spare(request.spare_id, request.wanted, call, budget_s)
         except Exception as e:
             await errors.abort(call, e)
-        return pb.TakeReplicaGroupResponse(replica_group=group)
+        if parked is not None:
+            rid, ticket = parked.replica_id, parked.ticket
+            call.park(lambda: self._coord.withdraw(rid, ticket))
 
     async def Leave(
         self, request: pb.LighthouseLeaveRequest, call: Call
@@ -259,15 +255,13 @@ class LighthouseServer:
         if hasattr(self, "_ticker"):
             self._ticker.cancel()
         # Answer waiting calls before the server cancels their handlers (a
-        # cancelled handler is logged by grpc as an unhandled error).
+        # cancelled handler is logged by grpc as an unhandled error); a spare
+        # hears "ask again": it outlives a lighthouse restart.
         waiting = bool(self._coord.parked)
         for ticket in list(self._coord.parked):
             self._coord.end(ticket, QuorumError("the lighthouse is shutting down"))
         self._coord.deadlines.close()
-        spares = [f for f in self._coord.spares.values() if not f.done()]
-        for spare in spares:
-            spare.set_result("")  # "ask again": a spare outlives a lighthouse restart
-        if waiting or spares:
+        if waiting:
             await asyncio.sleep(0.05)  # lets their handlers send the answer
         await self._server.stop(grace=None)
         if self._state is not None:

@@ -18,10 +18,14 @@ pytestmark = pytest.mark.timeout(60)
 HEARTBEAT_TIMEOUT_MS = 400
 
 
-@pytest.fixture
-def lighthouse():
+@pytest.fixture(params=["lean", "grpcio"])
+def lighthouse(request):
+    """A lighthouse on each server runtime: a spare's call waits parked on either."""
     server = LighthouseServer(
-        bind="127.0.0.1:0", min_replicas=1, heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS
+        bind="127.0.0.1:0",
+        min_replicas=1,
+        heartbeat_timeout_ms=HEARTBEAT_TIMEOUT_MS,
+        rpc_server=request.param,
     )
     yield server
     server.shutdown()
