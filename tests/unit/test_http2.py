@@ -171,11 +171,11 @@ def test_a_repeated_block_of_indexed_fields_is_decoded_once_until_the_table_chan
     conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, 1, first))
     conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, 3, again))
     conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, 5, again))
-    assert list(conn._decoded) == [again]
+    assert list(conn._header_lists.cached) == [again]
     # A block that adds to the table may shift what the same indexes mean.
     changed = [*REQUEST[:2], (":path", "/svc/Other"), *REQUEST[3:]]
     conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, 7, conn.enc.encode(changed)))
-    assert conn._decoded == {}
+    assert conn._header_lists.cached == {}
     conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, 9, conn.enc.encode(changed)))
     paths = [e[2][":path"] for e in conn.handler.events if e[0] == "headers"]
     assert paths == ["/svc/M", "/svc/M", "/svc/M", "/svc/Other", "/svc/Other"]
@@ -199,14 +199,14 @@ def test_a_block_of_never_indexed_literals_is_decoded_once_and_the_cache_is_boun
     block = b"\x83\x86" + b"".join(literal(k, v) for k, v in REQUEST[2:])
     for sid in (1, 3, 5):
         conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, sid, block))
-    assert list(conn._decoded) == [block]
+    assert list(conn._header_lists.cached) == [block]
     long = block + literal("x-long", "v" * 600)
     conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, 7, long))
-    assert long not in conn._decoded
+    assert long not in conn._header_lists.cached
     for i in range(40):
         distinct = block + literal("x-n", str(i))
         conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, 9 + 2 * i, distinct))
-    assert len(conn._decoded) == 16
+    assert len(conn._header_lists.cached) == 16
     paths = {e[2][":path"] for e in conn.handler.events if e[0] == "headers"}
     assert paths == {"/svc/M"}
 

@@ -70,24 +70,17 @@ from lighthouse.rpc.h2.frames import (
     frame_at,
     header_fragment,
     settings,
-    table_neutral,
     unpad,
     window_increment,
 )
+from lighthouse.rpc.h2.header_lists import MALFORMED, HeaderLists
 from lighthouse.rpc.h2.limits import LIMITS, Limits, PeerLog, ProcessBudget, TokenBucket
 
 logger = logging.getLogger(__name__)
 _peer_log = PeerLog(logger)
 
-_CACHED_BLOCKS = 16
-_CACHED_BLOCK_BYTES = 512
-"""Decoded blocks kept per connection (`_decode`), and the largest kept: a
-request's block is 20-250 bytes; a peer's must not make one hold more."""
 _NEW_STREAM_WORK = 8
 """A new stream's share of `Limits.work_per_read`: a call, not just a frame."""
-_CONNECTION_SPECIFIC = frozenset(
-    ("connection", "keep-alive", "proxy-connection", "transfer-encoding", "upgrade")
-)
 
 
 class StreamHandler(Protocol):
@@ -126,11 +119,7 @@ class Connection(StreamTable, asyncio.Protocol):
         """len(_buf) as counted in the process budget."""
         self._preface_seen = False
         self._closed = False
-        self._decoder = hpack.Decoder()
-        self._decoder.max_header_list_size = limits.max_header_list
-        self._decoded: dict[bytes, list[tuple[str, str]]] = {}
-        """Header blocks of indexed fields only -> their headers, while the
-        table is unchanged: a client's repeated call sends the same few bytes."""
+        self._header_lists = HeaderLists(limits.max_header_list)
         self._block = bytearray()
         """A header block still waiting for its CONTINUATION frames."""
         self._block_stream = 0
@@ -395,7 +384,7 @@ class Connection(StreamTable, asyncio.Protocol):
     def _header_block_done(self) -> None:
         stream_id, end_stream = self._block_stream, self._block_end_stream
         self._block_stream = 0
-        headers = self._decode(bytes(self._block))
+        headers = self._header_lists.decode(bytes(self._block))
         self._block.clear()
         stream = self._streams.get(stream_id)
         if stream is not None:  # trailers: gRPC clients send none
@@ -419,7 +408,7 @@ class Connection(StreamTable, asyncio.Protocol):
         self._work -= _NEW_STREAM_WORK
         if self._block_error is not None:
             raise self._block_error
-        if headers is _MALFORMED:
+        if headers is MALFORMED:
             raise ProtocolError(PROTOCOL_ERROR, "a malformed request header list", stream_id)
         lim = self._limits
         if self._closing or len(self._streams) >= lim.max_streams or self._unsent > lim.write_high:
@@ -431,21 +420,6 @@ class Connection(StreamTable, asyncio.Protocol):
         self._handler.on_headers(self, stream_id, headers)
         if end_stream and stream_id in self._streams:
             self._handler.on_data(self, stream_id, b"", True)
-
-    def _decode(self, block: bytes) -> list[tuple[str, str]]:
-        """Decodes every block that may change the table, and each other
-        block once since the table last changed (frames.table_neutral: a
-        gRPC client's calls repeat their blocks, ours as literals never
-        indexed, grpcio's as indexed fields)."""
-        if not table_neutral(block):
-            self._decoded.clear()  # it may have changed the table
-            return _checked(self._decoder.decode(block, raw=False))  # type: ignore[arg-type]
-        headers = self._decoded.get(block)
-        if headers is None:
-            headers = _checked(self._decoder.decode(block, raw=False))  # type: ignore[arg-type]
-            if len(self._decoded) < _CACHED_BLOCKS and len(block) <= _CACHED_BLOCK_BYTES:
-                self._decoded[block] = headers
-        return headers
 
     def _data(self, flags: int, stream_id: int, payload: bytes) -> None:
         length = len(payload)
@@ -631,34 +605,3 @@ class Connection(StreamTable, asyncio.Protocol):
         if self._timer is not None:
             self._timer.cancel()
         self._timer = asyncio.get_event_loop().call_later(delay, callback)
-
-
-_MALFORMED: list[tuple[str, str]] = []
-"""Stands for a request header list RFC 9113 8.2-8.3 calls malformed."""
-_PSEUDO_BITS = {":method": 1, ":scheme": 2, ":path": 4, ":authority": 8}
-_GOOD_NAMES: set[str] = set()
-"""Regular field names already found well formed (short ones, at most 256):
-most of a request's fields are the same few names."""
-
-
-def _checked(fields: list[tuple[str, str]]) -> list[tuple[str, str]]:
-    """`fields`, or _MALFORMED: an empty or upper-case name, a pseudo-header
-    unknown, repeated or after a regular one, a connection-specific field,
-    or a TE other than trailers."""
-    count, seen = len(fields), 0
-    i = 0
-    while i < count and fields[i][0][:1] == ":":
-        bit = _PSEUDO_BITS.get(fields[i][0], 0)
-        if not bit or seen & bit:
-            return _MALFORMED
-        seen |= bit
-        i += 1
-    for name, value in fields[i:]:
-        if name not in _GOOD_NAMES:
-            if not name or name != name.lower() or name[0] == ":" or name in _CONNECTION_SPECIFIC:
-                return _MALFORMED
-            if len(name) <= 64 and len(_GOOD_NAMES) < 256:
-                _GOOD_NAMES.add(name)
-        if name == "te" and value != "trailers":
-            return _MALFORMED
-    return fields
