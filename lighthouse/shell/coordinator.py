@@ -243,8 +243,8 @@ class Coordinator:
         serialized answer (`viewer`'s view, if it asked) in the turn that
         issues a quorum containing `member`, or its error, at the latest
         when `budget_s` (None: no deadline) is up. Returns its record while
-        it waits (None: answered in this turn); the caller must `withdraw`
-        it if it ends otherwise."""
+        it waits (None: answered in this turn); `call` withdraws it if it
+        ends otherwise."""
         now = time.monotonic()
         outcome = self.membership.join(now, member)
         parked = None
@@ -252,11 +252,9 @@ class Coordinator:
             parked = Parked(call, member.replica_id, outcome.ticket, viewer, now, budget_s)
             self.parked[outcome.ticket] = parked
         self.apply(outcome, now)  # may answer it already
-        if parked is None or self.parked.get(outcome.ticket) is not parked:
+        if parked is None:
             return None
-        if budget_s is not None:
-            parked.slot = self.deadlines.add(parked.ticket, budget_s)
-        return parked
+        return self._keep(parked)
 
     def timeout_error(self, replica_id: str, budget_s: float) -> Exception:
         """What a Quorum call whose deadline came first is told: what was missing."""
@@ -340,8 +338,8 @@ class Coordinator:
         """Registers a TakeReplicaGroup call that waits parked, beside the
         Quorum calls: `call` gets the group to train as once there is one,
         or "" (ask again) when `budget_s` (None: no deadline) is up. Returns
-        its record while it waits (None: answered in this turn); the caller
-        must `withdraw` it if it ends otherwise."""
+        its record while it waits (None: answered in this turn); `call`
+        withdraws it if it ends otherwise."""
         now = time.monotonic()
         outcome = self.membership.spare_waits(now, spare_id, wanted)
         if outcome.error is not None:
@@ -350,10 +348,17 @@ class Coordinator:
         self.parked[outcome.ticket] = parked
         self.metrics.spares_waiting.set(self.membership.num_spares_waiting())
         self.apply(outcome, now)  # may place it already
-        if self.parked.get(outcome.ticket) is not parked:
+        return self._keep(parked)
+
+    def _keep(self, parked: Parked) -> Parked | None:
+        """A call registered and not answered in its own turn waits: under
+        its deadline, and withdrawn if its caller goes away."""
+        if self.parked.get(parked.ticket) is not parked:
             return None
-        if budget_s is not None:
-            parked.slot = self.deadlines.add(parked.ticket, budget_s)
+        if parked.budget_s is not None:
+            parked.slot = self.deadlines.add(parked.ticket, parked.budget_s)
+        rid, ticket = parked.replica_id, parked.ticket
+        parked.call.park(lambda: self.withdraw(rid, ticket))
         return parked
 
     def decide_soon(self) -> None:

@@ -49,12 +49,9 @@ class _LighthouseServicer:
         try:
             member = wire.quorum_request_from_proto(request)
             viewer = wire.viewer_from_proto(request, member)
-            parked = self._coord.park(member, call, viewer, budget_s)
+            self._coord.park(member, call, viewer, budget_s)
         except Exception as e:
             await errors.abort(call, e)
-        if parked is not None:
-            rid, ticket = parked.replica_id, parked.ticket
-            call.park(lambda: self._coord.withdraw(rid, ticket))
 
     async def Heartbeat(
         self, request: pb.LighthouseHeartbeatRequest, call: Call
@@ -97,12 +94,9 @@ class _LighthouseServicer:
         again: a spare may wait for hours)."""
         budget_s = reply_budget_s(call.time_remaining())
         try:
-            parked = self._coord.park_spare(request.spare_id, request.wanted, call, budget_s)
+            self._coord.park_spare(request.spare_id, request.wanted, call, budget_s)
         except Exception as e:
             await errors.abort(call, e)
-        if parked is not None:
-            rid, ticket = parked.replica_id, parked.ticket
-            call.park(lambda: self._coord.withdraw(rid, ticket))
 
     async def Leave(
         self, request: pb.LighthouseLeaveRequest, call: Call
