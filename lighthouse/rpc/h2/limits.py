@@ -175,3 +175,30 @@ class PeerLog:
             message[:200],
             " (more from this host are logged at DEBUG)" if first else "",
         )
+
+
+class FrameRates:
+    """One connection's rates of frames that cost work but carry none (and
+    of SETTINGS and resets): over any, the connection ends with
+    ENHANCE_YOUR_CALM, counted by kind."""
+
+    __slots__ = (
+        "settings",
+        "reset",
+        "priority",
+        "idle_window_update",
+        "empty_data",
+        "closed_stream",
+        "answered_headers",
+        "refused_call",
+    )
+
+    def __init__(self, limits: Limits) -> None:
+        self.settings = TokenBucket(limits.settings_rate)
+        self.reset = TokenBucket(limits.reset_rate)
+        self.priority = TokenBucket(limits.priority_rate)
+        self.idle_window_update = TokenBucket(limits.idle_window_update_rate)
+        self.empty_data = TokenBucket(limits.empty_data_rate)
+        self.closed_stream = TokenBucket(limits.closed_stream_rate)
+        self.answered_headers = TokenBucket(limits.answered_headers_rate)
+        self.refused_call = TokenBucket(limits.refused_call_rate)

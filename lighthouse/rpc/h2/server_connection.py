@@ -74,7 +74,7 @@ from lighthouse.rpc.h2.frames import (
     window_increment,
 )
 from lighthouse.rpc.h2.header_lists import MALFORMED, HeaderLists
-from lighthouse.rpc.h2.limits import LIMITS, Limits, PeerLog, ProcessBudget, TokenBucket
+from lighthouse.rpc.h2.limits import LIMITS, FrameRates, Limits, PeerLog, ProcessBudget
 
 logger = logging.getLogger(__name__)
 _peer_log = PeerLog(logger)
@@ -139,14 +139,7 @@ class Connection(StreamTable, asyncio.Protocol):
         self._write_paused = False
         self._reading_paused = False
         self._ping_at = 0.0
-        self._settings_rate = TokenBucket(limits.settings_rate)
-        self._reset_rate = TokenBucket(limits.reset_rate)
-        self._priority_rate = TokenBucket(limits.priority_rate)
-        self._idle_wu_rate = TokenBucket(limits.idle_window_update_rate)
-        self._empty_data_rate = TokenBucket(limits.empty_data_rate)
-        self._closed_stream_rate = TokenBucket(limits.closed_stream_rate)
-        self._answered_headers_rate = TokenBucket(limits.answered_headers_rate)
-        self._refused_rate = TokenBucket(limits.refused_call_rate)
+        self._rates = FrameRates(limits)
         self.calmed = ""
         """The flood this connection was closed for, if any (`_calm`)."""
 
@@ -340,7 +333,7 @@ class Connection(StreamTable, asyncio.Protocol):
         elif kind == PRIORITY:
             if U32.unpack_from(payload)[0] & MAX_WINDOW == stream_id:
                 raise ProtocolError(PROTOCOL_ERROR, "a stream that depends on itself", stream_id)
-            if not self._priority_rate.take():
+            if not self._rates.priority.take():
                 self._calm("priority", "too many PRIORITY frames")
         elif kind == GOAWAY:
             self._closing = True
@@ -400,7 +393,7 @@ class Connection(StreamTable, asyncio.Protocol):
                 # Trailers of a call answered already: decoded for the shared
                 # table, dropped, and charged as a call; a gRPC client sends none.
                 self._work -= _NEW_STREAM_WORK
-                if not self._answered_headers_rate.take():
+                if not self._rates.answered_headers.take():
                     self._calm("answered_headers", "too many header blocks on answered streams")
                 return
             raise ProtocolError(PROTOCOL_ERROR, f"HEADERS opening old stream {stream_id}")
@@ -423,7 +416,7 @@ class Connection(StreamTable, asyncio.Protocol):
 
     def _data(self, flags: int, stream_id: int, payload: bytes) -> None:
         length = len(payload)
-        if not length and not flags & END_STREAM and not self._empty_data_rate.take():
+        if not length and not flags & END_STREAM and not self._rates.empty_data.take():
             self._calm("empty_data", "too many empty DATA frames")  # CVE-2019-9518
         if length > self._credit:
             raise ProtocolError(FLOW_CONTROL_ERROR, "DATA past the connection's window")
@@ -455,7 +448,7 @@ class Connection(StreamTable, asyncio.Protocol):
             self._held += size
         end = stream.remote_done = bool(flags & END_STREAM)
         if length != size:
-            if not size and not end and not self._empty_data_rate.take():
+            if not size and not end and not self._rates.empty_data.take():
                 self._calm("empty_data", "too many DATA frames of padding only")
             self._give_back(stream)  # the padding is consumed now
         self._handler.on_data(self, stream_id, data, end)
@@ -465,7 +458,7 @@ class Connection(StreamTable, asyncio.Protocol):
         open streams walked when the initial window changes. That walk is
         done once a frame, with the last value: a frame of 2,730 entries
         walks the streams once, not 2,730 times."""
-        if not self._settings_rate.take():
+        if not self._rates.settings.take():
             self._calm("settings", "too many SETTINGS frames")
         pairs = settings(payload)
         self._work -= len(pairs)
@@ -502,13 +495,13 @@ class Connection(StreamTable, asyncio.Protocol):
             if stream_id in self._blocked and self._flush_pending(out):
                 return
         else:
-            if not self._closed_stream_rate.take():
+            if not self._rates.closed_stream.take():
                 self._calm("closed_stream", "too many frames on closed streams")
             return
         # It unblocked nothing: free for the DATA frames we sent, then rated.
         if self._wu_earned > 0:
             self._wu_earned -= 1
-        elif not self._idle_wu_rate.take():
+        elif not self._rates.idle_window_update.take():
             self._calm("window_update", "too many WINDOW_UPDATEs with nothing to send")
 
     def _ping(self, payload: bytes) -> None:
@@ -526,12 +519,12 @@ class Connection(StreamTable, asyncio.Protocol):
         if stream_id > self._last_stream:
             raise ProtocolError(PROTOCOL_ERROR, f"RST_STREAM on idle stream {stream_id}")
         if stream_id in self._streams:
-            if not self._reset_rate.take():
+            if not self._rates.reset.take():
                 self._calm("reset", "too many streams reset")
             self._forget(stream_id)
             self._reset_by_peer.append(stream_id)
             self._handler.on_closed(self, stream_id)
-        elif not self._closed_stream_rate.take():
+        elif not self._rates.closed_stream.take():
             self._calm("closed_stream", "too many frames on closed streams")
 
     def _stream_error(self, e: ProtocolError) -> None:
@@ -542,7 +535,7 @@ class Connection(StreamTable, asyncio.Protocol):
 
     def _refuse(self, stream_id: int, code: int) -> None:
         """RST_STREAM on a stream the peer made us end (resets are rate-bounded)."""
-        if not self._reset_rate.take():
+        if not self._rates.reset.take():
             self._calm("reset", "too many streams refused")
         self._write(frame(RST_STREAM, 0, stream_id, U32.pack(code)))
 
@@ -551,7 +544,7 @@ class Connection(StreamTable, asyncio.Protocol):
         secret, an unsupported encoding; `trailers` None: not gRPC, reset).
         Refusals cost us a decode and an answer, so they are rated; and they
         do not clear PING strikes, or refused calls would buy a PING flood."""
-        if not self._refused_rate.take():
+        if not self._rates.refused_call.take():
             self._calm("refused_call", "too many calls refused")
         if trailers is None:
             self.reset(stream_id, PROTOCOL_ERROR)
