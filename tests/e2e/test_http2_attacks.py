@@ -1,4 +1,4 @@
-"""A real lighthouse process under raw-HTTP/2 attacks (tests/e2e/h2_attacks.py), served by
+"""A real lighthouse process under raw-HTTP/2 attacks (tools/h2_attacks.py), served by
 our own HTTP/2 server (`--rpc-server lean`) and by grpcio's, the reference.
 
 Any peer that reaches the gRPC port may be hostile or broken; the lighthouse must neither
@@ -27,11 +27,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.e2e import h2_attacks
-from tests.e2e.h2_attacks import ATTACKS, Budget
 from tests.e2e.test_lighthouse_cli import lighthouse_command
 from tests.procs import PYTHON, Children
 from tests.waiting import wait_until
+from tools import h2_attacks
+from tools.h2_attacks import ATTACKS, Budget
 from tools.procs import kill_tree
 
 pytestmark = pytest.mark.timeout(90)

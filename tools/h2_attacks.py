@@ -1,4 +1,5 @@
-"""A raw-HTTP/2 attacker's toolkit against a gRPC server (tests/e2e/test_http2_attacks.py).
+"""A raw-HTTP/2 attacker's toolkit against a gRPC server (tests/e2e/test_http2_attacks.py,
+bench.lighthouse_scale --attack).
 
 Plain sockets and frames built by hand: what a hostile or broken peer sends, which no HTTP/2
 client library lets one send. Each attack runs within a `Budget` (bytes, seconds) on
@@ -45,6 +46,10 @@ MAX_WINDOW = 2**31 - 1
 MB = 1 << 20
 SERVICE = "/torchft.LighthouseService/"
 SMALL_RCVBUF = 4096
+ATTACKER_HOST = "127.0.0.2"
+"""The loopback address attacks on 127.0.0.1 come from: one host of its own, apart from
+the healthy clients on 127.0.0.1 (Linux routes all of 127/8 to loopback), as the
+server's per-host shares see a real attacker."""
 """SO_RCVBUF of a peer that never reads: the server's answers back up after a few KB."""
 
 _HEADER = struct.Struct(">BHBBI")
@@ -176,6 +181,8 @@ class Peer:
             if rcvbuf:  # before connect: the TCP window offered is sized from it then
                 self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if sockaddr[0] == "127.0.0.1":
+                self.sock.bind((ATTACKER_HOST, 0))
             self.sock.settimeout(max(budget.left_s(), 1.0))
             self.sock.connect(sockaddr)
         except OSError:
