@@ -12,10 +12,12 @@ class FakeTransport:
     them: past `high` unsent bytes the protocol's `pause_writing` is called,
     as asyncio's transports do."""
 
-    def __init__(self, protocol: Any = None, reads: bool = True) -> None:
-        self.protocol, self.reads = protocol, reads
+    def __init__(self, protocol: Any = None, reads: bool = True, host: str = "127.0.0.1") -> None:
+        self.protocol, self.reads, self.host = protocol, reads, host
         self.out = bytearray()
         self.closed = False
+        self.cut = False
+        """Aborted: the socket dropped at once, with nothing more sent."""
         self.reading = True
         self.high = 64 * 1024
         self.unsent = 0
@@ -32,12 +34,13 @@ class FakeTransport:
                 self.protocol.pause_writing()
 
     def get_extra_info(self, name: str) -> object:
-        return ("127.0.0.1", 5) if name == "peername" else None
+        return (self.host, 5) if name == "peername" else None
 
     def close(self) -> None:
         self.closed = True
 
-    abort = close
+    def abort(self) -> None:
+        self.closed = self.cut = True
 
     def set_write_buffer_limits(self, high: int | None = None, low: int | None = None) -> None:
         if high is not None:

@@ -29,7 +29,8 @@ from lighthouse.rpc.h2.frames import (
     WINDOW_UPDATE,
     frame,
 )
-from lighthouse.rpc.h2.limits import LIMITS, Limits, ProcessBudget, TokenBucket
+from lighthouse.rpc.h2.limits import LIMITS, Limits, TokenBucket
+from lighthouse.rpc.h2.shares import ProcessBudget
 from lighthouse.rpc.h2.server_connection import Connection
 from lighthouse.rpc.lean.server import MAX_MESSAGE_BYTES, LeanServer, decompressed, echo
 from tests.unit.h2_fakes import REQUEST, FakeTransport, RecordingHandler
@@ -45,8 +46,10 @@ def loop():
     loop.close()
 
 
-def _connect(limits: Limits = LIMITS, budget: ProcessBudget | None = None):
-    handler, t = RecordingHandler(), FakeTransport()
+def _connect(
+    limits: Limits = LIMITS, budget: ProcessBudget | None = None, host: str = "127.0.0.1"
+):
+    handler, t = RecordingHandler(), FakeTransport(host=host)
     conn = Connection(handler, limits=limits, budget=budget)
     conn.connection_made(t)
     conn.data_received(frames.PREFACE + frame(SETTINGS, 0, 0, b""))
@@ -177,32 +180,49 @@ def test_answers_blocked_by_the_peers_window_refuse_new_streams_past_the_mark(lo
     assert (RST_STREAM, 0, 5, struct.pack(">I", REFUSED_STREAM)) in out
 
 
-def test_the_process_budget_resets_the_stream_that_would_pass_it(loop):
-    budget = ProcessBudget(dataclasses.replace(LIMITS, process_held=20_000))
+def test_the_process_budget_resets_the_stream_that_would_pass_its_hosts_share(loop):
+    budget = ProcessBudget(dataclasses.replace(LIMITS, process_held=60_000))
     first, t1, _ = _connect(budget=budget)
     second, t2, h2 = _connect(budget=budget)
+    other, t3, h3 = _connect(budget=budget, host="10.0.0.9")
     block = hpack.Encoder().encode(REQUEST)
-    first.data_received(frame(HEADERS, END_HEADERS, 1, block) + frame(DATA, 0, 1, bytes(16_000)))
-    second.data_received(frame(HEADERS, END_HEADERS, 1, block) + frame(DATA, 0, 1, bytes(16_000)))
+    one_call = frame(HEADERS, END_HEADERS, 1, block) + frame(DATA, 0, 1, bytes(16_000))
+    first.data_received(one_call)
+    second.data_received(one_call)  # past one host's share alone, half of 60,000
     assert [(k, sid) for k, _, sid, _ in t2.frames()] == [(RST_STREAM, 1)]
-    assert h2.closed == [1] and budget.held == 16_000
+    assert h2.closed == [1] and budget.held.total == 16_000
+    other.data_received(one_call)  # another host: its own share, a third
+    assert h3.closed == [] and budget.held.total == 32_000
     first.connection_lost(None)
-    assert budget.held == 0
+    other.connection_lost(None)
+    assert budget.held.total == 0 and budget.held.by_host == {}
 
 
-def test_the_longest_idle_connection_makes_room_at_the_cap(loop):
-    pool = Connections(dataclasses.replace(LIMITS, max_connections=2))
-    conns = []
-    for _ in range(2):
-        conn, _, _ = _connect()
-        conns.append(pool.admit(conn))
+def test_a_host_at_its_share_of_connections_makes_room_from_its_own_idle_ones(loop):
+    pool = Connections(cap=6)
+    conns = [_connect(host=host)[0] for host in ("a", "a", "b", "b")]
+    assert all(pool.admit(conn) for conn in conns)
     conns[1].idle_since = None  # a stream open: never the one dropped
-    conns[0].idle_since = 1.0
-    newer, _, _ = _connect()
-    assert pool.admit(newer) is newer and conns[0] not in pool.open
+    conns[0].idle_since, conns[2].idle_since, conns[3].idle_since = 1.0, 0.5, 2.0
+    newer = _connect(host="a")[0]  # a holds 2 of 6 beside b: its share of 6 // 3
+    assert pool.admit(newer) and conns[0] not in pool.open and conns[2] in pool.open
     newer.idle_since = None
-    refused = pool.admit(_connect()[0])
-    assert refused not in pool.open and len(pool.open) == 2
+    assert not pool.admit(_connect(host="a")[0])  # none of its own idle: refused
+    assert pool.hosts.by_host == {"a": 2, "b": 2}
+
+
+def test_at_the_cap_the_largest_host_gives_up_its_longest_idle_connection(loop):
+    pool = Connections(cap=4)
+    conns = [_connect(host=host)[0] for host in ("a", "a", "b", "c")]
+    assert all(pool.admit(conn) for conn in conns)
+    conns[1].idle_since = None
+    conns[0].idle_since, conns[2].idle_since, conns[3].idle_since = 3.0, 1.0, 2.0
+    newer = _connect(host="d")[0]
+    assert pool.admit(newer) and conns[0] not in pool.open  # a's, though b's is older
+    for conn in pool.open:
+        conn.idle_since = None
+    refused = _connect(host="e")[0]
+    assert not pool.admit(refused) and len(pool.open) == 4
 
 
 def test_the_sweep_closes_connections_idle_past_the_timeout(loop):

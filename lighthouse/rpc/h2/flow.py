@@ -26,7 +26,8 @@ from lighthouse.rpc.h2.frames import (
     WINDOW_UPDATE,
     frame,
 )
-from lighthouse.rpc.h2.limits import Limits, ProcessBudget
+from lighthouse.rpc.h2.limits import Limits
+from lighthouse.rpc.h2.shares import ProcessBudget
 
 _MAX_EARNED = 10_000
 """The most WINDOW_UPDATEs DATA frames sent may earn ahead (`_wu_earned`)."""
@@ -61,6 +62,9 @@ class StreamTable:
     def __init__(self, limits: Limits, budget: ProcessBudget) -> None:
         self._limits = limits
         self._budget = budget
+        self.host = ""
+        """The peer's address without its port: whose share of the process's
+        pools (ProcessBudget) this connection draws on."""
         self._streams: dict[int, Stream] = {}
         self.idle_since: float | None = time.monotonic()
         """When its last stream closed (None: streams are open): the server's
@@ -71,7 +75,10 @@ class StreamTable:
         self._blocked: set[int] = set()
         """Open streams with data waiting on flow control."""
         self._unsent = 0
-        """Bytes of answers waiting on flow control, all streams."""
+        """Bytes of answers waiting on flow control, all streams (`_queued`)."""
+        self.blocked_since: float | None = None
+        """Since when answers wait on the peer's windows with none sent (the
+        server's sweep drops a connection that reads none for too long)."""
         self._credit = DEFAULT_WINDOW
         """What the peer may still send on the connection."""
         self._held = 0
@@ -101,7 +108,7 @@ class StreamTable:
             nbytes = stream.held
         stream.held -= nbytes
         self._held -= nbytes
-        self._budget.held -= nbytes
+        self._budget.held.release(self.host, nbytes)
         if not stream.held and stream.limit > self._limits.stream_window:
             self._ungrant(stream)
         self._give_back(stream)
@@ -116,7 +123,9 @@ class StreamTable:
         more = nbytes - stream.limit
         if more <= 0:
             return True
-        if self._granted + more > self._limits.max_grant or not self._budget.grant(more):
+        if self._granted + more > self._limits.max_grant:
+            return False
+        if not self._budget.grants.take(self.host, more):
             return False
         self._granted += more
         self._conn_limit += more
@@ -129,7 +138,7 @@ class StreamTable:
         stream.limit -= extra
         self._granted -= extra
         self._conn_limit -= extra
-        self._budget.granted -= extra
+        self._budget.grants.release(self.host, extra)
 
     def _give_back(self, stream: Stream | None, at_once: bool = False) -> None:
         """Window updates for what is consumed: each window's limit less the
@@ -169,13 +178,15 @@ class StreamTable:
             chunks.append(frame(HEADERS, END_HEADERS, stream_id, headers))
         if out.pending or out.end_after is not None:
             out.pending += data
-            self._unsent += len(data)
+            self._queued(len(data))
         elif data:
             sent = self._data_frames(stream_id, out, data, chunks)
             out.pending += data[sent:]
-            self._unsent += len(data) - sent
+            self._queued(len(data) - sent)
         if out.pending:
             self._blocked.add(stream_id)
+            if self.blocked_since is None:
+                self.blocked_since = time.monotonic()
         if trailers is not None:
             if out.pending:
                 out.end_after = trailers
@@ -232,14 +243,26 @@ class StreamTable:
                     )
             if self._send_window <= 0:
                 break
-        self._unsent -= total
+        self._queued(-total)
         for out in done:  # not while the set is iterated
             self._blocked.discard(out.sid)
             if out.end_after is not None:
                 self._forget(out.sid)
+        if total:  # progress: the stall clock starts again
+            self.blocked_since = time.monotonic() if self._blocked else None
         if chunks:
             self._write(b"".join(chunks))
         return total
+
+    def _queued(self, nbytes: int) -> None:
+        """Answer bytes now waiting on the peer's windows (negative: no
+        longer), counted in the process's memory, as they are held whether
+        or not the host's share has room."""
+        self._unsent += nbytes
+        if nbytes > 0:
+            self._budget.memory.add(self.host, nbytes)
+        elif nbytes < 0:
+            self._budget.memory.release(self.host, -nbytes)
 
     def reset(self, stream_id: int, code: int = CANCEL) -> None:
         """Ends a stream at once (RST_STREAM); nothing more is sent on it."""
@@ -254,10 +277,12 @@ class StreamTable:
             return
         if stream_id in self._blocked:
             self._blocked.discard(stream_id)
-            self._unsent -= len(stream.pending)
+            self._queued(-len(stream.pending))
+            if not self._blocked:
+                self.blocked_since = None
         if stream.held:
             self._held -= stream.held
-            self._budget.held -= stream.held
+            self._budget.held.release(self.host, stream.held)
             stream.held = 0
         if stream.limit > self._limits.stream_window:
             self._ungrant(stream)

@@ -41,10 +41,18 @@ class Limits:
     """The most a connection may be granted at once for declared messages
     beyond the stream window: one message of grpcio's default 4 MiB."""
     process_held: int = 16 * 1024 * 1024
-    """Request bytes held (received, not consumed, and partial frames) by
-    all connections together; the stream that would pass it is reset."""
+    """Request bytes held (received, not consumed, partial frames and
+    header blocks) by all connections together, shared fairly between hosts
+    (lighthouse.rpc.h2.shares); the stream that would pass its host's share
+    is reset."""
     process_grants: int = 8 * 1024 * 1024 + 10
-    """Declared-message grants of all connections together."""
+    """Declared-message grants of all connections together, shared so: one
+    host alone may have one message of grpcio's default 4 MiB granted."""
+    process_memory: int = 32 * 1024 * 1024
+    """What connections keep beyond the request bytes, all together, shared
+    so: decoded-header caches (by decoded size) and answers waiting on a
+    peer's windows. A host past its share caches nothing more and has its
+    new streams refused."""
     write_high: int = 256 * 1024
     """Unsent answer bytes past which a connection is not read further: a
     peer cannot pile up answers (C-core instead counts those pending and
@@ -53,7 +61,8 @@ class Limits:
     write_low: int = 64 * 1024
     """... and below which it is read again."""
     write_stall_s: float = 30.0
-    """A connection whose answers wait this long on a peer that reads none is dropped."""
+    """A connection whose answers wait this long on a peer that reads none
+    (its socket, or its flow-control windows) is dropped."""
     ping_interval_s: float = 1.0
     """A PING sooner than this after the last, with no answer of ours between, is a strike."""
     ping_strikes: int = 10
@@ -88,15 +97,28 @@ class Limits:
     unsupported encoding, not gRPC): a misconfigured client retries with
     backoff, far below this; faster is someone probing."""
     work_per_read: int = 512
-    """Work units (a frame 1, a new stream 8, a SETTINGS entry or a stream its
-    window change walks 1) one turn of the loop gives one connection; the
-    rest of its read waits for the next turn."""
+    """Work units one turn of the loop gives one connection; the rest of its
+    read waits for the next turn. A unit is about 2 us here: a frame 1, a
+    new stream 8, a SETTINGS entry or a stream its window change walks 1, a
+    header block decoded 1 per 4 bytes, a decompressed message 1 per KiB out,
+    request bytes copied 1 per 4 KiB."""
+    work_per_host_turn: int = 4096
+    """... and one host, all its connections together: a host that floods
+    over many connections gets a host's turn, not one per connection."""
     max_connections: int = 16_384
     """Open connections; past it the longest idle one makes room."""
     idle_s: float = 300.0
     """A connection with no stream this long is closed (C-core's max_connection_idle)."""
     handshake_s: float = 10.0
     """A connection without the HTTP/2 preface by then is dropped (a port scan)."""
+    tls_handshake_s: float = 5.0
+    """A TLS handshake not done by then is aborted; it counts against the
+    connection cap from accept on (asyncio's default gives it 60 s)."""
+    keepalive_s: float = 30.0
+    """A connection that sent nothing this long gets a PING: a peer that died
+    without a FIN holds its streams until it is found out."""
+    ping_timeout_s: float = 10.0
+    """... and one whose PING goes unanswered this long is aborted."""
     close_s: float = 5.0
     """A closing connection's last frames get this long to go out, then it is aborted."""
     max_echo: int = 128
@@ -124,32 +146,6 @@ class TokenBucket:
             if self._tokens < 1.0:
                 return False
         self._tokens -= 1.0
-        return True
-
-
-class ProcessBudget:
-    """Request bytes held and granted by every connection of one server:
-    what many peers together may make it hold."""
-
-    def __init__(self, limits: Limits = LIMITS) -> None:
-        self.limits = limits
-        self.held = 0
-        self.granted = 0
-        self.calmed: dict[str, int] = {}
-        """Connections closed with ENHANCE_YOUR_CALM for a frame flood, by kind
-        (Connection.calm: "priority", "empty_data", ...)."""
-
-    def hold(self, nbytes: int) -> bool:
-        """Counts `nbytes` more held; False (and nothing counted) past the cap."""
-        if self.held + nbytes > self.limits.process_held:
-            return False
-        self.held += nbytes
-        return True
-
-    def grant(self, nbytes: int) -> bool:
-        if self.granted + nbytes > self.limits.process_grants:
-            return False
-        self.granted += nbytes
         return True
 
 

@@ -24,15 +24,14 @@ event loop, ~18 syscalls a call; bench/NOTES.md). Here a call is one
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
-import time
-from typing import Any, NoReturn, Protocol
+from typing import Any, Protocol
 
 import hpack
 
 from lighthouse.rpc.h2 import corking
-from lighthouse.rpc.h2.flow import Stream, StreamTable
+from lighthouse.rpc.h2.control_frames import ControlFrames
+from lighthouse.rpc.h2.flow import Stream
 from lighthouse.rpc.h2.frames import (
     ACK,
     COMPRESSION_ERROR,
@@ -45,7 +44,6 @@ from lighthouse.rpc.h2.frames import (
     FLOW_CONTROL_ERROR,
     GOAWAY,
     HEADERS,
-    MAX_WINDOW,
     NO_ERROR,
     PADDED,
     PING,
@@ -69,12 +67,11 @@ from lighthouse.rpc.h2.frames import (
     frame,
     frame_at,
     header_fragment,
-    settings,
     unpad,
-    window_increment,
 )
 from lighthouse.rpc.h2.header_lists import MALFORMED, HeaderLists
-from lighthouse.rpc.h2.limits import LIMITS, FrameRates, Limits, PeerLog, ProcessBudget
+from lighthouse.rpc.h2.limits import LIMITS, Limits, PeerLog
+from lighthouse.rpc.h2.shares import ProcessBudget
 
 logger = logging.getLogger(__name__)
 _peer_log = PeerLog(logger)
@@ -97,60 +94,75 @@ class StreamHandler(Protocol):
         """The stream ended abnormally: RST_STREAM, or the connection is gone."""
 
 
-class Connection(StreamTable, asyncio.Protocol):
+class Admission(Protocol):
+    """Who counts a server's connections (lighthouse.rpc.h2.connections)."""
+
+    def admit(self, conn: Connection) -> bool:
+        """Whether `conn` (its host known) may stay; it may close others to make room."""
+
+    def lost(self, conn: Connection) -> None:
+        """`conn` has gone."""
+
+
+class Connection(ControlFrames, asyncio.Protocol):
     """One client connection. Streams are ids the handler owns; the
-    StreamTable keeps their flow control, this class the protocol and the
-    connection's bounds."""
+    StreamTable keeps their flow control, ControlFrames the control frames,
+    this class the protocol and the connection's bounds."""
 
     def __init__(
         self,
         handler: StreamHandler,
-        on_lost: Any = None,
+        admission: Admission | None = None,
         limits: Limits = LIMITS,
         budget: ProcessBudget | None = None,
     ) -> None:
         super().__init__(limits, budget if budget is not None else ProcessBudget(limits))
         self._handler = handler
-        self._on_lost = on_lost
+        self._admission = admission
+        self._admitted = False
         self.transport: asyncio.Transport | None = None
         self.peer = ""
         self._buf = bytearray()
         self._buf_held = 0
-        """len(_buf) as counted in the process budget."""
+        """len(_buf) + len(_block), as counted in the process budget."""
         self._preface_seen = False
         self._closed = False
-        self._header_lists = HeaderLists(limits.max_header_list)
+        self._header_lists = HeaderLists(limits.max_header_list, self._budget.memory)
         self._block = bytearray()
         """A header block still waiting for its CONTINUATION frames."""
         self._block_stream = 0
         self._block_end_stream = False
         self._block_frames = 0
         self._block_error: ProtocolError | None = None
-        self._last_stream = 0
-        self._reset_by_peer: collections.deque[int] = collections.deque(maxlen=16)
-        """The streams the peer reset last: a frame on one is its error (RFC 9113 5.1)."""
         self._closing = False
         self._timer: asyncio.TimerHandle | None = None
         """The handshake deadline, then a stalled writer's, then a close's."""
         self._pending_out: list[bytes] | None = None
         """Writes held until the end of the read under way."""
-        self._work = 0
         self._backlog = False
         self._write_paused = False
         self._reading_paused = False
-        self._ping_at = 0.0
-        self._rates = FrameRates(limits)
-        self.calmed = ""
-        """The flood this connection was closed for, if any (`_calm`)."""
 
     # ---- asyncio.Protocol --------------------------------------------------------
 
-    def connection_made(self, transport: Any) -> None:
-        self.transport = transport
+    def accept(self, transport: Any) -> bool:
+        """Names the peer and asks the server's admission; False: refused
+        (the caller aborts). A TLS connection is accepted before its
+        handshake, so it counts from the first moment it holds a socket."""
         peer = transport.get_extra_info("peername")
         if peer:
             host = f"[{peer[0]}]" if ":" in peer[0] else peer[0]
             self.peer = f"ipv{6 if ':' in peer[0] else 4}:{host}:{peer[1]}"
+            self.host = self._header_lists.host = peer[0]
+        self._admitted = self._admission is None or self._admission.admit(self)
+        return self._admitted
+
+    def connection_made(self, transport: Any) -> None:
+        if not self._admitted and not self.accept(transport):
+            self._closed = True
+            transport.abort()
+            return
+        self.transport = transport
         lim = self._limits
         with_settings = (
             (SETTINGS_MAX_CONCURRENT_STREAMS, lim.max_streams),
@@ -165,6 +177,8 @@ class Connection(StreamTable, asyncio.Protocol):
         )
         transport.set_write_buffer_limits(high=lim.write_high, low=lim.write_low)
         self._timer = asyncio.get_event_loop().call_later(lim.handshake_s, self._handshake_overdue)
+        if self._buf:  # TLS: what came with the end of the handshake
+            self._process()
 
     def _handshake_overdue(self) -> None:
         if not self._preface_seen and self.transport is not None:
@@ -178,18 +192,21 @@ class Connection(StreamTable, asyncio.Protocol):
         for stream_id in streams:
             self._forget(stream_id)
         self.transport = None
-        self._budget.held -= self._buf_held
+        self._budget.held.release(self.host, self._buf_held)
         self._buf_held = 0
         self._buf = bytearray()
+        self._block = bytearray()
+        self._header_lists.clear()
         for stream_id in streams:
             self._handler.on_closed(self, stream_id)
-        if self._on_lost is not None:
-            self._on_lost(self)
+        if self._admission is not None:
+            self._admission.lost(self)
 
     def pause_writing(self) -> None:
         """The peer does not take our answers: read no more from it."""
         self._write_paused = True
-        self._set_timer(self._limits.write_stall_s, self._stalled)
+        if not self._closed:  # a close's abort timer stays
+            self._set_timer(self._limits.write_stall_s, self._stalled)
         self._update_reading()
 
     def resume_writing(self) -> None:
@@ -208,8 +225,28 @@ class Connection(StreamTable, asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self._closed:
             return
+        self.reads += 1
         self._buf += data
-        self._process()
+        if self.transport is not None:
+            self._process()
+
+    def tick(self, now: float) -> None:
+        """The server's sweep looks in: answers left unread past
+        `write_stall_s` on the peer's windows end the connection, and so
+        does a keepalive PING left unanswered (`keepalive`)."""
+        if self._closed or self.transport is None:
+            return
+        stall = self._limits.write_stall_s
+        if self.blocked_since is not None and now - self.blocked_since > stall:
+            self.close(ENHANCE_YOUR_CALM, f"no answer read in {stall:.0f} s")
+        elif not self.keepalive(now):
+            _peer_log.log(self.peer, "no answer to a keepalive PING")
+            self._closed = True
+            self.transport.abort()
+
+    def charge(self, units: int) -> None:
+        """Work the handler did for the read under way (a message decompressed)."""
+        self._work -= units
 
     def _resume(self) -> None:
         """The rest of a read that an earlier turn's work budget left."""
@@ -223,7 +260,8 @@ class Connection(StreamTable, asyncio.Protocol):
         broken rule closes the connection, the answers go out in one write."""
         if self._pending_out is None:  # else corked: this read's end sends it
             self._pending_out = []
-        self._work = self._limits.work_per_read
+        turn = self._budget.turn
+        given = self._work = min(self._limits.work_per_read, turn.left(self.host))
         buf = self._buf
         pos = 0
         try:
@@ -260,14 +298,15 @@ class Connection(StreamTable, asyncio.Protocol):
         finally:
             del buf[:pos]
             self._flush_out()
-        held = len(buf)
+            turn.spend(self.host, given - self._work)
+        held = len(buf) + len(self._block)
         if held != self._buf_held and not self._closed:
             grows = held - self._buf_held
-            if grows > 0 and not self._budget.hold(grows):
+            if grows > 0 and not self._budget.held.take(self.host, grows):
                 self.close(ENHANCE_YOUR_CALM, "the server holds too many partial requests")
                 return
             if grows < 0:
-                self._budget.held += grows
+                self._budget.held.release(self.host, -grows)
             self._buf_held = held
 
     def _preface(self) -> bool:
@@ -331,10 +370,7 @@ class Connection(StreamTable, asyncio.Protocol):
         elif kind == RST_STREAM:
             self._peer_reset(stream_id)
         elif kind == PRIORITY:
-            if U32.unpack_from(payload)[0] & MAX_WINDOW == stream_id:
-                raise ProtocolError(PROTOCOL_ERROR, "a stream that depends on itself", stream_id)
-            if not self._rates.priority.take():
-                self._calm("priority", "too many PRIORITY frames")
+            self._priority(stream_id, payload)
         elif kind == GOAWAY:
             self._closing = True
         elif kind == PUSH_PROMISE:
@@ -377,7 +413,9 @@ class Connection(StreamTable, asyncio.Protocol):
     def _header_block_done(self) -> None:
         stream_id, end_stream = self._block_stream, self._block_end_stream
         self._block_stream = 0
-        headers = self._header_lists.decode(bytes(self._block))
+        lists = self._header_lists
+        headers = lists.decode(bytes(self._block))
+        self._work -= lists.work
         self._block.clear()
         stream = self._streams.get(stream_id)
         if stream is not None:  # trailers: gRPC clients send none
@@ -404,7 +442,12 @@ class Connection(StreamTable, asyncio.Protocol):
         if headers is MALFORMED:
             raise ProtocolError(PROTOCOL_ERROR, "a malformed request header list", stream_id)
         lim = self._limits
-        if self._closing or len(self._streams) >= lim.max_streams or self._unsent > lim.write_high:
+        if (
+            self._closing
+            or len(self._streams) >= lim.max_streams
+            or self._unsent > lim.write_high
+            or self._budget.memory.over(self.host)
+        ):
             self._refuse(stream_id, REFUSED_STREAM)
             return
         stream = Stream(stream_id, self._peer_initial_window, lim.stream_window, end_stream)
@@ -439,11 +482,10 @@ class Connection(StreamTable, asyncio.Protocol):
         stream.credit -= length
         size = len(data)
         if size:
-            budget = self._budget
-            if budget.held + size > budget.limits.process_held:
+            if not self._budget.held.take(self.host, size):
                 self._give_back(None)
                 raise ProtocolError(ENHANCE_YOUR_CALM, "the server holds too much", stream_id)
-            budget.held += size
+            self._work -= size >> 12  # copied on: charged by the 4 KiB
             stream.held += size
             self._held += size
         end = stream.remote_done = bool(flags & END_STREAM)
@@ -453,114 +495,11 @@ class Connection(StreamTable, asyncio.Protocol):
             self._give_back(stream)  # the padding is consumed now
         self._handler.on_data(self, stream_id, data, end)
 
-    def _settings(self, payload: bytes) -> None:
-        """Charged to the work budget by what it costs: its entries, and the
-        open streams walked when the initial window changes. That walk is
-        done once a frame, with the last value: a frame of 2,730 entries
-        walks the streams once, not 2,730 times."""
-        if not self._rates.settings.take():
-            self._calm("settings", "too many SETTINGS frames")
-        pairs = settings(payload)
-        self._work -= len(pairs)
-        window = -1
-        for key, value in pairs:
-            if key == SETTINGS_INITIAL_WINDOW_SIZE:
-                window = value
-            elif key == SETTINGS_MAX_FRAME_SIZE:
-                self._peer_max_frame = value
-        if window >= 0 and window != self._peer_initial_window:
-            delta, self._peer_initial_window = window - self._peer_initial_window, window
-            self._work -= len(self._streams)
-            for out in self._streams.values():
-                out.window += delta
-                if out.window > MAX_WINDOW:
-                    raise ProtocolError(FLOW_CONTROL_ERROR, "a stream window over 2^31-1")
-        self._write(frame(SETTINGS, ACK, 0, b""))
-        self._flush_pending()
-
-    def _window_update(self, stream_id: int, payload: bytes) -> None:
-        if stream_id > self._last_stream:
-            raise ProtocolError(PROTOCOL_ERROR, f"WINDOW_UPDATE on idle stream {stream_id}")
-        increment = window_increment(payload, stream_id)
-        if stream_id == 0:
-            if self._send_window + increment > MAX_WINDOW:
-                raise ProtocolError(FLOW_CONTROL_ERROR, "a connection window over 2^31-1")
-            self._send_window += increment
-            if self._blocked and self._flush_pending():
-                return
-        elif (out := self._streams.get(stream_id)) is not None:
-            if out.window + increment > MAX_WINDOW:
-                raise ProtocolError(FLOW_CONTROL_ERROR, "a window over 2^31-1", stream_id)
-            out.window += increment
-            if stream_id in self._blocked and self._flush_pending(out):
-                return
-        else:
-            if not self._rates.closed_stream.take():
-                self._calm("closed_stream", "too many frames on closed streams")
-            return
-        # It unblocked nothing: free for the DATA frames we sent, then rated.
-        if self._wu_earned > 0:
-            self._wu_earned -= 1
-        elif not self._rates.idle_window_update.take():
-            self._calm("window_update", "too many WINDOW_UPDATEs with nothing to send")
-
-    def _ping(self, payload: bytes) -> None:
-        """Answered, but a peer that pings faster than `ping_interval_s`
-        while we answer nothing else gets a strike (C-core's policy)."""
-        now = time.monotonic()
-        if not self._answered and now - self._ping_at < self._limits.ping_interval_s:
-            self._ping_strikes += 1
-            if self._ping_strikes > self._limits.ping_strikes:
-                self._calm("ping", "too many pings")
-        self._ping_at, self._answered = now, False
-        self._write(frame(PING, ACK, 0, payload))
-
-    def _peer_reset(self, stream_id: int) -> None:
-        if stream_id > self._last_stream:
-            raise ProtocolError(PROTOCOL_ERROR, f"RST_STREAM on idle stream {stream_id}")
-        if stream_id in self._streams:
-            if not self._rates.reset.take():
-                self._calm("reset", "too many streams reset")
-            self._forget(stream_id)
-            self._reset_by_peer.append(stream_id)
-            self._handler.on_closed(self, stream_id)
-        elif not self._rates.closed_stream.take():
-            self._calm("closed_stream", "too many frames on closed streams")
-
     def _stream_error(self, e: ProtocolError) -> None:
         if e.stream in self._streams:
             self._forget(e.stream)
             self._handler.on_closed(self, e.stream)
         self._refuse(e.stream, e.code)
-
-    def _refuse(self, stream_id: int, code: int) -> None:
-        """RST_STREAM on a stream the peer made us end (resets are rate-bounded)."""
-        if not self._rates.reset.take():
-            self._calm("reset", "too many streams refused")
-        self._write(frame(RST_STREAM, 0, stream_id, U32.pack(code)))
-
-    def refuse_call(self, stream_id: int, headers: bytes, trailers: bytes | None) -> None:
-        """Answers a call that will not run (an unknown method, a refused
-        secret, an unsupported encoding; `trailers` None: not gRPC, reset).
-        Refusals cost us a decode and an answer, so they are rated; and they
-        do not clear PING strikes, or refused calls would buy a PING flood."""
-        if not self._rates.refused_call.take():
-            self._calm("refused_call", "too many calls refused")
-        if trailers is None:
-            self.reset(stream_id, PROTOCOL_ERROR)
-            return
-        answered, strikes = self._answered, self._ping_strikes
-        self.send(stream_id, headers, b"", trailers)
-        self._answered, self._ping_strikes = answered, strikes
-
-    def _calm(self, kind: str, why: str) -> NoReturn:
-        """A flood of frames or calls that do no work: the connection ends
-        with GOAWAY ENHANCE_YOUR_CALM (logged once per host), counted by kind
-        in the process budget."""
-        self.calmed = kind
-        counts = self._budget.calmed
-        counts[kind] = counts.get(kind, 0) + 1
-        raise ProtocolError(ENHANCE_YOUR_CALM, why)
 
     def _write(self, data: bytes) -> None:
         """Writes now, or at the end of the read under way: what one read
@@ -578,6 +517,14 @@ class Connection(StreamTable, asyncio.Protocol):
         if not self._closing:
             self._closing = True
             self._write(frame(GOAWAY, 0, 0, U32.pack(self._last_stream) + U32.pack(NO_ERROR)))
+
+    def evict(self) -> None:
+        """Closed at once to make room for another: GOAWAY if the socket
+        takes it now, then the socket goes, with no `close_s` to linger."""
+        transport = self.transport
+        self.close()
+        if transport is not None:
+            transport.abort()
 
     def close(self, code: int = NO_ERROR, why: str = "") -> None:
         """GOAWAY with `code` and closes; the handler hears of every open

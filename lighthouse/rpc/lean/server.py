@@ -36,8 +36,10 @@ import grpc
 from lighthouse.rpc import auth, errors
 from lighthouse.rpc.h2 import frames
 from lighthouse.rpc.h2.connections import Connections
-from lighthouse.rpc.h2.limits import LIMITS, ProcessBudget
+from lighthouse.rpc.h2.limits import LIMITS
 from lighthouse.rpc.h2.server_connection import Connection
+from lighthouse.rpc.h2.shares import ProcessBudget
+from lighthouse.rpc.h2.tls_accept import TlsAccept
 from lighthouse.rpc.lean.request_stream import RequestStream
 from lighthouse.rpc.tls import TLSConfig
 
@@ -56,7 +58,9 @@ _WBITS = {"gzip": 31, "deflate": 15}
 MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 """grpcio's default limit on a received message, compressed or not."""
 _SWEEP_S = 5.0
-"""How often idle connections are looked for."""
+"""How often connections are looked at (Connections.sweep)."""
+DECOMPRESSED_BYTES_PER_UNIT = 1024
+"""A decompressed message is charged one work unit per KiB it inflates to."""
 
 
 class _Abort(Exception):
@@ -255,6 +259,7 @@ class LeanServer:
         self._conns = Connections()
         self._budget = ProcessBudget()
         self._sweeper: asyncio.TimerHandle | None = None
+        self._handshakes: set[asyncio.Task[None]] = set()
         self._servers: list[asyncio.AbstractServer] = []
         self._sockets: list[tuple[socket.socket, ssl.SSLContext | None]] = []
 
@@ -304,9 +309,10 @@ class LeanServer:
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
         for sock, context in self._sockets:
-            server = await loop.create_server(
-                self._connection, sock=sock, ssl=context, backlog=1024
-            )
+            factory: Callable[[], asyncio.Protocol] = self._connection
+            if context is not None:
+                factory = TlsAccept(self._connection, context, self._handshakes)
+            server = await loop.create_server(factory, sock=sock, backlog=1024)
             self._servers.append(server)
         self._sweeper = loop.call_later(_SWEEP_S, self._sweep)
 
@@ -314,8 +320,8 @@ class LeanServer:
         self._conns.sweep()
         self._sweeper = asyncio.get_running_loop().call_later(_SWEEP_S, self._sweep)
 
-    def _connection(self) -> asyncio.Protocol:
-        return self._conns.admit(Connection(self, self._conns.lost, budget=self._budget))
+    def _connection(self) -> Connection:
+        return Connection(self, self._conns, budget=self._budget)
 
     async def stop(self, grace: float | None) -> None:
         """Stops listening; open calls get `grace` seconds (None: none), then are cancelled."""
@@ -323,6 +329,8 @@ class LeanServer:
             self._sweeper.cancel()
         for server in self._servers:
             server.close()
+        for handshake in list(self._handshakes):
+            handshake.cancel()
         for conn in list(self._conns.open):
             conn.goaway()
         calls, self._calls = list(self._calls.values()), {}
@@ -422,6 +430,7 @@ class LeanServer:
             del body[: 5 + size]
             if compressed:
                 message, code, why = decompressed(message, call.encoding)
+                conn.charge(len(message) // DECOMPRESSED_BYTES_PER_UNIT)
                 if why:
                     self._end(call, code, why)
                     return
