@@ -47,6 +47,8 @@ MB = 1 << 20
 SERVICE = "/torchft.LighthouseService/"
 SMALL_RCVBUF = 4096
 ATTACKER_HOST = "127.0.0.2"
+BYSTANDER_HOST = "127.0.0.3"
+"""Where an attack's own probe of a healthy host's service comes from."""
 """The loopback address attacks on 127.0.0.1 come from: one host of its own, apart from
 the healthy clients on 127.0.0.1 (Linux routes all of 127/8 to loopback), as the
 server's per-host shares see a real attacker."""
@@ -171,6 +173,7 @@ class Peer:
         rcvbuf: int | None = None,
         settings: tuple[tuple[int, int], ...] = (),
         handshake: bool = True,
+        source: str = ATTACKER_HOST,
     ) -> None:
         url = urllib.parse.urlsplit(addr if "://" in addr else f"http://{addr}")
         host, port = url.hostname or "127.0.0.1", url.port or 80
@@ -182,7 +185,7 @@ class Peer:
                 self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
             self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if sockaddr[0] == "127.0.0.1":
-                self.sock.bind((ATTACKER_HOST, 0))
+                self.sock.bind((source, 0))
             self.sock.settimeout(max(budget.left_s(), 1.0))
             self.sock.connect(sockaddr)
         except OSError:
@@ -763,6 +766,116 @@ def answered_headers_flood(addr: str, budget: Budget) -> Attack:
     return _flood(peer, budget, frame(HEADERS, END_HEADERS | END_STREAM, 1, block), "HEADERS")
 
 
+def table_size_updates(addr: str, budget: Budget, connections: int = 32) -> Attack:
+    """(s) `connections` connections, each sending new streams whose header blocks are
+    16 KB of HPACK dynamic-table size updates and nothing else: each costs a decoder about
+    10 ms, and decodes to no header at all (RFC 7541 4.2 needs at most two updates)."""
+    attack = Attack(budget)
+    block = b"\x20" * 16_000
+    blocks = 0
+    for _ in range(connections):
+        if budget.spent():
+            break
+        attack.peers.append(Peer(addr, budget, rcvbuf=SMALL_RCVBUF))
+    while not budget.spent() and any(not p.closed for p in attack.peers):
+        for peer in attack.peers:
+            stream_id = peer.next_stream
+            peer.next_stream += 2
+            if peer.send(frame(HEADERS, END_HEADERS | END_STREAM, stream_id, block)):
+                blocks += 1
+            peer.pump()
+    ends = Counter(peer.state() for peer in attack.peers)
+    return Attack(
+        budget, attack.peers, f"{blocks} blocks on {len(attack.peers)} connections: {dict(ends)}"
+    )
+
+
+def budget_fill(addr: str, budget: Budget, connections: int = 1000) -> Attack:
+    """(t) One host fills the server's process-wide pools: two calls that each declare a
+    4 MB message and never finish it (message grants), then `connections` connections that
+    each hold a partial 16 KB frame (request bytes held). Then a call from another host
+    (`BYSTANDER_HOST`) that declares a 1 MB message and sends it: a server that shares its
+    pools fairly between hosts takes it; one with only totals resets it."""
+    raise_nofile(connections + 256)
+    attack = Attack(budget)
+    for _ in range(2):
+        peer = Peer(addr, budget)
+        attack.peers.append(peer)
+        stream_id = peer.open(request_headers(peer.authority, method("Quorum")))
+        peer.send_data(stream_id, grpc_message(b"", declared=4 * MB) + bytes(60_000), wait=False)
+    partial = frame(DATA, 0, 1, bytes(DEFAULT_FRAME))[:-384]
+    opened = 0
+    while opened < connections and not budget.spent():
+        try:
+            peer = Peer(addr, budget, handshake=False)
+        except OSError as e:
+            attack.notes = f"connect failed: {e}; "
+            break
+        attack.peers.append(peer)
+        peer.send(
+            frame(
+                HEADERS, END_HEADERS, 1, literals(request_headers(peer.authority, method("Quorum")))
+            )
+            + partial
+        )
+        opened += 1
+    probe = Peer(addr, Budget(4 * MB, 10.0), source=BYSTANDER_HOST)
+    attack.peers.append(probe)
+    stream_id = probe.open(request_headers(probe.authority, method("Heartbeat")))
+    padded = grpc_message(b"", declared=MB) + bytes(MB)  # larger than a stream window
+    sent = probe.send_data(stream_id, padded[:200_000])
+    probe.pump(0.5)
+    reset = probe.resets.get(stream_id)
+    status = dict(probe.answers.get(stream_id, [])).get("grpc-status")
+    attack.notes += (
+        f"2 grants of 4 MB asked, {opened} partial frames held; a call of another host "
+        f"sent {sent} bytes of a 1 MB message: {'reset ' + str(reset) if reset else 'taken'}; "
+        f"{probe.state()}"
+    )
+    if reset is not None or probe.goaway is not None or status == "8":
+        attack.failures.append(
+            f"another host's call was refused: {probe.state()}, reset {reset}, status {status}"
+        )
+    return attack
+
+
+def slow_readers(addr: str, budget: Budget, connections: int = 20, calls: int = 50) -> Attack:
+    """(u) `connections` connections that each make `calls` Heartbeat calls with a stream
+    window of 0, then grant their answers 1 byte a stream every 100 ms: answers wait on the
+    server, moving so slowly that a stall timer that only looks for progress never fires."""
+    attack = Attack(budget)
+    body = heartbeat_message("attacker-slow")
+    for _ in range(connections):
+        if budget.spent():
+            break
+        peer = Peer(addr, budget, rcvbuf=SMALL_RCVBUF, settings=((INITIAL_WINDOW_SIZE, 0),))
+        attack.peers.append(peer)
+        block = literals(request_headers(peer.authority, method("Heartbeat")))
+        batch = []
+        for _ in range(calls):
+            stream_id = peer.next_stream
+            peer.next_stream += 2
+            batch += (
+                frame(HEADERS, END_HEADERS, stream_id, block),
+                frame(DATA, END_STREAM, stream_id, body),
+            )
+        peer.send(b"".join(batch))
+    drips = 0
+    while not budget.spent():
+        for peer in attack.peers:
+            peer.send(
+                b"".join(
+                    frame(WINDOW_UPDATE, 0, sid, _U32.pack(1)) for sid in range(1, 2 * calls, 2)
+                ),
+                budgeted=False,
+            )
+            peer.pump()
+            drips += 1
+        time.sleep(0.1)
+    ended = sum(len(peer.ended) for peer in attack.peers)
+    return Attack(budget, attack.peers, f"{drips} drips; {ended} answers ended")
+
+
 @dataclass(frozen=True)
 class Spec:
     run: Callable[[str, Budget], Attack]
@@ -790,4 +903,7 @@ ATTACKS: dict[str, Spec] = {
     "window_update_flood": Spec(window_update_flood, 64 * MB),
     "empty_data_flood": Spec(empty_data_flood, 64 * MB),
     "answered_headers_flood": Spec(answered_headers_flood, 64 * MB),
+    "table_size_updates": Spec(table_size_updates, 64 * MB),
+    "budget_fill": Spec(budget_fill, 64 * MB),
+    "slow_readers": Spec(slow_readers, 8 * MB),
 }

@@ -244,6 +244,7 @@ def test_an_attack_leaves_the_lighthouse_serving_in_bounded_memory(lighthouse, a
     log_before = len(lh.log_lines())
     rss_before = lh.rss()
     sampler = PeakRss(lh.process)
+    cpu_before = sum(lh.process.cpu_times()[:2])
     begin = time.monotonic()
     budget = Budget(spec.max_bytes, TIME_BUDGET_S)
     running, error = None, ""
@@ -258,6 +259,7 @@ def test_an_attack_leaves_the_lighthouse_serving_in_bounded_memory(lighthouse, a
         if running is not None:
             running.close()
     end = time.monotonic()
+    cpu_s = sum(lh.process.cpu_times()[:2]) - cpu_before if lh.alive() else math.nan
     answered = lh.wait_call_after(end, timeout=45)
     alive = lh.alive()
     during = lh.calls_during(begin, end)
@@ -270,6 +272,8 @@ def test_an_attack_leaves_the_lighthouse_serving_in_bounded_memory(lighthouse, a
         "rss_before_mb": round(rss_before / h2_attacks.MB, 1),
         "rss_growth_mb": round(growth_mb, 1),
         "rss_kept_mb": round((lh.rss() - lh.fresh_rss) / h2_attacks.MB, 1),
+        "cpu_s": round(cpu_s, 2),
+        "cpu_ms_per_mb": round(1000 * cpu_s / max(budget.sent / h2_attacks.MB, 0.01), 1),
         "healthy": stats(during),
         "baseline": stats(lh.baseline),
         "healthy_errors": sorted({call.outcome for call in during} - {"ok"}),
