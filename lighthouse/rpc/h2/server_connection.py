@@ -9,11 +9,13 @@ Anyone who reaches the port speaks to this class before any secret is
 checked, so everything a peer can make it hold or do is bounded
 (lighthouse.rpc.h2.limits): header blocks before they are decoded; request
 bytes by honest flow control (windows given back as the handler consumes
-messages, not as bytes arrive) and a process-wide budget; answers by write
-backpressure (a connection whose answers are not taken is not read
-further); PINGs, SETTINGS and resets by rate; the loop time of one read by
-a work budget. A broken rule ends the stream or the connection with the
-error RFC 9113 names, logged once per peer host.
+messages, not as bytes arrive) and the process's pools, shared fairly
+between hosts (lighthouse.rpc.h2.shares); answers by write backpressure (a
+connection whose answers are not taken is not read further) and a stall
+timer; control frames by rate (control_frames); the loop time of one read
+by a work budget, per connection and per host, charged by what the work
+costs. A broken rule ends the stream or the connection with the error RFC
+9113 names, logged once per peer host.
 
 Why not grpcio's server: a unary call costs it ~600 us of CPU on this
 box whatever the handler does (thread hand-offs between its poller and the
