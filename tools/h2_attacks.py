@@ -422,14 +422,28 @@ class Attack:
             peer.close()
 
 
+FLOOD_CLOSED_S = 1.0
+"""A flood of frames that ask for no work is to be cut off within this long."""
+
+
 def _flood(peer: Peer, budget: Budget, one: bytes, what: str) -> Attack:
-    """Sends `one` frame again and again, in batches, until the budget is spent."""
+    """Sends `one` frame again and again, in batches, until the budget is spent or the
+    server drops the connection, which it should within `FLOOD_CLOSED_S`."""
     batch = one * 4096
-    start = budget.sent
+    start, began = budget.sent, time.monotonic()
     while not budget.spent() and peer.send(batch):
         pass
+    took = time.monotonic() - began
     count = (budget.sent - start) // len(one)
-    return Attack(budget, [peer], f"{count} {what} frames, answers never read; {peer.state()}")
+    attack = Attack(budget, [peer])
+    if peer.closed:
+        attack.notes = f"{count} {what} frames, dropped after {took:.2f} s; {peer.state()}"
+        if took > FLOOD_CLOSED_S:
+            attack.failures.append(f"the flood was cut off after {took:.1f} s")
+    else:
+        attack.notes = f"{count} {what} frames in {took:.1f} s, never dropped"
+        attack.failures.append(f"the flood was never cut off ({took:.1f} s)")
+    return attack
 
 
 def continuation_flood(addr: str, budget: Budget) -> Attack:

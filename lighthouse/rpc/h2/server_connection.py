@@ -531,7 +531,8 @@ class Connection(ControlFrames, asyncio.Protocol):
     def close(self, code: int = NO_ERROR, why: str = "") -> None:
         """GOAWAY with `code` and closes; the handler hears of every open
         stream. A peer that does not take the GOAWAY is cut off after
-        `close_s`."""
+        `close_s`; one told to calm down (a flood, a bound passed) at once,
+        with what the socket took of the GOAWAY."""
         if self.transport is None or self._closed:
             return
         if code != NO_ERROR:
@@ -540,6 +541,9 @@ class Connection(ControlFrames, asyncio.Protocol):
         self._flush_out()
         self._closed = True
         self._block = bytearray()
+        if code == ENHANCE_YOUR_CALM:
+            self.transport.abort()
+            return
         self.transport.close()
         self._set_timer(self._limits.close_s, self.transport.abort)
 
