@@ -6,6 +6,7 @@ import argparse
 import gc
 import logging
 import os
+import resource
 import signal
 import sys
 import threading
@@ -213,8 +214,24 @@ def tune_gc() -> None:
     gc.set_threshold(*GC_THRESHOLDS)
 
 
+def raise_nofile() -> int:
+    """Lifts the process's soft descriptor limit to its hard one, as Go's
+    runtime does: each replica group holds a connection, and the server's
+    connection cap follows the soft limit (1,024 by default on Linux).
+    Returns the soft limit now."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and (hard == resource.RLIM_INFINITY or soft < hard):
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            soft = hard
+        except (ValueError, OSError):
+            pass  # a limit the platform will not take: the cap follows the soft one
+    return soft
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    raise_nofile()
     logging.basicConfig(
         level=args.log_level,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
