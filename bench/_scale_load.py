@@ -13,6 +13,13 @@ two steps later it comes back under a new replica id, as a restarted group
 does. After the last step it says "stepped" and, on the next line from its
 parent, closes every connection at once. Stats go to stdout as one JSON line.
 
+A failed call is counted, never the end of the run (bench.lighthouse_scale
+--attack counts what an attacking host costs the healthy ones): by call
+(quorum, heartbeat: a heartbeat that could not go, or its stream ended by
+the server, which is then opened again at the next beat) and by kind
+(`failure_kind`: refused, reset or failed), with the first 1,000 as text.
+Answers that leave groups out are counted per step (`short`).
+
 The groups stand for other machines, so this process spends as little as
 it can at a step's burst, where it shares the CPU with the lighthouse: the
 calls go out from one loop over the groups, the answers are stamped as
@@ -36,11 +43,30 @@ import psutil
 from lighthouse.client import HEARTBEAT_PACED_METHOD, QUORUM_METHOD
 from lighthouse.rpc.h2.frames import literal
 from lighthouse.rpc.lean.client import grpc_timeout, request_headers
-from lighthouse.rpc.lean.client_calls import GrpcConnection
+from lighthouse.rpc.lean.client_calls import CallFailed, GrpcConnection, Unavailable
 from lighthouse.rpc.proto import torchft_pb2 as pb
 
 HEARTBEAT_METHOD = "/torchft.LighthouseService/Heartbeat"
 QUORUM_TIMEOUT_S = 60.0
+REFUSING_CODES = ("UNAVAILABLE", "RESOURCE_EXHAUSTED")
+REFUSING_RESETS = ("HTTP/2 error 7)", "HTTP/2 error 11)")  # REFUSED_STREAM, ENHANCE_YOUR_CALM
+ENDED = ("reset the call", "connection lost", "going away", "no open connection", "is closed")
+
+
+def failure_kind(error: object) -> str:
+    """refused: the server would not take the call (a refusing gRPC status,
+    REFUSED_STREAM or ENHANCE_YOUR_CALM); reset: it ended the call or its
+    connection (or the call found them ended); failed: anything else (no
+    answer in time, a server that does not read, another status)."""
+    if isinstance(error, CallFailed):
+        return "refused" if error.code.name in REFUSING_CODES else "failed"
+    if isinstance(error, Unavailable):
+        text = str(error)
+        if any(code in text for code in REFUSING_RESETS):
+            return "refused"
+        if any(word in text for word in ENDED):
+            return "reset"
+    return "failed"
 
 
 class Asked:
@@ -70,20 +96,28 @@ class Load:
         counters miss send())."""
         self.outstanding = 0
         self.all_in: asyncio.Future[None] | None = None
+        self.closing = False
+        """Every connection closes now: the streams' ends are no failures."""
         self.out: dict[str, Any] = {
             "steps": {},
             "answer_bytes": 0,
             "answers": 0,
             "heartbeats": 0,
             "errors": [],
+            "failures": {
+                call: dict.fromkeys(("refused", "reset", "failed"), 0)
+                for call in ("quorum", "heartbeat")
+            },
+            "short": {},
             "killed": {},
             "gone_heard": {},
             "first_without": {},
         }
 
-    def error(self, what: str) -> None:
+    def error(self, call: str, what: str, error: object) -> None:
+        self.out["failures"][call][failure_kind(error)] += 1
         if len(self.out["errors"]) < 1000:  # a failing heartbeat fails again each period
-            self.out["errors"].append(what[:200])
+            self.out["errors"].append(f"{what}: {error!r}"[:200])
 
     def answered(self, asked: Asked, now: float) -> None:
         asked.arrived = now
@@ -156,8 +190,18 @@ class Group:
         self.alive = True
         self.beat = pb.LighthouseHeartbeatRequest(replica_id=self.rid).SerializeToString()
         if self.load.cfg["paced"]:
-            self.stream = self.conn.open_stream(self.load.paced_headers, self.on_advice)
-            self.stream[1].done.add_done_callback(_quiet)
+            self.open()
+
+    def open(self) -> None:
+        self.stream = stream = self.conn.open_stream(self.load.paced_headers, self.on_advice)
+
+        def ended(done: asyncio.Future[bytes]) -> None:
+            error = None if done.cancelled() else done.exception()
+            if self.stream is stream and not self.load.closing:  # not a kill, not the end
+                self.stream = None  # opened again at the next beat
+                self.load.error("heartbeat", "the heartbeat stream ended", error or "ended")
+
+        stream[1].done.add_done_callback(ended)
 
     def on_advice(self, message: bytes) -> None:
         advice = pb.LighthouseHeartbeatAdvice.FromString(message)
@@ -169,7 +213,10 @@ class Group:
                 self.load.out["gone_heard"].setdefault(rid, now)
 
     def heartbeat(self) -> None:
-        if self.stream is not None:
+        if self.load.cfg["paced"]:
+            if self.stream is None:
+                self.open()
+            assert self.stream is not None
             self.conn.send_message(*self.stream, self.beat)
         else:  # unary, its answer unread
             self.conn.start(self.load.heartbeat_headers, self.beat)[1].done.add_done_callback(
@@ -215,7 +262,7 @@ async def heartbeats(groups: list[Group], load: Load) -> None:
                         group.heartbeat()
                         load.out["heartbeats"] += load.counting
                 except Exception as e:  # counted; the group goes on, as ours does
-                    load.error(f"heartbeat: {e!r}")
+                    load.error("heartbeat", "heartbeat", e)
             heapq.heappush(due, (now + wait_s, i))
         await asyncio.sleep(min(0.05, max(0.0, due[0][0] - time.time())) if due else 0.05)
 
@@ -227,7 +274,7 @@ def record(load: Load, step: int, asked: list[Asked], window_from: int) -> None:
         call = one.call
         if not call.done.done() or call.done.exception() is not None:
             error = call.done.exception() if call.done.done() else "no answer"
-            load.error(f"quorum step {step}: {error!r}")
+            load.error("quorum", f"quorum step {step}", error)
             continue
         answer = call.done.result()
         response = pb.LighthouseQuorumResponse.FromString(answer)
@@ -242,6 +289,7 @@ def record(load: Load, step: int, asked: list[Asked], window_from: int) -> None:
             load.out["answers"] += 1
         if members < load.cfg["groups"]:
             load.out["first_without"].setdefault(step, one.arrived)
+            load.out["short"][step] = load.out["short"].get(step, 0) + 1
 
 
 async def ask_all(load: Load, groups: list[Group], step: int) -> list[Asked]:
@@ -253,7 +301,7 @@ async def ask_all(load: Load, groups: list[Group], step: int) -> list[Asked]:
         try:
             asked.append(group.ask(step))
         except Exception as e:
-            load.error(f"quorum step {step}: {e!r}")
+            load.error("quorum", f"quorum step {step}", e)
     if load.outstanding:
         try:
             await asyncio.wait_for(asyncio.shield(load.all_in), QUORUM_TIMEOUT_S)
@@ -323,6 +371,7 @@ async def run(cfg: dict[str, Any]) -> dict[str, Any]:
     print("stepped", flush=True)  # the window ends; every stream ends on the next line
     await loop.run_in_executor(None, sys.stdin.readline)
     beats.cancel()
+    load.closing = True
     for conn in conns:
         if conn.transport is not None:
             conn.transport.close()

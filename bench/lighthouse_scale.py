@@ -2,6 +2,8 @@
 
     python -m bench.lighthouse_scale --groups N --step-s S --json PATH
         [--servers ours ref] [--steps 8] [--procs 2] [--groups-per-connection 40]
+    python -m bench.lighthouse_scale --groups 1000 --step-s 1 --json PATH
+        --attack NAME [NAME ...] | all  [--attack-round-s 3]
 
 A real lighthouse process (ours, `python -m lighthouse`, and beside it
 pytorch/torchft's Rust one, .venv/bin/torchft_lighthouse) and --procs load
@@ -27,6 +29,32 @@ process has gone (all streams ending together), and the gone-detection time:
 from a kill to the first survivor that learns of it (a gone notice on its
 stream, or an answer without the killed group). PATH gets one JSON object
 per server (the first, ours, at the top level; the others under "beside").
+
+A healthy fleet under attack (--attack, ours only, --kills 0 unless told):
+per attack of tools/h2_attacks.py (or `all` of them), two runs in a row at
+the same --groups and --step-s, the first without it and the second with
+one attacking host: a process of its own (bench/_scale_attack.py),
+connecting from 127.0.0.2 while the load is on 127.0.0.1, that runs the
+attack again and again (a fresh budget of --attack-round-s seconds each)
+from the start of the measured steps to their end, and is stopped, its
+connections closed, before the teardown. Each run also reports the healthy
+calls that failed, by kind (refused: a refusing status, REFUSED_STREAM or
+ENHANCE_YOUR_CALM; reset: the call or its connection ended by the server;
+failed: anything else, such as no answer in time), counted by the load
+processes without ending the run (a heartbeat stream the server ends is
+counted and opened again), the healthy groups judged gone (gone notices of
+replicas the bench did not kill, and answers that leave groups out at a
+step no kill explains), its peak RSS, and under attack the MB the attacker
+sent. A second table puts each attack's run beside the one without:
+quorum p50 and p99 (without / with), their p99 ratio, refused, reset,
+failed, judged gone, lighthouse cores and peak RSS (without / with), and
+the lighthouse's CPU seconds over the attack per MB the attacker sent
+(`cpu_s_per_mb`; `extra_cpu_s_per_mb` takes the run without's CPU off
+first). `meets` says whether the run under attack met the criteria: p99
+at most 1.25 times the p99 without, no healthy call refused or reset, no
+healthy group judged gone (`misses` says which it did not). PATH gets
+{"attacks": [those rows], "runs": [every run's row]}. On a small machine
+the attacker competes with the lighthouse and the load for the same cores.
 """
 
 from __future__ import annotations
@@ -45,7 +73,9 @@ from typing import Any
 import psutil
 
 from bench._report import REPO, add_common_args, pct, report, results_file
+from bench._scale_attack import NOFILE, ROUND_S, Attacker, PeakRss, compare, judged_gone
 from lighthouse.core.pacing import advised_interval_ms
+from tools.h2_attacks import ATTACKS, MB, raise_nofile
 from tools.procs import free_port, wait_listening
 
 VENV_BIN = Path(sys.executable).parent
@@ -110,7 +140,7 @@ def settle(lh: psutil.Process, limit_s: float = 60.0) -> float:
     return sum(lh.cpu_times()[:2]) - start
 
 
-def run_one(server: str, args: argparse.Namespace) -> dict[str, Any]:
+def run_one(server: str, args: argparse.Namespace, attack: str | None = None) -> dict[str, Any]:
     n = args.groups
     kills = {str(g): args.warmup + 2 + i for i, g in enumerate(range(0, n, max(1, n // 2))[:2])}
     kills = dict(list(kills.items())[: args.kills if server != "null" else 0])
@@ -118,7 +148,11 @@ def run_one(server: str, args: argparse.Namespace) -> dict[str, Any]:
     lighthouse = start_server(server, n, n - len(kills), port)
     lh = psutil.Process(lighthouse.pid)
     loads: list[subprocess.Popen[str]] = []
+    attacker: Attacker | None = None
+    attacked: dict[str, Any] = {}
     try:
+        if attack:  # its start overlaps the load's
+            attacker = Attacker(attack, f"127.0.0.1:{port}", args.attack_round_s)
         procs = max(1, min(args.procs, n))
         for p in range(procs):
             gids = list(range(p, n, procs))
@@ -149,6 +183,8 @@ def run_one(server: str, args: argparse.Namespace) -> dict[str, Any]:
             )
         for proc in loads:  # every group connected and answered once
             said(proc, "ready", 600, f"a load process for {server} n={n}")
+        if attacker is not None:
+            attacker.ready()
         steps = args.warmup + args.steps
         t0 = time.time() + 1.0
         window_from = args.warmup + 1
@@ -158,6 +194,9 @@ def run_one(server: str, args: argparse.Namespace) -> dict[str, Any]:
             proc.stdin.flush()
         time.sleep(max(0.0, t0 + args.warmup * args.step_s - 0.2 - time.time()))
         cpu0, w0 = lh.cpu_times(), time.time()
+        if attacker is not None:
+            attacker.go()
+        peak = PeakRss(lh)
         spy = None
         if args.profile and server == "ours":
             spy = profile(lighthouse.pid, args.profile / f"ours.{n}.txt", args.steps * args.step_s)
@@ -165,6 +204,9 @@ def run_one(server: str, args: argparse.Namespace) -> dict[str, Any]:
             said(proc, "stepped", steps * args.step_s + 240, f"a load process for {server} n={n}")
         cpu1, w1 = lh.cpu_times(), time.time()
         rss_mb = lh.memory_info().rss / 2**20
+        if attacker is not None:  # closed before the teardown
+            attacked = attacker.stop()
+        rss_peak_mb = peak.stop()
         results = []
         for proc in loads:  # every stream ends at once
             out, _ = proc.communicate("close\n", timeout=240)
@@ -173,6 +215,8 @@ def run_one(server: str, args: argparse.Namespace) -> dict[str, Any]:
         if spy is not None:
             spy.wait(60)
     finally:
+        if attacker is not None:
+            attacker.kill()
         for proc in loads:
             if proc.poll() is None:
                 proc.kill()
@@ -207,7 +251,7 @@ def run_one(server: str, args: argparse.Namespace) -> dict[str, Any]:
     window = w1 - w0
     window_steps = steps - window_from + 1
     answers = sum(res["answers"] for res in results)
-    return {
+    row = {
         "server": server,
         "groups": n,
         "step_s": args.step_s,
@@ -234,6 +278,33 @@ def run_one(server: str, args: argparse.Namespace) -> dict[str, Any]:
         "nice_load": args.nice_load,
         "errors": len(errors),
     }
+    if args.attack:
+        failures = {kind: 0 for kind in ("refused", "reset", "failed")}
+        for res in results:
+            for by_kind in res["failures"].values():
+                for kind, count in by_kind.items():
+                    failures[kind] += count
+        gone = judged_gone(results, kills, until=w1)
+        mb = attacked.get("bytes_sent", 0) / MB
+        row.update(
+            attack=attack,
+            lighthouse_cpu_s=round(sum(cpu1[:2]) - sum(cpu0[:2]), 2),
+            rss_peak_mb=round(rss_peak_mb, 1),
+            refused=failures["refused"],
+            reset=failures["reset"],
+            failed_calls=failures["failed"],
+            judged_gone=sum(gone.values()),
+            **gone,
+            attack_mb=round(mb, 2),
+            attack_rounds=attacked.get("rounds"),
+            attack_errors=attacked.get("errors"),
+            attacker_cores=round(attacked["cpu_s"] / window, 3) if attacked else None,
+            attack_notes=attacked.get("notes"),
+            attack_endings=attacked.get("endings"),
+        )
+        if attacked.get("first_error"):
+            print(f"{attack}: the attacker's first error: {attacked['first_error']}")
+    return row
 
 
 def main() -> None:
@@ -244,17 +315,34 @@ def main() -> None:
     parser.add_argument(
         "--servers",
         nargs="+",
-        default=["ours", "ref"],
+        default=None,
         choices=["ours", "ref", "null"],
         help="ours, pytorch/torchft's Rust one (ref), and null: the lean gRPC server with "
-        "handlers that do nothing (bench/_null_lighthouse.py), the floor under ours",
+        "handlers that do nothing (bench/_null_lighthouse.py), the floor under ours "
+        "(default ours ref; ours alone with --attack)",
+    )
+    parser.add_argument(
+        "--attack",
+        nargs="+",
+        choices=[*ATTACKS, "all"],
+        metavar="NAME",
+        help="per named attack of tools/h2_attacks.py (or all): a run of ours without it, "
+        "then one with an attacking host during the measured steps",
+    )
+    parser.add_argument(
+        "--attack-round-s",
+        type=float,
+        default=ROUND_S,
+        help=f"seconds of each round of the attack, a fresh budget each (default {ROUND_S:g})",
     )
     parser.add_argument("--steps", type=int, default=8, help="measured steps (default 8)")
     parser.add_argument("--warmup", type=int, default=2, help="steps before (default 2)")
     parser.add_argument("--procs", type=int, default=2, help="load processes (default 2)")
     parser.add_argument("--groups-per-connection", type=int, default=40)
     parser.add_argument("--world-size", type=int, default=8, help="ranks per group (default 8)")
-    parser.add_argument("--kills", type=int, default=2, help="groups killed (default 2)")
+    parser.add_argument(
+        "--kills", type=int, help="groups killed (default 2; 0 with --attack: none judged gone)"
+    )
     parser.add_argument("--profile", type=Path, help="py-spy our lighthouse into this folder")
     parser.add_argument(
         "--nice-load",
@@ -266,6 +354,14 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.groups, args.step_s, args.steps, args.warmup = 20, 0.5, 4, 1
+    if args.kills is None:
+        args.kills = 0 if args.attack else 2
+    if args.attack:
+        if args.servers not in (None, ["ours"]):
+            parser.error("--attack measures ours alone: leave out --servers")
+        attacks(args)
+        return
+    args.servers = args.servers or ["ours", "ref"]
     rows = []
     for server in args.servers:
         try:
@@ -279,6 +375,28 @@ def main() -> None:
         top = dict(rows[0])
         top["beside"] = rows[1:]
         args.json.write_text(json.dumps(top, indent=1) + "\n")
+
+
+def attacks(args: argparse.Namespace) -> None:
+    """Per attack, a run without it and then one with it, side by side."""
+    raise_nofile(NOFILE)  # before the lighthouse starts: it inherits it
+    names = list(ATTACKS) if "all" in args.attack else list(dict.fromkeys(args.attack))
+    runs, rows = [], []
+    for name in names:
+        pair = []
+        for attack in (None, name):
+            try:
+                pair.append(run_one("ours", args, attack))
+            except RuntimeError as e:
+                print(f"{attack or 'no attack'} could not be measured: {e}", file=sys.stderr)
+                pair.append({"server": "ours", "attack": attack, "failed": str(e)})
+        runs += pair
+        rows.append(compare(*pair))
+    report(runs, results_file(args.out, "lighthouse_scale"))
+    print()
+    report(rows, results_file(args.out, "lighthouse_scale_attack"))
+    if args.json:
+        args.json.write_text(json.dumps({"attacks": rows, "runs": runs}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
