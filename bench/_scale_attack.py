@@ -94,7 +94,9 @@ class Rounds:
 
 
 def attacker_main() -> None:
-    parser = argparse.ArgumentParser(description="one attacking host, round after round")
+    parser = argparse.ArgumentParser(
+        description="one attacking host, round after round", allow_abbrev=False
+    )
     parser.add_argument("name", choices=sorted(ATTACKS))
     parser.add_argument("addr")
     parser.add_argument("--round-s", type=float, default=ROUND_S)

@@ -21,7 +21,8 @@ CONNECTION_SPECIFIC = frozenset(
 
 DECODE_BYTES_PER_UNIT = 4
 """A header block's decode is charged one work unit (Limits.work_per_read)
-per so many bytes: 0.1-0.6 us a byte here, table-size updates the dearest."""
+per so many bytes in and out: 0.1-0.6 us a byte of block here (table-size
+updates the dearest), and a few bytes of block may index kilobytes."""
 MAX_SIZE_UPDATES = 2
 """Table-size updates a block may start with: RFC 7541 4.2 needs at most
 two (the smallest size since the last block, then the new one); more are
@@ -89,7 +90,9 @@ class HeaderLists:
 
     def _decoded(self, block: bytes) -> list[tuple[str, str]]:
         self.work = 1 + len(block) // DECODE_BYTES_PER_UNIT
-        return checked(self._decoder.decode(block, raw=False))  # type: ignore[arg-type]
+        fields = self._decoder.decode(block, raw=False)
+        self.work += sum(len(name) + len(value) for name, value in fields) // DECODE_BYTES_PER_UNIT
+        return checked(fields)  # type: ignore[arg-type]
 
     def clear(self) -> None:
         """Empties the cache, and gives its memory back."""

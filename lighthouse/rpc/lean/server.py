@@ -61,6 +61,14 @@ _SWEEP_S = 5.0
 """How often connections are looked at (Connections.sweep)."""
 DECOMPRESSED_BYTES_PER_UNIT = 1024
 """A decompressed message is charged one work unit per KiB it inflates to."""
+MESSAGE_WORK = 2
+"""Work units of one streamed request message (a heartbeat's handling)."""
+LISTEN_BACKLOG = 1024
+"""Connections the kernel queues for accept: a job's groups reconnecting at once."""
+ACCEPT_BATCH = 16
+"""Connections accepted per turn of the loop (asyncio accepts `backlog` at
+once): 1,000 connects at once would otherwise be set up in one turn, tens
+of milliseconds that every call waiting on the loop waits out."""
 
 
 class _Abort(Exception):
@@ -312,7 +320,8 @@ class LeanServer:
             factory: Callable[[], asyncio.Protocol] = self._connection
             if context is not None:
                 factory = TlsAccept(self._connection, context, self._handshakes)
-            server = await loop.create_server(factory, sock=sock, backlog=1024)
+            server = await loop.create_server(factory, sock=sock, backlog=ACCEPT_BATCH)
+            sock.listen(LISTEN_BACKLOG)  # the kernel's queue; asyncio's batch stays
             self._servers.append(server)
         self._sweeper = loop.call_later(_SWEEP_S, self._sweep)
 
@@ -435,6 +444,7 @@ class LeanServer:
                     self._end(call, code, why)
                     return
             if call.requests is not None:
+                conn.charge(MESSAGE_WORK)
                 call.requests.push(message, 5 + size)
                 continue
             conn.consumed(stream_id, 5 + size)
