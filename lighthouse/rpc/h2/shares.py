@@ -43,11 +43,17 @@ class HostShares:
     def take(self, host: str, n: int) -> bool:
         """Counts `n` more for `host`; False (nothing counted) past the pool
         or past the host's share."""
-        have = self.by_host.get(host, 0)
-        if self.total + n > self.cap or have + n > self.limit(host):
+        by_host = self.by_host
+        have = by_host.get(host, 0)
+        total = self.total + n
+        if total > self.cap:
             return False
-        self.total += n
-        self.by_host[host] = have + n
+        others = len(by_host) - (1 if have else 0)  # a host that holds none is not kept
+        limit = self.cap // (others + 2)
+        if have + n > limit and have + n > 1:
+            return False
+        self.total = total
+        by_host[host] = have + n
         return True
 
     def add(self, host: str, n: int) -> None:
@@ -69,7 +75,8 @@ class HostShares:
 
     def over(self, host: str) -> bool:
         """The host holds more than its share (others have come since it took)."""
-        return self.by_host.get(host, 0) > self.limit(host)
+        have = self.by_host.get(host, 0)
+        return have > 0 and have > self.limit(host)
 
 
 class TurnShares:
