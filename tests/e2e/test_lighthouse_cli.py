@@ -103,3 +103,13 @@ def test_a_bad_state_file_exits_non_zero_with_one_clear_line(tmp_path, content, 
     assert out.returncode == 2
     assert message in out.stderr and str(path) in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_the_lighthouse_lifts_its_soft_descriptor_limit_to_the_hard_one():
+    """Its connection cap follows the soft limit: 1,024 would cap it at 960 groups."""
+    script = "from lighthouse.cli import raise_nofile; print(raise_nofile())"
+    out = subprocess.run(
+        ["bash", "-c", f'ulimit -Sn 256 && ulimit -Hn 4096 && "{PYTHON}" -c "{script}"'],
+        capture_output=True, text=True, timeout=60, check=True,
+    )  # fmt: skip
+    assert out.stdout.strip() == "4096"
