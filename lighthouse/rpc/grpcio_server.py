@@ -75,6 +75,10 @@ class GrpcioServer:
     async def stop(self, grace: float | None) -> None:
         await self._server.stop(grace)
 
+    def calmed(self) -> dict[str, int]:
+        """Connections closed for a flood, by kind: grpcio's server keeps no such count."""
+        return {}
+
 
 class GrpcioCall:
     """grpcio's `ServicerContext` as a `Call` (lighthouse.rpc.call)."""

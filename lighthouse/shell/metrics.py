@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, Metric
 
 from lighthouse.core.quorum import Quorum
 
@@ -54,11 +57,36 @@ class LighthouseMetrics:
             buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 10, 30, 60, 120),
             registry=r,
         )
+        self._calmed = _Calmed()
+        r.register(self._calmed)
 
     def on_quorum(self, quorum: Quorum) -> None:
         self.quorums_issued.inc()
         self.quorum_id.set(quorum.quorum_id)
         self.quorum_size.set(len(quorum.participants))
 
+    def watch_calmed(self, calmed: Callable[[], dict[str, int]]) -> None:
+        """Exports the gRPC server's count of connections closed for a flood
+        (GOAWAY ENHANCE_YOUR_CALM), by kind, read at each scrape."""
+        self._calmed.source = calmed
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Calmed:
+    """A collector over the server's own counts, which it keeps on its loop."""
+
+    def __init__(self) -> None:
+        self.source: Callable[[], dict[str, int]] = dict
+
+    def collect(self) -> Iterator[Metric]:
+        family = CounterMetricFamily(
+            "torchft_lighthouse_http2_calmed",
+            "gRPC connections closed with GOAWAY ENHANCE_YOUR_CALM for a flood, by kind "
+            "(priority, empty_data, window_update, reset, ping, settings, ...)",
+            labels=["kind"],
+        )
+        for kind, count in sorted(self.source().items()):
+            family.add_metric([kind], count)
+        yield family

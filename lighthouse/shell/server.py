@@ -193,6 +193,7 @@ class LighthouseServer:
             "lighthouse",
             self._rpc_server,
         )
+        self.metrics.watch_calmed(self._server.calmed)
         bound = serve.bind(
             self._server, host, port, "choose another --bind port (0 picks a free one)", self._tls
         )

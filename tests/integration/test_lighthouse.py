@@ -20,6 +20,7 @@ from lighthouse import (
     QuorumTimeoutError,
 )
 from tests.waiting import wait_until
+from tools import h2_attacks as h2
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=20)
@@ -178,6 +179,18 @@ def test_status_page_and_metrics_show_the_quorum(make_server):
     with urllib.request.urlopen(server.http_address() + "/", timeout=5) as r:
         page = r.read().decode()
     assert 'http-equiv="refresh"' in page and str(quorum.quorum_id) in page
+
+
+def test_the_metrics_count_connections_closed_for_a_flood_by_kind(make_server):
+    server = make_server(min_replicas=1, http_bind="127.0.0.1:0")
+    budget = h2.Budget(4 * h2.MB, 5.0)
+    h2.priority_flood(server.address(), budget).close()
+
+    def calmed() -> bool:
+        with urllib.request.urlopen(server.http_address() + "/metrics", timeout=5) as r:
+            return 'torchft_lighthouse_http2_calmed_total{kind="priority"} 1.0' in r.read().decode()
+
+    wait_until(calmed, 10, "the flood counted in /metrics")
 
 
 def test_a_replica_that_leaves_lets_the_others_go_on_at_once(make_server):

@@ -332,6 +332,11 @@ class LeanServer:
     def _connection(self) -> Connection:
         return Connection(self, self._conns, budget=self._budget)
 
+    def calmed(self) -> dict[str, int]:
+        """Connections closed with ENHANCE_YOUR_CALM for a flood, by kind
+        (a copy: the metrics read it from their own thread)."""
+        return dict(self._budget.calmed)
+
     async def stop(self, grace: float | None) -> None:
         """Stops listening; open calls get `grace` seconds (None: none), then are cancelled."""
         if self._sweeper is not None:
