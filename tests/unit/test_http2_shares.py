@@ -152,8 +152,9 @@ def test_a_header_block_is_charged_by_its_bytes(loop):
 
 @pytest.mark.parametrize(
     "block, updates",
-    [(b"", 0), (b"\x82", 0), (b"\x20\x82", 1), (b"\x3f\xe1\x1f\x20\x82", 2), (b"\x20" * 3, 3)],
-)
+    [(b"", 0), (b"\x82", 0), (b"\x20\x82", 1), (b"\x3f\xe1\x1f\x20\x82", 2), (b"\x20" * 3, 3),
+     (b"\x20" * 16_000, 3)],
+)  # fmt: skip
 def test_leading_table_size_updates_are_counted(block, updates):
     assert size_updates(block) == updates
 

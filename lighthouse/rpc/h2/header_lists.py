@@ -35,10 +35,11 @@ def cached_size(block: bytes, headers: list[tuple[str, str]]) -> int:
     return 200 + len(block) + sum(120 + len(name) + len(value) for name, value in headers)
 
 
-def size_updates(block: bytes) -> int:
-    """How many table-size updates (001xxxxx, an integer of 5-bit prefix) the block starts with."""
+def size_updates(block: bytes, stop: int = MAX_SIZE_UPDATES + 1) -> int:
+    """How many table-size updates (001xxxxx, an integer of 5-bit prefix) the
+    block starts with, counted up to `stop` (a flood's block is all of them)."""
     count, pos, size = 0, 0, len(block)
-    while pos < size and block[pos] & 0xE0 == 0x20:
+    while pos < size and block[pos] & 0xE0 == 0x20 and count < stop:
         count += 1
         if block[pos] & 0x1F == 0x1F:  # the integer goes on while the high bit is set
             pos += 1

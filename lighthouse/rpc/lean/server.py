@@ -61,8 +61,9 @@ _SWEEP_S = 5.0
 """How often connections are looked at (Connections.sweep)."""
 DECOMPRESSED_BYTES_PER_UNIT = 1024
 """A decompressed message is charged one work unit per KiB it inflates to."""
-MESSAGE_WORK = 2
-"""Work units of one streamed request message (a heartbeat's handling)."""
+MESSAGE_WORK = 5
+"""Work units of one streamed request message: a heartbeat on a stream costs
+the lighthouse about 10 us (bench.lighthouse_scale --attack stream_flood)."""
 LISTEN_BACKLOG = 1024
 """Connections the kernel queues for accept: a job's groups reconnecting at once."""
 ACCEPT_BATCH = 16
