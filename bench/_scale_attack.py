@@ -15,7 +15,7 @@ the lighthouse would not take, how its connections ended, its own CPU).
 Bytes sent are what the kernel took from the attacker: against a server
 that resets a flooding connection, much of it is never read.
 
-The parent's side is `Attacker` (start, go, stop) and `PeakRss`;
+The parent's side is `Attacker` (start, go, stop), with tools.procs.PeakRss;
 `compare` puts a run without the attack beside the run with it and checks
 the bench's criteria.
 """
@@ -36,7 +36,7 @@ from typing import Any
 import psutil
 
 from bench._report import REPO
-from tools.h2_attacks import ATTACKS, MB, Attack, Budget, raise_nofile
+from tools.h2_attacks import ATTACKS, Attack, Budget, raise_nofile
 
 ROUND_S = 3.0
 P99_SLACK = 1.25
@@ -172,32 +172,6 @@ class Attacker:
         if self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
-
-
-class PeakRss:
-    """The highest RSS of a process, polled every 100 ms until `stop`."""
-
-    def __init__(self, process: psutil.Process) -> None:
-        self.process = process
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-
-    def _poll(self) -> None:
-        while True:
-            try:
-                self.peak = max(self.peak, self.process.memory_info().rss)
-            except psutil.Error:
-                return
-            if self._stop.wait(0.1):
-                return
-
-    def stop(self) -> float:
-        """The peak, in MB."""
-        self._stop.set()
-        self._thread.join()
-        return self.peak / MB
 
 
 def judged_gone(

@@ -73,10 +73,10 @@ from typing import Any
 import psutil
 
 from bench._report import REPO, add_common_args, pct, report, results_file
-from bench._scale_attack import NOFILE, ROUND_S, Attacker, PeakRss, compare, judged_gone
+from bench._scale_attack import NOFILE, ROUND_S, Attacker, compare, judged_gone
 from lighthouse.core.pacing import advised_interval_ms
 from tools.h2_attacks import ATTACKS, MB, raise_nofile
-from tools.procs import free_port, wait_listening
+from tools.procs import PeakRss, free_port, wait_listening
 
 VENV_BIN = Path(sys.executable).parent
 HEARTBEAT_TIMEOUT_MS = 5000
@@ -196,7 +196,7 @@ def run_one(server: str, args: argparse.Namespace, attack: str | None = None) ->
         cpu0, w0 = lh.cpu_times(), time.time()
         if attacker is not None:
             attacker.go()
-        peak = PeakRss(lh)
+        peak = PeakRss(lh, interval_s=0.1)
         spy = None
         if args.profile and server == "ours":
             spy = profile(lighthouse.pid, args.profile / f"ours.{n}.txt", args.steps * args.step_s)
@@ -206,7 +206,7 @@ def run_one(server: str, args: argparse.Namespace, attack: str | None = None) ->
         rss_mb = lh.memory_info().rss / 2**20
         if attacker is not None:  # closed before the teardown
             attacked = attacker.stop()
-        rss_peak_mb = peak.stop()
+        rss_peak_mb = peak.stop() / MB
         results = []
         for proc in loads:  # every stream ends at once
             out, _ = proc.communicate("close\n", timeout=240)

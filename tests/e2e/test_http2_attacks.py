@@ -33,7 +33,7 @@ from tests.procs import PYTHON, Children
 from tests.waiting import wait_until
 from tools import h2_attacks
 from tools.h2_attacks import ATTACKS, Budget
-from tools.procs import kill_tree
+from tools.procs import PeakRss, kill_tree
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -196,31 +196,6 @@ class Lighthouse:
                 return True
             time.sleep(0.02)
         return False
-
-
-class PeakRss:
-    """The highest RSS of a process, polled every 50 ms in a thread until `stop`."""
-
-    def __init__(self, process: psutil.Process) -> None:
-        self.process = process
-        self.peak = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._poll, daemon=True)
-        self._thread.start()
-
-    def _poll(self) -> None:
-        while True:
-            try:
-                self.peak = max(self.peak, self.process.memory_info().rss)
-            except psutil.Error:
-                return
-            if self._stop.wait(0.05):
-                return
-
-    def stop(self) -> int:
-        self._stop.set()
-        self._thread.join()
-        return self.peak
 
 
 SERVERS = ["lean", "grpcio"] if os.environ.get("H2_ATTACK_REFERENCE") == "1" else ["lean"]

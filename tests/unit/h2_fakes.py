@@ -6,6 +6,11 @@ from __future__ import annotations
 import struct
 from typing import Any
 
+from lighthouse.rpc.h2 import frames
+from lighthouse.rpc.h2.limits import LIMITS, Limits
+from lighthouse.rpc.h2.server_connection import Connection
+from lighthouse.rpc.h2.shares import ProcessBudget
+
 
 class FakeTransport:
     """Records writes. With `reads=False` it is a peer that takes none of
@@ -99,3 +104,24 @@ class RecordingHandler:
     @property
     def closed(self) -> list[int]:
         return [e[1] for e in self.events if e[0] == "closed"]
+
+
+def connect(
+    limits: Limits = LIMITS, budget: ProcessBudget | None = None, host: str = "127.0.0.1"
+) -> tuple[Connection, FakeTransport, RecordingHandler]:
+    """A server connection from `host` past its preface and SETTINGS."""
+    handler, t = RecordingHandler(), FakeTransport(host=host)
+    conn = Connection(handler, limits=limits, budget=budget)
+    t.protocol = conn
+    conn.connection_made(t)
+    conn.data_received(frames.PREFACE + frames.frame(frames.SETTINGS, 0, 0, b""))
+    t.frames()
+    return conn, t, handler
+
+
+def goaway_code(t: FakeTransport) -> int | None:
+    """The error code of the GOAWAY written since the last look, if any."""
+    for kind, _, _, payload in t.frames():
+        if kind == frames.GOAWAY:
+            return int(struct.unpack_from(">I", payload, 4)[0])
+    return None

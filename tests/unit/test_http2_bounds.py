@@ -19,7 +19,6 @@ from lighthouse.rpc.h2.frames import (
     END_HEADERS,
     END_STREAM,
     ENHANCE_YOUR_CALM,
-    GOAWAY,
     HEADERS,
     PING,
     PRIORITY,
@@ -29,32 +28,11 @@ from lighthouse.rpc.h2.frames import (
     WINDOW_UPDATE,
     frame,
 )
-from lighthouse.rpc.h2.limits import LIMITS, Limits, TokenBucket
-from lighthouse.rpc.h2.shares import ProcessBudget
+from lighthouse.rpc.h2.limits import LIMITS, TokenBucket
 from lighthouse.rpc.h2.server_connection import Connection
+from lighthouse.rpc.h2.shares import ProcessBudget
 from lighthouse.rpc.lean.server import MAX_MESSAGE_BYTES, LeanServer, decompressed, echo
-from tests.unit.h2_fakes import REQUEST, FakeTransport, RecordingHandler
-from tests.unit.virtual_clock import VirtualClockLoop
-
-
-@pytest.fixture
-def loop():
-    loop = VirtualClockLoop()
-    asyncio.set_event_loop(loop)
-    yield loop
-    asyncio.set_event_loop(None)
-    loop.close()
-
-
-def _connect(
-    limits: Limits = LIMITS, budget: ProcessBudget | None = None, host: str = "127.0.0.1"
-):
-    handler, t = RecordingHandler(), FakeTransport(host=host)
-    conn = Connection(handler, limits=limits, budget=budget)
-    conn.connection_made(t)
-    conn.data_received(frames.PREFACE + frame(SETTINGS, 0, 0, b""))
-    t.frames()
-    return conn, t, handler
+from tests.unit.h2_fakes import REQUEST, FakeTransport, connect, goaway_code
 
 
 def _next_turn() -> None:
@@ -62,56 +40,48 @@ def _next_turn() -> None:
     asyncio.get_event_loop().run_until_complete(asyncio.sleep(0))
 
 
-def _goaway(t: FakeTransport) -> int | None:
-    """The error code of the GOAWAY written, if any."""
-    for kind, _, _, payload in t.frames():
-        if kind == GOAWAY:
-            return struct.unpack_from(">I", payload, 4)[0]
-    return None
-
-
 def test_a_header_block_over_the_limit_is_refused_before_it_is_decoded(loop):
-    conn, t, handler = _connect()
+    conn, t, handler = connect()
     conn.data_received(frame(HEADERS, 0, 1, b"\x00" * 9000))
     conn.data_received(frame(CONTINUATION, 0, 1, b"\x00" * 9000))
-    assert _goaway(t) == ENHANCE_YOUR_CALM and t.closed and handler.opened == []
+    assert goaway_code(t) == ENHANCE_YOUR_CALM and t.closed and handler.opened == []
 
 
 def test_empty_continuations_without_end_are_cut_off_by_count(loop):
-    conn, t, _ = _connect()
+    conn, t, _ = connect()
     conn.data_received(frame(HEADERS, 0, 1, b""))
     conn.data_received(frame(CONTINUATION, 0, 1, b"") * (LIMITS.max_continuations + 1))
-    assert _goaway(t) == ENHANCE_YOUR_CALM
+    assert goaway_code(t) == ENHANCE_YOUR_CALM
 
 
 def test_one_huge_literal_never_reaches_the_decoder(loop):
-    conn, t, _ = _connect()
+    conn, t, _ = connect()
     huge = hpack.Encoder().encode([("x-big", "v" * 1_000_000)], huffman=False)
     conn.data_received(frame(HEADERS, 0, 1, huge[:16_000]))
     conn.data_received(frame(CONTINUATION, 0, 1, huge[16_000:32_000]))
-    assert _goaway(t) == ENHANCE_YOUR_CALM
+    assert goaway_code(t) == ENHANCE_YOUR_CALM
 
 
 def test_a_decoded_header_list_over_the_limit_closes_the_connection(loop):
-    conn, t, handler = _connect()
+    conn, t, handler = connect()
     # Few bytes on the wire, many once decoded: one entry indexed over and over.
     enc = hpack.Encoder()
     first = enc.encode([("x-a", "v" * 3000)])
     again = enc.encode([("x-a", "v" * 3000)]) * 10
     conn.data_received(frame(HEADERS, END_HEADERS, 1, first + again))
-    assert _goaway(t) == ENHANCE_YOUR_CALM and handler.opened == []
+    assert goaway_code(t) == ENHANCE_YOUR_CALM and handler.opened == []
 
 
 def test_pings_faster_than_the_policy_without_answers_between_get_enhance_your_calm(loop):
-    conn, t, _ = _connect()
+    conn, t, _ = connect()
     conn.data_received(frame(PING, 0, 0, b"12345678") * LIMITS.ping_strikes)
     assert [k for k, *_ in t.frames()] == [PING] * LIMITS.ping_strikes
     conn.data_received(frame(PING, 0, 0, b"12345678") * 2)
-    assert _goaway(t) == ENHANCE_YOUR_CALM
+    assert goaway_code(t) == ENHANCE_YOUR_CALM
 
 
 def test_an_answer_between_pings_clears_the_strikes(loop):
-    conn, t, _ = _connect()
+    conn, t, _ = connect()
     enc = hpack.Encoder()
     for sid in range(1, 2 * (LIMITS.ping_strikes + 2), 2):
         conn.data_received(frame(PING, 0, 0, b"12345678"))
@@ -121,16 +91,16 @@ def test_an_answer_between_pings_clears_the_strikes(loop):
 
 
 def test_a_settings_flood_is_cut_off_at_the_rate(loop):
-    conn, t, _ = _connect()
+    conn, t, _ = connect()
     burst = int(LIMITS.settings_rate[0])
     conn.data_received(frame(SETTINGS, 0, 0, b"") * (burst - 1))  # one was taken at setup
     assert not t.closed
     conn.data_received(frame(SETTINGS, 0, 0, b"") * 2)
-    assert _goaway(t) == ENHANCE_YOUR_CALM
+    assert goaway_code(t) == ENHANCE_YOUR_CALM
 
 
 def test_rapid_reset_is_cut_off_at_the_rate(loop):
-    conn, t, handler = _connect()
+    conn, t, handler = connect()
     block = hpack.Encoder().encode(REQUEST)
     flood = b"".join(
         frame(HEADERS, END_HEADERS, sid, block)
@@ -141,12 +111,12 @@ def test_rapid_reset_is_cut_off_at_the_rate(loop):
         conn.data_received(flood[pos : pos + 65536])
         while conn._backlog and not t.closed:
             _next_turn()
-    assert _goaway(t) == ENHANCE_YOUR_CALM
+    assert goaway_code(t) == ENHANCE_YOUR_CALM
     assert len(handler.opened) <= LIMITS.reset_rate[0] + 5
 
 
 def test_one_read_is_processed_within_the_work_budget_the_rest_next_turn(loop):
-    conn, t, handler = _connect()
+    conn, t, handler = connect()
     enc = hpack.Encoder()
     many = b"".join(
         frame(HEADERS, END_HEADERS | END_STREAM, sid, enc.encode(REQUEST))
@@ -160,7 +130,7 @@ def test_one_read_is_processed_within_the_work_budget_the_rest_next_turn(loop):
 
 
 def test_a_peer_that_takes_no_answers_is_not_read_then_cut_off(loop):
-    conn, t, _ = _connect(dataclasses.replace(LIMITS, write_stall_s=0.01))
+    conn, t, _ = connect(dataclasses.replace(LIMITS, write_stall_s=0.01))
     conn.pause_writing()  # the transport's buffer passed its high mark
     assert not t.reading
     conn.data_received(frame(PING, 0, 0, b"12345678") * 3)  # (a TLS layer may still deliver)
@@ -169,11 +139,11 @@ def test_a_peer_that_takes_no_answers_is_not_read_then_cut_off(loop):
     assert [k for k, *_ in t.frames()] == [PING] * 3 and t.reading
     conn.pause_writing()
     loop.run_until_complete(asyncio.sleep(0.05))  # past write_stall_s, on the virtual clock
-    assert _goaway(t) == ENHANCE_YOUR_CALM and t.closed
+    assert goaway_code(t) == ENHANCE_YOUR_CALM and t.closed
 
 
 def test_answers_blocked_by_the_peers_window_refuse_new_streams_past_the_mark(loop):
-    conn, t, handler = _connect()
+    conn, t, handler = connect()
     conn.data_received(frame(SETTINGS, 0, 0, struct.pack(">HI", 0x4, 0)))  # zero windows
     enc = hpack.Encoder()
     answer = bytes(LIMITS.write_high // 2 + 1)
@@ -187,9 +157,9 @@ def test_answers_blocked_by_the_peers_window_refuse_new_streams_past_the_mark(lo
 
 def test_the_process_budget_resets_the_stream_that_would_pass_its_hosts_share(loop):
     budget = ProcessBudget(dataclasses.replace(LIMITS, process_held=60_000))
-    first, t1, _ = _connect(budget=budget)
-    second, t2, h2 = _connect(budget=budget)
-    other, t3, h3 = _connect(budget=budget, host="10.0.0.9")
+    first, t1, _ = connect(budget=budget)
+    second, t2, h2 = connect(budget=budget)
+    other, t3, h3 = connect(budget=budget, host="10.0.0.9")
     block = hpack.Encoder().encode(REQUEST)
     one_call = frame(HEADERS, END_HEADERS, 1, block) + frame(DATA, 0, 1, bytes(16_000))
     first.data_received(one_call)
@@ -205,35 +175,35 @@ def test_the_process_budget_resets_the_stream_that_would_pass_its_hosts_share(lo
 
 def test_a_host_at_its_share_of_connections_makes_room_from_its_own_idle_ones(loop):
     pool = Connections(cap=6)
-    conns = [_connect(host=host)[0] for host in ("a", "a", "b", "b")]
+    conns = [connect(host=host)[0] for host in ("a", "a", "b", "b")]
     assert all(pool.admit(conn) for conn in conns)
     conns[1].idle_since = None  # a stream open: never the one dropped
     conns[0].idle_since, conns[2].idle_since, conns[3].idle_since = 1.0, 0.5, 2.0
-    newer = _connect(host="a")[0]  # a holds 2 of 6 beside b: its share of 6 // 3
+    newer = connect(host="a")[0]  # a holds 2 of 6 beside b: its share of 6 // 3
     assert pool.admit(newer) and conns[0] not in pool.open and conns[2] in pool.open
     newer.idle_since = None
-    assert not pool.admit(_connect(host="a")[0])  # none of its own idle: refused
+    assert not pool.admit(connect(host="a")[0])  # none of its own idle: refused
     assert pool.hosts.by_host == {"a": 2, "b": 2}
 
 
 def test_at_the_cap_the_largest_host_gives_up_its_longest_idle_connection(loop):
     pool = Connections(cap=4)
-    conns = [_connect(host=host)[0] for host in ("a", "a", "b", "c")]
+    conns = [connect(host=host)[0] for host in ("a", "a", "b", "c")]
     assert all(pool.admit(conn) for conn in conns)
     conns[1].idle_since = None
     conns[0].idle_since, conns[2].idle_since, conns[3].idle_since = 3.0, 1.0, 2.0
-    newer = _connect(host="d")[0]
+    newer = connect(host="d")[0]
     assert pool.admit(newer) and conns[0] not in pool.open  # a's, though b's is older
     for conn in pool.open:
         conn.idle_since = None
-    refused = _connect(host="e")[0]
+    refused = connect(host="e")[0]
     assert not pool.admit(refused) and len(pool.open) == 4
 
 
 def test_the_sweep_closes_connections_idle_past_the_timeout(loop):
     pool = Connections(dataclasses.replace(LIMITS, idle_s=10.0))
-    idle, t_idle, _ = _connect()
-    busy, t_busy, _ = _connect()
+    idle, t_idle, _ = connect()
+    busy, t_busy, _ = connect()
     for conn in (idle, busy):
         pool.admit(conn)
     idle.idle_since, busy.idle_since = 100.0, None
@@ -334,21 +304,21 @@ def test_frames_that_do_no_work_pass_below_their_rate_and_are_calmed_past_it(loo
         t.frames()
         _feed(conn, t, flood(count))
         if over:
-            assert _goaway(t) == ENHANCE_YOUR_CALM and t.closed
+            assert goaway_code(t) == ENHANCE_YOUR_CALM and t.closed
             assert conn.calmed == kind and budget.calmed == {kind: 1}
         else:
-            assert _goaway(t) is None and not t.closed and budget.calmed == {}
+            assert goaway_code(t) is None and not t.closed and budget.calmed == {}
 
 
 def test_window_updates_for_data_sent_are_not_counted_against_the_rate(loop):
-    conn, t, _ = _connect()
+    conn, t, _ = connect()
     _feed(conn, t, frame(HEADERS, END_HEADERS | END_STREAM, 1, _BLOCK))
     conn.send(1, b"H", bytes(1000), b"T")  # one DATA frame: earns its window updates
     updates = int(LIMITS.idle_window_update_rate[0]) + LIMITS.window_updates_per_data - 2
     _feed(conn, t, frame(WINDOW_UPDATE, 0, 0, _U32_ONE) * updates)
     assert not t.closed
     _feed(conn, t, frame(WINDOW_UPDATE, 0, 0, _U32_ONE) * 4)
-    assert _goaway(t) == ENHANCE_YOUR_CALM and conn.calmed == "window_update"
+    assert goaway_code(t) == ENHANCE_YOUR_CALM and conn.calmed == "window_update"
 
 
 def test_refused_calls_do_not_clear_ping_strikes(loop):
@@ -359,13 +329,13 @@ def test_refused_calls_do_not_clear_ping_strikes(loop):
     for sid in range(1, 2 * (LIMITS.ping_strikes + 2), 2):
         conn.data_received(frame(PING, 0, 0, b"12345678"))
         conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, sid, _UNKNOWN))
-    assert _goaway(t) == ENHANCE_YOUR_CALM and conn.calmed == "ping"
+    assert goaway_code(t) == ENHANCE_YOUR_CALM and conn.calmed == "ping"
 
 
 def test_a_window_update_frames_only_what_it_unblocks(loop):
     """100 answers parked on zero stream windows: a connection WINDOW_UPDATE
     visits none of them, a stream's frames only its newly allowed bytes."""
-    conn, t, _ = _connect()
+    conn, t, _ = connect()
     _feed(conn, t, frame(SETTINGS, 0, 0, struct.pack(">HI", 0x4, 0)))  # zero windows
     _feed(conn, t, _calls(100))
     for sid in range(1, 200, 2):
@@ -389,7 +359,7 @@ def test_a_window_update_frames_only_what_it_unblocks(loop):
 
 
 def test_a_settings_frame_is_charged_by_its_entries_and_the_streams_walked_once(loop):
-    conn, t, _ = _connect()
+    conn, t, _ = connect()
     _feed(conn, t, _calls(50))  # 50 open streams
     entries = [struct.pack(">HI", 0x4, 1000 + i) for i in range(2000)]
     conn.data_received(frame(SETTINGS, 0, 0, b"".join(entries)) + frame(PING, 0, 0, bytes(8)))

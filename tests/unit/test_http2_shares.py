@@ -16,11 +16,9 @@ from lighthouse.rpc.h2.connections import Connections
 from lighthouse.rpc.h2.frames import (
     ACK,
     COMPRESSION_ERROR,
-    DATA,
     END_HEADERS,
     END_STREAM,
     ENHANCE_YOUR_CALM,
-    GOAWAY,
     HEADERS,
     PING,
     REFUSED_STREAM,
@@ -30,37 +28,11 @@ from lighthouse.rpc.h2.frames import (
     frame,
 )
 from lighthouse.rpc.h2.header_lists import CACHED_BLOCKS, HeaderLists, cached_size, size_updates
-from lighthouse.rpc.h2.limits import LIMITS, Limits
+from lighthouse.rpc.h2.limits import LIMITS
 from lighthouse.rpc.h2.server_connection import Connection
 from lighthouse.rpc.h2.shares import HostShares, ProcessBudget, TurnShares, fair_limit
-from tests.unit.h2_fakes import REQUEST, FakeTransport, RecordingHandler
+from tests.unit.h2_fakes import REQUEST, FakeTransport, RecordingHandler, connect, goaway_code
 from tests.unit.virtual_clock import VirtualClockLoop
-
-
-@pytest.fixture
-def loop():
-    loop = VirtualClockLoop()
-    asyncio.set_event_loop(loop)
-    yield loop
-    asyncio.set_event_loop(None)
-    loop.close()
-
-
-def _connect(limits: Limits = LIMITS, budget: ProcessBudget | None = None, host: str = "h1"):
-    handler, t = RecordingHandler(), FakeTransport(host=host)
-    conn = Connection(handler, limits=limits, budget=budget)
-    t.protocol = conn
-    conn.connection_made(t)
-    conn.data_received(frames.PREFACE + frame(SETTINGS, 0, 0, b""))
-    t.frames()
-    return conn, t, handler
-
-
-def _goaway(t: FakeTransport) -> int | None:
-    for kind, _, _, payload in t.frames():
-        if kind == GOAWAY:
-            return struct.unpack_from(">I", payload, 4)[0]
-    return None
 
 
 def _next_turn(loop: VirtualClockLoop) -> None:
@@ -129,8 +101,8 @@ def test_a_turn_gives_each_host_its_units_until_the_next_turn():
 def test_connections_of_one_host_share_its_turn_and_another_host_has_its_own(loop):
     limits = dataclasses.replace(LIMITS, work_per_read=10, work_per_host_turn=15)
     budget = ProcessBudget(limits)
-    (a1, t1, _), (a2, t2, _) = (_connect(limits, budget, "a") for _ in range(2))
-    b, tb, _ = _connect(limits, budget, "b")
+    (a1, t1, _), (a2, t2, _) = (connect(limits, budget, "a") for _ in range(2))
+    b, tb, _ = connect(limits, budget, "b")
     _next_turn(loop)
     acks = frame(SETTINGS, ACK, 0, b"") * 12
     for conn in (a1, a2, b):
@@ -143,7 +115,7 @@ def test_connections_of_one_host_share_its_turn_and_another_host_has_its_own(loo
 
 def test_a_header_block_is_charged_by_its_bytes(loop):
     limits = dataclasses.replace(LIMITS, work_per_read=512)
-    conn, t, handler = _connect(limits)
+    conn, t, handler = connect(limits)
     big = hpack.Encoder().encode(REQUEST + [("x-pad", "v" * 4000)], huffman=False)
     assert len(big) > 4000
     conn.data_received(frame(HEADERS, END_HEADERS, 1, big) + frame(SETTINGS, ACK, 0, b""))
@@ -160,9 +132,9 @@ def test_leading_table_size_updates_are_counted(block, updates):
 
 
 def test_a_block_of_more_than_two_table_size_updates_is_a_compression_error(loop):
-    conn, t, handler = _connect()
+    conn, t, handler = connect()
     conn.data_received(frame(HEADERS, END_HEADERS, 1, b"\x20" * 3 + b"\x82"))
-    assert _goaway(t) == COMPRESSION_ERROR and handler.opened == []
+    assert goaway_code(t) == COMPRESSION_ERROR and handler.opened == []
 
 
 # ---- per-connection memory, counted ------------------------------------------------------
@@ -187,11 +159,11 @@ def test_the_header_cache_is_counted_and_stops_at_the_hosts_share():
 def test_a_host_past_its_memory_share_has_its_new_streams_refused(loop):
     limits = dataclasses.replace(LIMITS, process_memory=150_000)
     budget = ProcessBudget(limits)
-    conn, t, handler = _connect(limits, budget)
+    conn, t, handler = connect(limits, budget)
     enc = hpack.Encoder()
     conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, 1, enc.encode(REQUEST)))
     conn.send(1, b"H", bytes(150_000), None)  # waits on the peer's window: counted
-    assert budget.memory.held("h1") > 80_000 and budget.memory.over("h1")
+    assert budget.memory.held("127.0.0.1") > 80_000 and budget.memory.over("127.0.0.1")
     conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, 3, enc.encode(REQUEST)))
     assert (RST_STREAM, 0, 3, struct.pack(">I", REFUSED_STREAM)) in t.frames()
     conn.connection_lost(None)
@@ -202,7 +174,7 @@ def test_a_host_past_its_memory_share_has_its_new_streams_refused(loop):
 
 
 def test_answers_unread_on_the_peers_windows_end_the_connection(loop):
-    conn, t, _ = _connect()
+    conn, t, _ = connect()
     conn.data_received(frame(HEADERS, END_HEADERS | END_STREAM, 1, hpack.Encoder().encode(REQUEST)))
     conn.send(1, b"H", bytes(100_000), b"T")
     since = conn.blocked_since
@@ -213,11 +185,11 @@ def test_answers_unread_on_the_peers_windows_end_the_connection(loop):
     conn.data_received(frame(WINDOW_UPDATE, 0, 1, struct.pack(">I", 10_000)))
     assert conn.blocked_since is not None and conn.blocked_since > since  # progress
     conn.tick(conn.blocked_since + LIMITS.write_stall_s + 1)
-    assert _goaway(t) == ENHANCE_YOUR_CALM
+    assert goaway_code(t) == ENHANCE_YOUR_CALM
 
 
 def test_a_quiet_peer_gets_a_keepalive_ping_and_is_cut_off_without_its_ack(loop):
-    conn, t, _ = _connect()
+    conn, t, _ = connect()
     now = loop.time() + 1000.0
     conn.tick(now)  # the reads so far are seen
     conn.tick(now + LIMITS.keepalive_s - 1)
@@ -246,16 +218,16 @@ def test_a_close_keeps_its_abort_timer_when_the_peer_takes_nothing(loop):
 
 def test_an_evicted_connection_drops_its_socket_at_once(loop):
     pool = Connections(cap=2)
-    first, t, _ = _connect(host="a")
+    first, t, _ = connect(host="a")
     assert pool.admit(first)
     first.idle_since = 0.0
-    second, _, _ = _connect(host="a")
-    assert pool.admit(second) and t.cut and _goaway(t) == 0
+    second, _, _ = connect(host="a")
+    assert pool.admit(second) and t.cut and goaway_code(t) == 0
 
 
 def test_a_refused_connection_is_aborted_as_it_is_made(loop):
     pool = Connections(cap=1)
-    busy, _, _ = _connect(host="a")
+    busy, _, _ = connect(host="a")
     assert pool.admit(busy)
     busy.idle_since = None
     t = FakeTransport(host="b")
