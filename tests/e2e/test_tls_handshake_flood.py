@@ -19,7 +19,7 @@ from tests.certs import make_certs
 from tests.e2e.test_http2_attacks import SERVERS
 from tests.e2e.test_lighthouse_cli import lighthouse_command
 from tests.procs import wait_for_line
-from tools import h2_attacks
+from tools import h2_peer
 
 pytestmark = pytest.mark.timeout(90)
 CONNECTS = 1000
@@ -51,13 +51,13 @@ def test_silent_tls_connects_hold_at_most_the_cap_and_nothing_after_ten_seconds(
     port = int(url.rsplit(":", 1)[1])
     lighthouse = psutil.Process(proc.pid)
     before = lighthouse.num_fds()
-    h2_attacks.raise_nofile(CONNECTS + 256)
+    h2_peer.raise_nofile(CONNECTS + 256)
     silent: list[socket.socket] = []
     peak, refused = before, 0
     try:
         for _ in range(CONNECTS):
             sock = socket.socket()
-            sock.bind((h2_attacks.ATTACKER_HOST, 0))
+            sock.bind((h2_peer.ATTACKER_HOST, 0))
             try:
                 sock.connect(("127.0.0.1", port))
             except OSError:

@@ -20,7 +20,7 @@ from lighthouse.rpc.lean.client import LeanChannel
 from lighthouse.rpc.lean.client_calls import CallFailed
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from tests.waiting import wait_until, wait_until_async
-from tools import h2_attacks as h2
+from tools import h2_peer as h2
 
 pytestmark = pytest.mark.timeout(60)
 
