@@ -45,7 +45,13 @@ class GrpcioServer:
     lighthouse.rpc.lean.server.LeanServer's): handler tables in, ports,
     start and stop."""
 
-    def __init__(self, secret: str | None, service: str) -> None:
+    def __init__(
+        self,
+        secret: str | None,
+        service: str,
+        stream_message_rate: tuple[float, float] | None = None,
+    ) -> None:
+        """`stream_message_rate` is not kept: grpcio's server has no such bound."""
         self._server = aio.server(
             options=SERVER_OPTIONS, interceptors=auth.server_interceptors(secret, service)
         )

@@ -17,7 +17,7 @@ from lighthouse.rpc.grpcio_server import GrpcioServer
 from lighthouse.rpc.lean.server import LeanServer
 from lighthouse.rpc.tls import TLSConfig
 
-RUNTIMES: dict[str, Callable[[str | None, str], Any]] = {
+RUNTIMES: dict[str, Callable[..., Any]] = {
     "lean": LeanServer,
     "grpcio": GrpcioServer,
 }
@@ -30,14 +30,16 @@ def new_server(
     secret: str | None,
     service: str,
     rpc_server: str = "grpcio",
+    stream_message_rate: tuple[float, float] | None = None,
 ) -> Any:
     """A server (`rpc_server`: one of RPC_SERVERS) serving `servicer`,
     refusing calls without the secret (`service` names it in refusals) and
-    undecodable requests."""
+    undecodable requests, and (our runtime) streaming calls past
+    `stream_message_rate` messages."""
     runtime = RUNTIMES.get(rpc_server)
     if runtime is None:
         raise ValueError(f"rpc_server must be one of {', '.join(RPC_SERVERS)}; got {rpc_server!r}")
-    server = runtime(secret, service)
+    server = runtime(secret, service, stream_message_rate)
     add_servicer(add_to_server, servicer, server)
     return server
 

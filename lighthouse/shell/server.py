@@ -22,6 +22,7 @@ from lighthouse.rpc import auth, errors, serve
 from lighthouse.rpc.address import advertised_host, join_host_port, parse_bind
 from lighthouse.rpc.call import Call
 from lighthouse.rpc.errors import DuplicateGroupError, QuorumError
+from lighthouse.rpc.h2.limits import LIMITS
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.rpc.tls import TLSConfig, scheme
@@ -192,6 +193,7 @@ class LighthouseServer:
             self._secret,
             "lighthouse",
             self._rpc_server,
+            LIMITS.stream_message_rate,  # a heartbeat an advised interval
         )
         self.metrics.watch_calmed(self._server.calmed)
         bound = serve.bind(

@@ -19,8 +19,10 @@ from lighthouse import (
     LighthouseUnavailableError,
     QuorumTimeoutError,
 )
+from lighthouse.rpc.h2.limits import LIMITS
 from tests.waiting import wait_until
-from tools import h2_attacks as h2
+from tools import h2_attacks
+from tools import h2_peer as h2
 
 pytestmark = pytest.mark.timeout(60)
 T = timedelta(seconds=20)
@@ -184,13 +186,30 @@ def test_status_page_and_metrics_show_the_quorum(make_server):
 def test_the_metrics_count_connections_closed_for_a_flood_by_kind(make_server):
     server = make_server(min_replicas=1, http_bind="127.0.0.1:0")
     budget = h2.Budget(4 * h2.MB, 5.0)
-    h2.priority_flood(server.address(), budget).close()
+    h2_attacks.priority_flood(server.address(), budget).close()
 
     def calmed() -> bool:
         with urllib.request.urlopen(server.http_address() + "/metrics", timeout=5) as r:
             return 'torchft_lighthouse_http2_calmed_total{kind="priority"} 1.0' in r.read().decode()
 
     wait_until(calmed, 10, "the flood counted in /metrics")
+
+
+def test_a_stream_of_heartbeats_faster_than_its_rate_is_ended(make_server):
+    """Heartbeats as fast as flow control allows are work taken from every
+    group: past Limits.stream_message_rate the call ends RESOURCE_EXHAUSTED,
+    and the lighthouse serves on."""
+    server = make_server(min_replicas=1)
+    peer = h2.Peer(server.address(), h2.Budget(8 * h2.MB, 10.0))
+    stream_id = peer.open(h2.request_headers(peer.authority, h2.method("HeartbeatStream")))
+    burst = int(LIMITS.stream_message_rate[0])
+    peer.send_data(stream_id, h2.heartbeat_message("fast") * (2 * burst))
+    peer.wait_ended(stream_id)
+    status = dict(peer.answers.get(stream_id, []))
+    assert status.get("grpc-status") == "8" and "messages" in status.get("grpc-message", "")
+    peer.close()
+    client = LighthouseClient(server.address())
+    assert client.quorum("healthy", timedelta(seconds=10)).quorum_id >= 1
 
 
 def test_a_replica_that_leaves_lets_the_others_go_on_at_once(make_server):

@@ -75,6 +75,13 @@ class ControlFrames(StreamTable):
             self._write(frame(PING, 0, 0, _KEEPALIVE))
         return True
 
+    def refused(self) -> None:
+        """A call the handler ended for what its peer did (too many
+        messages): rated as refused calls are, past which the connection is
+        calmed."""
+        if not self._rates.refused_call.take():
+            self._calm("refused_call", "too many calls refused")
+
     def _priority(self, stream_id: int, payload: bytes) -> None:
         if U32.unpack_from(payload)[0] & MAX_WINDOW == stream_id:
             raise ProtocolError(PROTOCOL_ERROR, "a stream that depends on itself", stream_id)

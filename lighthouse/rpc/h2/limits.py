@@ -92,6 +92,13 @@ class Limits:
     answered_headers_rate: tuple[float, float] = (100.0, 20.0)
     """Header blocks on streams already answered: decoded (the HPACK table
     is shared), then dropped; a gRPC client sends none (no trailers)."""
+    stream_message_rate: tuple[float, float] = (200.0, 100.0)
+    """Request messages on one streaming call, where the server sets a rate
+    (LeanServer's `stream_message_rate`; the lighthouse does): a burst, then
+    so many a second; past it the call ends RESOURCE_EXHAUSTED, rated as a
+    refused call. A lighthouse's streams carry one heartbeat per advised
+    interval (0.1-1 s); heartbeats as fast as flow control allows are work,
+    taken from everyone."""
     refused_call_rate: tuple[float, float] = (100.0, 20.0)
     """Calls answered without running (unknown method, refused secret,
     unsupported encoding, not gRPC): a misconfigured client retries with

@@ -36,7 +36,7 @@ import grpc
 from lighthouse.rpc import auth, errors
 from lighthouse.rpc.h2 import frames
 from lighthouse.rpc.h2.connections import Connections
-from lighthouse.rpc.h2.limits import LIMITS
+from lighthouse.rpc.h2.limits import LIMITS, TokenBucket
 from lighthouse.rpc.h2.server_connection import Connection
 from lighthouse.rpc.h2.shares import ProcessBudget
 from lighthouse.rpc.h2.tls_accept import TlsAccept
@@ -117,6 +117,7 @@ class _Call:
         "table",
         "on_end",
         "begun",
+        "rate",
     )
 
     def __init__(
@@ -145,6 +146,8 @@ class _Call:
         self.on_end: Callable[[], None] | None = None
         self.begun = False
         """A unary call's handler has run (on its first message)."""
+        self.rate: TokenBucket | None = None
+        """A streaming call's messages (Limits.stream_message_rate)."""
 
     # ---- the ServicerContext subset ---------------------------------------------
 
@@ -257,7 +260,15 @@ class LeanServer:
     generated `add_*_to_server` does; the API of `aio.Server` that
     lighthouse.rpc.serve uses."""
 
-    def __init__(self, secret: str | None = None, service: str = "server") -> None:
+    def __init__(
+        self,
+        secret: str | None = None,
+        service: str = "server",
+        stream_message_rate: tuple[float, float] | None = None,
+    ) -> None:
+        """`stream_message_rate`: request messages one streaming call may send
+        (a burst, then so many a second; Limits.stream_message_rate), None: no rate."""
+        self._stream_rate = stream_message_rate
         if secret is not None:
             auth.validate_secret(secret, f"the {service}'s `secret` argument")
         self._secret = secret
@@ -419,6 +430,8 @@ class LeanServer:
         self._calls[conn, stream_id] = call
         if handler.request_streaming:
             call.requests = RequestStream(handler.request_deserializer, conn, stream_id)
+            if self._stream_rate is not None:
+                call.rate = TokenBucket(self._stream_rate)
             self._run(call, call.requests)
 
     def on_data(self, conn: Connection, stream_id: int, data: bytes, end: bool) -> None:
@@ -450,6 +463,14 @@ class LeanServer:
                     self._end(call, code, why)
                     return
             if call.requests is not None:
+                if call.rate is not None and not call.rate.take():
+                    burst, rate = self._stream_rate or (0.0, 0.0)
+                    why = f"more than {burst:.0f} messages, then {rate:.0f} a second, on one stream"
+                    self._end(call, grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+                    if call.task is not None:  # its handler hears no more
+                        call.task.cancel()
+                    conn.refused()
+                    return
                 conn.charge(MESSAGE_WORK)
                 call.requests.push(message, 5 + size)
                 continue
