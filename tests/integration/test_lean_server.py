@@ -234,7 +234,7 @@ def test_a_handler_whose_task_is_cancelled_before_it_runs_still_runs_its_finally
     """The caller went away between the handler's inline first step and its
     task's first turn: the handler must still clean up (a heartbeat stream
     that never ends in the membership, a writer task left pending)."""
-    from lighthouse.rpc.lean.server import ResumedHandler
+    from lighthouse.rpc.lean.server_call import ResumedHandler
 
     cleaned = []
 

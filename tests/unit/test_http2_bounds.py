@@ -31,7 +31,8 @@ from lighthouse.rpc.h2.frames import (
 from lighthouse.rpc.h2.limits import LIMITS, TokenBucket
 from lighthouse.rpc.h2.server_connection import Connection
 from lighthouse.rpc.h2.shares import ProcessBudget
-from lighthouse.rpc.lean.server import MAX_MESSAGE_BYTES, LeanServer, decompressed, echo
+from lighthouse.rpc.lean.server import MAX_MESSAGE_BYTES, LeanServer, decompressed
+from lighthouse.rpc.lean.server_call import echo
 from tests.unit.h2_fakes import REQUEST, FakeTransport, connect, goaway_code
 
 

@@ -19,35 +19,38 @@ longest idle one makes room), their idle time, and what an answer echoes.
 from __future__ import annotations
 
 import asyncio
-import collections
-import collections.abc
 import inspect
 import logging
 import socket
 import ssl
 import time
-import urllib.parse
 import zlib
 from collections.abc import Callable
-from typing import Any, NoReturn
+from typing import Any
 
 import grpc
 
-from lighthouse.rpc import auth, errors
-from lighthouse.rpc.h2 import frames
+from lighthouse.rpc import auth
 from lighthouse.rpc.h2.connections import Connections
-from lighthouse.rpc.h2.limits import LIMITS, TokenBucket
+from lighthouse.rpc.h2.limits import TokenBucket
 from lighthouse.rpc.h2.server_connection import Connection
 from lighthouse.rpc.h2.shares import ProcessBudget
 from lighthouse.rpc.h2.tls_accept import TlsAccept
 from lighthouse.rpc.lean.request_stream import RequestStream
+from lighthouse.rpc.lean.server_call import (
+    OK_HEADERS,
+    OK_TRAILERS,
+    Abort,
+    ResumedHandler,
+    ServerCall,
+    echo,
+    status_trailers,
+    stream_out,
+)
 from lighthouse.rpc.tls import TLSConfig
 
 logger = logging.getLogger(__name__)
 
-_OK_HEADERS = b"\x88" + frames.literal("content-type", "application/grpc")
-"""`:status: 200` (static table entry 8) and the gRPC content type."""
-_OK_TRAILERS = frames.literal("grpc-status", "0")
 _UNIMPLEMENTED = grpc.StatusCode.UNIMPLEMENTED
 _TIMEOUT_UNITS = {"H": 3600.0, "M": 60.0, "S": 1.0, "m": 1e-3, "u": 1e-6, "n": 1e-9}
 _RESERVED = frozenset(
@@ -72,189 +75,6 @@ once): 1,000 connects at once would otherwise be set up in one turn, tens
 of milliseconds that every call waiting on the loop waits out."""
 
 
-class _Abort(Exception):
-    """`context.abort`: ends the call with this status."""
-
-    def __init__(self, code: grpc.StatusCode, details: str) -> None:
-        super().__init__(details)
-        self.code = code
-        self.details = details
-
-
-def echo(text: str) -> str:
-    """A request's own text as an answer may carry it: never longer than
-    `Limits.max_echo`, so an answer cannot amplify what a peer sends."""
-    limit = LIMITS.max_echo
-    return text if len(text) <= limit else f"{text[:limit]}... ({len(text)} characters)"
-
-
-def _trailers(code: grpc.StatusCode, details: str) -> bytes:
-    block = frames.literal("grpc-status", str(code.value[0]))
-    if details:
-        block += frames.literal(
-            "grpc-message", urllib.parse.quote(details, safe=" !#$&'()*+,/:;=?@[]~")
-        )
-    return block
-
-
-class _Call:
-    """One call: its stream, its handler and the `ServicerContext` it is given."""
-
-    __slots__ = (
-        "conn",
-        "stream_id",
-        "handler",
-        "method",
-        "deadline",
-        "metadata",
-        "body",
-        "requests",
-        "task",
-        "headers_sent",
-        "done",
-        "timer",
-        "encoding",
-        "table",
-        "on_end",
-        "begun",
-        "rate",
-    )
-
-    def __init__(
-        self,
-        conn: Connection,
-        stream_id: int,
-        handler: Any,
-        method: str,
-        table: dict[tuple[Connection, int], _Call],
-    ) -> None:
-        self.conn = conn
-        self.stream_id = stream_id
-        self.handler = handler
-        self.method = method
-        self.deadline: float | None = None
-        self.metadata: tuple[tuple[str, str], ...] = ()
-        self.body = bytearray()
-        self.requests: RequestStream | None = None
-        self.task: asyncio.Task[None] | None = None
-        self.headers_sent = False
-        self.done = False
-        self.timer: asyncio.TimerHandle | None = None
-        self.encoding = "identity"
-        self.table = table
-        """The server's open calls, which this one leaves when it is answered."""
-        self.on_end: Callable[[], None] | None = None
-        self.begun = False
-        """A unary call's handler has run (on its first message)."""
-        self.rate: TokenBucket | None = None
-        """A streaming call's messages (Limits.stream_message_rate)."""
-
-    # ---- the ServicerContext subset ---------------------------------------------
-
-    def time_remaining(self) -> float | None:
-        return None if self.deadline is None else max(0.0, self.deadline - time.monotonic())
-
-    async def abort(self, code: grpc.StatusCode, details: str = "") -> NoReturn:
-        raise _Abort(code, details)
-
-    def peer(self) -> str:
-        return self.conn.peer
-
-    def invocation_metadata(self) -> tuple[tuple[str, str], ...]:
-        return self.metadata
-
-    # ---- the seam's answers from outside the handler (lighthouse.rpc.call) ----------
-
-    def park(self, on_end: Callable[[], None]) -> None:
-        """Keeps a unary call open after its handler returns, with no task
-        and no future: it is answered later by `answer` or `fail`, and
-        `on_end` runs if it ends otherwise (cancelled, connection lost).
-        The lighthouse parks each Quorum call until its quorum is issued:
-        a task per call was a third of a call's cost at a step's burst
-        (bench/NOTES.md)."""
-        self.on_end = on_end
-
-    def answer(self, response: Any) -> None:
-        """Sends a unary call's answer at once: the handler's own return
-        value is then dropped."""
-        if self.done or self.handler.response_streaming:
-            return
-        self.done = True
-        self.table.pop((self.conn, self.stream_id), None)
-        if self.timer is not None:
-            self.timer.cancel()
-        self.send_message(response, _OK_TRAILERS)
-
-    def fail(self, error: Exception) -> None:
-        self.table.pop((self.conn, self.stream_id), None)
-        self.finish(*errors.status_text(error))
-
-    def write(self, message: Any) -> bool:
-        """A streaming answer's message, sent in this turn; False: the call has ended."""
-        if self.done or not self.conn.is_open(self.stream_id):
-            return False
-        self.send_message(message, None)
-        return True
-
-    def deliver(self, sink: Callable[[Any], None]) -> asyncio.Future[None]:
-        """Each message within the read that brought it, with no task woken
-        per message (lighthouse.rpc.lean.request_stream)."""
-        if self.requests is None:
-            raise TypeError(f"{self.method} does not stream its requests")
-        return self.requests.deliver(sink)
-
-    # ---- answers -------------------------------------------------------------------
-
-    def send_message(self, message: Any, trailers: bytes | None) -> None:
-        serialize = self.handler.response_serializer
-        raw = message if serialize is None else serialize(message)
-        headers = None if self.headers_sent else _OK_HEADERS
-        self.headers_sent = True
-        body = b"\x00" + len(raw).to_bytes(4, "big") + raw
-        self.conn.send(self.stream_id, headers, body, trailers)
-
-    def finish(self, code: grpc.StatusCode, details: str = "") -> None:
-        if self.done:
-            return
-        self.done = True
-        if self.timer is not None:
-            self.timer.cancel()
-        trailers = _OK_TRAILERS if code is grpc.StatusCode.OK else _trailers(code, details)
-        headers = None if self.headers_sent else _OK_HEADERS
-        self.conn.send(self.stream_id, headers, b"", trailers)
-
-
-class ResumedHandler(collections.abc.Coroutine):  # type: ignore[type-arg]
-    """The rest of a handler coroutine whose first step ran inline and then
-    waited on `first`: run by a task, it resumes where the step stopped. A
-    coroutine object of its own, not an `async def` around the handler's: a
-    task cancelled before its first step throws into the handler too, so
-    the handler's `finally` runs (an `async def` would end before its body)."""
-
-    def __init__(self, coro: Any, first: Any) -> None:
-        self._coro = coro
-        self._first: Any = first
-        self._started = False
-
-    def send(self, value: Any) -> Any:
-        if not self._started:
-            self._started = True
-            return self._first
-        return self._coro.send(value)
-
-    def throw(self, typ: Any, val: Any = None, tb: Any = None) -> Any:
-        self._started = True
-        return (
-            self._coro.throw(typ) if val is None and tb is None else self._coro.throw(typ, val, tb)
-        )
-
-    def close(self) -> None:
-        self._coro.close()
-
-    def __await__(self) -> Any:
-        raise TypeError("a task runs this coroutine; it is not awaited")
-
-
 class LeanServer:
     """A gRPC server for handler tables registered the way grpcio's
     generated `add_*_to_server` does; the API of `aio.Server` that
@@ -275,7 +95,7 @@ class LeanServer:
         self._service = service
         self._refusals = auth.RefusalLog()
         self._handlers: dict[str, Any] = {}
-        self._calls: dict[tuple[Connection, int], _Call] = {}
+        self._calls: dict[tuple[Connection, int], ServerCall] = {}
         self._conns = Connections()
         self._budget = ProcessBudget()
         self._sweeper: asyncio.TimerHandle | None = None
@@ -396,8 +216,8 @@ class LeanServer:
                 if value not in _WBITS:
                     named = echo(value)
                     unsupported = f"compression {named!r} is not supported (gzip, deflate are)"
-                    trailers = _trailers(_UNIMPLEMENTED, unsupported)
-                    conn.refuse_call(stream_id, _OK_HEADERS, trailers)
+                    trailers = status_trailers(_UNIMPLEMENTED, unsupported)
+                    conn.refuse_call(stream_id, OK_HEADERS, trailers)
                     return
                 encoding = value
             elif name not in _RESERVED:
@@ -405,21 +225,21 @@ class LeanServer:
                 if name == auth.METADATA_KEY:
                     presented = value
         if method != "POST" or not content_type.startswith("application/grpc"):
-            conn.refuse_call(stream_id, _OK_HEADERS, None)  # not a gRPC request: reset
+            conn.refuse_call(stream_id, OK_HEADERS, None)  # not a gRPC request: reset
             return
         handler = self._handlers.get(path)
         if handler is None:
-            unknown = _trailers(_UNIMPLEMENTED, f"Method not found: {echo(path)}")
-            conn.refuse_call(stream_id, _OK_HEADERS, unknown)
+            unknown = status_trailers(_UNIMPLEMENTED, f"Method not found: {echo(path)}")
+            conn.refuse_call(stream_id, OK_HEADERS, unknown)
             return
         if self._secret is not None:
             why = auth.refusal(presented, self._secret, self._service)
             if why is not None:
                 self._refusals.refused(conn.peer.rsplit(":", 1)[0], path, why)
-                trailers = _trailers(grpc.StatusCode.UNAUTHENTICATED, why)
-                conn.refuse_call(stream_id, _OK_HEADERS, trailers)
+                trailers = status_trailers(grpc.StatusCode.UNAUTHENTICATED, why)
+                conn.refuse_call(stream_id, OK_HEADERS, trailers)
                 return
-        call = _Call(conn, stream_id, handler, path, self._calls)
+        call = ServerCall(conn, stream_id, handler, path, self._calls)
         call.metadata = tuple(metadata)
         call.encoding = encoding
         if timeout is not None and 2 <= len(timeout) <= 9:  # gRPC: at most 8 digits
@@ -499,7 +319,7 @@ class LeanServer:
 
     # ---- running handlers ---------------------------------------------------------------
 
-    def _run_unary(self, call: _Call, raw: bytes) -> None:
+    def _run_unary(self, call: ServerCall, raw: bytes) -> None:
         handler = call.handler
         decode = handler.request_deserializer
         try:
@@ -509,7 +329,7 @@ class LeanServer:
             return
         self._run(call, request)
 
-    def _run(self, call: _Call, request: Any) -> None:
+    def _run(self, call: ServerCall, request: Any) -> None:
         """Runs the handler's first step inline; a handler that waits goes on in a task."""
         handler = call.handler
         if handler.request_streaming:
@@ -519,7 +339,7 @@ class LeanServer:
         try:
             result = behavior(request, call)
             if inspect.isasyncgen(result):
-                result = _stream_out(result, call)
+                result = stream_out(result, call)
             elif not inspect.iscoroutine(result):
                 self._answer(call, result)
                 return
@@ -539,7 +359,7 @@ class LeanServer:
                 call,
             )
 
-    def _settle(self, call: _Call, task: asyncio.Task[Any]) -> None:
+    def _settle(self, call: ServerCall, task: asyncio.Task[Any]) -> None:
         """A handler that waited has ended: answers with its result or error."""
         if task.cancelled():
             self._failed(call, asyncio.CancelledError())
@@ -548,7 +368,7 @@ class LeanServer:
         else:
             self._answer(call, task.result())
 
-    def _answer(self, call: _Call, result: Any) -> None:
+    def _answer(self, call: ServerCall, result: Any) -> None:
         if call.on_end is not None and not call.done:
             return  # parked: answered later
         self._calls.pop((call.conn, call.stream_id), None)
@@ -563,10 +383,10 @@ class LeanServer:
         call.done = True
         if call.timer is not None:
             call.timer.cancel()
-        call.send_message(result, _OK_TRAILERS)
+        call.send_message(result, OK_TRAILERS)
 
-    def _failed(self, call: _Call, e: BaseException) -> None:
-        if isinstance(e, _Abort):
+    def _failed(self, call: ServerCall, e: BaseException) -> None:
+        if isinstance(e, Abort):
             self._end(call, e.code, e.details)
         elif isinstance(e, asyncio.CancelledError):
             self._end(call, grpc.StatusCode.CANCELLED, "the call was cancelled")
@@ -574,11 +394,11 @@ class LeanServer:
             logger.error("%s failed", call.method, exc_info=e)
             self._end(call, grpc.StatusCode.UNKNOWN, f"Unexpected {type(e).__name__}: {e}")
 
-    def _end(self, call: _Call, code: grpc.StatusCode, details: str) -> None:
+    def _end(self, call: ServerCall, code: grpc.StatusCode, details: str) -> None:
         self._calls.pop((call.conn, call.stream_id), None)
         call.finish(code, details)
 
-    def _overdue(self, call: _Call) -> None:
+    def _overdue(self, call: ServerCall) -> None:
         if call.task is not None and not call.done:
             self._end(call, grpc.StatusCode.DEADLINE_EXCEEDED, "Deadline Exceeded")
             call.task.cancel()
@@ -599,10 +419,3 @@ def decompressed(message: bytes, encoding: str) -> tuple[bytes, grpc.StatusCode,
     if not inflate.eof:
         return b"", internal, f"a compressed message cut short ({encoding})"
     return out, grpc.StatusCode.OK, ""
-
-
-async def _stream_out(responses: Any, call: _Call) -> None:
-    """A response-streaming handler written as an async generator."""
-    async for response in responses:
-        if not call.write(response):
-            raise grpc.RpcError("the call has ended")
