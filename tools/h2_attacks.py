@@ -444,7 +444,7 @@ def budget_fill(addr: str, budget: Budget, connections: int = 1000) -> Attack:
     stream_id = probe.open(request_headers(probe.authority, method("Heartbeat")))
     padded = grpc_message(b"", declared=MB) + bytes(MB)  # larger than a stream window
     sent = probe.send_data(stream_id, padded[:200_000])
-    probe.pump(0.5)
+    probe.probe(timeout=5.0)  # its PING's ACK comes after whatever the call got
     reset = probe.resets.get(stream_id)
     status = dict(probe.answers.get(stream_id, [])).get("grpc-status")
     attack.notes += (

@@ -149,8 +149,11 @@ def test_the_header_cache_is_counted_and_stops_at_the_hosts_share():
         lists.decode(block)
     assert 0 < len(lists.cached) < CACHED_BLOCKS  # half of 4 KiB: a few blocks
     assert memory.held("a") == lists.cached_bytes <= 2048
-    assert lists.work == 0 or lists.work >= 1
     one = blocks[0]
+    lists.decode(one)  # cached: no decode, no work
+    assert lists.work == 0
+    lists.decode(blocks[-1])  # not cached (past the share): decoded, charged by bytes
+    assert lists.work >= 1 + len(blocks[-1]) // 4
     assert cached_size(one, lists.cached[one]) <= lists.cached_bytes
     lists.clear()
     assert memory.total == 0 and lists.cached == {}

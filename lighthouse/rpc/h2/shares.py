@@ -49,8 +49,7 @@ class HostShares:
         if total > self.cap:
             return False
         others = len(by_host) - (1 if have else 0)  # a host that holds none is not kept
-        limit = self.cap // (others + 2)
-        if have + n > limit and have + n > 1:
+        if have + n > fair_limit(self.cap, others):
             return False
         self.total = total
         by_host[host] = have + n

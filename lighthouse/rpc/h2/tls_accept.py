@@ -62,10 +62,10 @@ class _Handshaking(asyncio.Protocol):
                 server_side=True,
                 ssl_handshake_timeout=LIMITS.tls_handshake_s,
             )
-        except (OSError, ssl.SSLError, asyncio.TimeoutError, asyncio.CancelledError):
+        except (OSError, asyncio.CancelledError):  # SSLError and TimeoutError are OSErrors
             tls = None
         if tls is None:  # failed, timed out, or the server stops: the count goes now
             transport.abort()
-            conn.connection_lost(None)
+            conn.connection_lost(None)  # (the TLS layer may tell it too: it is idempotent)
             return
         conn.connection_made(tls)

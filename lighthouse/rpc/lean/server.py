@@ -89,6 +89,8 @@ class LeanServer:
         """`stream_message_rate`: request messages one streaming call may send
         (a burst, then so many a second; Limits.stream_message_rate), None: no rate."""
         self._stream_rate = stream_message_rate
+        burst, rate = stream_message_rate or (0.0, 0.0)
+        self._past_rate = f"more than {burst:.0f} messages, then {rate:.0f} a second, on one stream"
         if secret is not None:
             auth.validate_secret(secret, f"the {service}'s `secret` argument")
         self._secret = secret
@@ -284,9 +286,7 @@ class LeanServer:
                     return
             if call.requests is not None:
                 if call.rate is not None and not call.rate.take():
-                    burst, rate = self._stream_rate or (0.0, 0.0)
-                    why = f"more than {burst:.0f} messages, then {rate:.0f} a second, on one stream"
-                    self._end(call, grpc.StatusCode.RESOURCE_EXHAUSTED, why)
+                    self._end(call, grpc.StatusCode.RESOURCE_EXHAUSTED, self._past_rate)
                     if call.task is not None:  # its handler hears no more
                         call.task.cancel()
                     conn.refused()
