@@ -33,17 +33,27 @@ T = timedelta(seconds=10)
 WRONG = [(None, "carried none"), ("wrong-secret", "carried a wrong one")]
 
 
-@pytest.fixture
-def lighthouse():
+def _lighthouse(min_replicas: int):
     server = LighthouseServer(
         bind="127.0.0.1:0",
-        min_replicas=1,
+        min_replicas=min_replicas,
         join_timeout_ms=500,
         heartbeat_timeout_ms=1000,
         secret=S,
     )
     yield server
     server.shutdown()
+
+
+@pytest.fixture
+def lighthouse():
+    yield from _lighthouse(1)
+
+
+@pytest.fixture
+def lighthouse_of_two():
+    """For two groups' runs: see test_manager.lighthouse_of_two."""
+    yield from _lighthouse(2)
 
 
 def call_metadata(secret: str | None) -> tuple[tuple[str, str], ...]:
@@ -378,12 +388,14 @@ def test_a_checkpoint_fetch_with_the_secret_gets_the_state(make_transport, num_c
 # ---- Manager -----------------------------------------------------------------
 
 
-def test_a_run_with_the_secret_in_the_environment_trains_heals_and_commits(lighthouse, monkeypatch):
+def test_a_run_with_the_secret_in_the_environment_trains_heals_and_commits(
+    lighthouse_of_two, monkeypatch
+):
     """Two groups of two ranks: the Managers read TORCHFT_SECRET; rank 1 talks
     to rank 0's ManagerServer over gRPC, and init_sync heals group 1 from
     group 0 over HTTP (the groups start from different weights)."""
     monkeypatch.setenv(auth.SECRET_ENV, S)
-    results = run_groups(lighthouse, 2, steps=3, group_world_size=2)
+    results = run_groups(lighthouse_of_two, 2, steps=3, group_world_size=2)
     for rank in range(2):
         assert results[0][rank]["step"] == 3
         assert all(committed for _, committed in results[0][rank]["commits"])

@@ -357,7 +357,7 @@ def test_a_run_over_mutual_tls_with_a_secret_trains_heals_over_https_and_commits
     monkeypatch.setenv("TORCHFT_SECRET", S)
     server = LighthouseServer(
         bind="127.0.0.1:0",
-        min_replicas=1,
+        min_replicas=2,  # both groups: see test_manager.lighthouse_of_two
         join_timeout_ms=500,
         heartbeat_timeout_ms=1000,
         secret=S,
