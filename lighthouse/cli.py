@@ -13,6 +13,7 @@ import threading
 from typing import NoReturn
 
 from lighthouse import __version__
+from lighthouse.core.jobs import check_job_id, parse_rule
 from lighthouse.rpc import auth, serve, tls
 from lighthouse.shell.server import LighthouseServer
 
@@ -142,6 +143,43 @@ example:
         help="put a kill form on the status page: POST /kill sends Kill to a replica group's "
         "ManagerServer once the operator types the job's secret (needs a secret; default off)",
     )
+    p.add_argument(
+        "--job-secrets",
+        nargs="+",
+        default=[],
+        metavar="JOB=FILE",
+        help="jobs with a secret of their own, each JOB=FILE (a file holding it): that job's "
+        "calls must carry it, it is refused in every other job, and the job's status pages "
+        "need it (a job not listed takes --secret-file's, if any; default: none)",
+    )
+    p.add_argument(
+        "--job-rule",
+        action="append",
+        default=[],
+        metavar="JOB.OPTION=VALUE",
+        help="one job's own min_replicas or join_timeout_ms, e.g. train-7.min_replicas=4; "
+        "repeat it for more (default: every job has the lighthouse's)",
+    )
+    p.add_argument(
+        "--max-jobs",
+        type=int,
+        default=1000,
+        help="most jobs held at once; a call naming a new job past it is refused "
+        "(RESOURCE_EXHAUSTED) until one is forgotten (default 1000)",
+    )
+    p.add_argument(
+        "--max-members-per-job",
+        type=int,
+        default=20_000,
+        help="most replicas one job may have; a new one past it is refused (default 20000)",
+    )
+    p.add_argument(
+        "--job-idle-s",
+        type=float,
+        default=3600.0,
+        help="a job with no replica, call or stream left is forgotten after this many seconds, "
+        "its state file with it; never the default job (default 3600)",
+    )
     # Defined only to refuse it with the reason: a secret on the command line
     # is readable by every user; "unrecognized argument" would not say so.
     p.add_argument("--secret", action=_RefuseSecretValue, help=argparse.SUPPRESS)
@@ -229,6 +267,34 @@ def raise_nofile() -> int:
     return soft
 
 
+def parse_job_secrets(items: list[str]) -> dict[str, str]:
+    """`--job-secrets JOB=FILE ...` as job -> secret (each file read).
+
+    Raises:
+        ValueError: an item not JOB=FILE, a bad job id, a job twice, a bad file.
+    """
+    secrets: dict[str, str] = {}
+    for item in items:
+        job, sep, path = item.partition("=")
+        if not sep or not path:
+            raise ValueError(f"--job-secrets {item!r} is not JOB=FILE, e.g. train-7=/etc/t7.secret")
+        check_job_id(job)
+        if job in secrets:
+            raise ValueError(f"--job-secrets names job {job!r} twice; give each job one file")
+        secrets[job] = auth.read_secret_file(path)
+    return secrets
+
+
+def parse_job_rules(items: list[str]) -> dict[str, dict[str, int]]:
+    """`--job-rule JOB.OPTION=VALUE` (repeated) as job -> {option: value}.
+    Raises ValueError (lighthouse.core.jobs.parse_rule)."""
+    rules: dict[str, dict[str, int]] = {}
+    for item in items:
+        job, option, value = parse_rule(item)
+        rules.setdefault(job, {})[option] = value
+    return rules
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     raise_nofile()
@@ -243,10 +309,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         if tls_config is not None:
             tls_config.require_server("lighthouse")
-        if args.kill_button and secret is None:
+        job_secrets = parse_job_secrets(args.job_secrets)
+        if args.kill_button and secret is None and not job_secrets:
             raise ValueError(
                 f"--kill-button needs the job's secret: set {auth.SECRET_FILE_ENV} (or pass "
-                "--secret-file) to a file holding it; without one no kill can be checked"
+                "--secret-file, or --job-secrets) to a file holding it; without one no kill "
+                "can be checked"
             )
         server = LighthouseServer(
             bind=args.bind,
@@ -264,6 +332,11 @@ def main(argv: list[str] | None = None) -> int:
             allow_fresh_start=args.allow_fresh_start,
             rpc_server=args.rpc_server,
             collect_after_issue=True,
+            job_secrets=job_secrets,
+            job_rules=parse_job_rules(args.job_rule),
+            max_jobs=args.max_jobs,
+            max_members_per_job=args.max_members_per_job,
+            job_idle_s=args.job_idle_s,
         )
     except (ValueError, OSError) as e:
         print(f"torchft-lighthouse: error: {e}", file=sys.stderr)

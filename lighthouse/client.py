@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 
 from lighthouse import wire
+from lighthouse.core.jobs import DEFAULT_JOB, check_job_id
 from lighthouse.core.quorum import Quorum, QuorumMember
 from lighthouse.core.views import QuorumResult
 from lighthouse.rpc.address import url_to_target
@@ -46,6 +47,11 @@ LIGHTHOUSE_ENV = "TORCHFT_LIGHTHOUSE"
 """Where the library's Manager finds the lighthouse (read by torchft_like.manager)."""
 
 
+def _peer(addr: str, job_id: str) -> str:
+    """How errors name the lighthouse: with the job, unless it is the default one."""
+    return f"lighthouse {addr}" + ("" if job_id == DEFAULT_JOB else f" (job {job_id})")
+
+
 def lighthouse_target(addr: str, tls: TLSConfig | None = None) -> str:
     """The gRPC target of a lighthouse URL; a bad one (or one whose scheme
     disagrees with `tls`) names TORCHFT_LIGHTHOUSE and the fix."""
@@ -66,6 +72,10 @@ class LighthouseClient:
         connect_timeout: how long the first call waits for the connection.
         secret: the job's shared secret, sent with every call (lighthouse.rpc.auth).
         tls: connect over TLS (lighthouse.rpc.tls); `addr` is then https://.
+        job_id: the job on the lighthouse (lighthouse.core.jobs); None: the default job.
+
+    Raises:
+        ValueError: a bad address or job id.
     """
 
     def __init__(
@@ -74,10 +84,14 @@ class LighthouseClient:
         connect_timeout: timedelta = timedelta(seconds=10),
         secret: str | None = None,
         tls: TLSConfig | None = None,
+        job_id: str | None = None,
     ) -> None:
         self.addr = addr
+        self.job_id = DEFAULT_JOB if job_id is None else check_job_id(job_id)
         target = lighthouse_target(addr, tls)
-        self._calls = BlockingCalls(target, f"lighthouse {addr}", connect_timeout, secret, tls)
+        self._calls = BlockingCalls(
+            target, _peer(addr, self.job_id), connect_timeout, secret, tls, self.job_id
+        )
         self._stub = pb_grpc.LighthouseServiceStub(self._calls.channel)
 
     def quorum(
@@ -200,10 +214,14 @@ class AsyncLighthouseClient:
         connect_timeout: timedelta = timedelta(seconds=10),
         secret: str | None = None,
         tls: TLSConfig | None = None,
+        job_id: str | None = None,
     ) -> None:
         self.addr = addr
+        self.job_id = DEFAULT_JOB if job_id is None else check_job_id(job_id)
         target = lighthouse_target(addr, tls)
-        self._calls = AsyncCalls(target, f"lighthouse {addr}", connect_timeout, secret, tls)
+        self._calls = AsyncCalls(
+            target, _peer(addr, self.job_id), connect_timeout, secret, tls, self.job_id
+        )
         self._stream: Stream | None = None
         self._paced = True
         """Whether to heartbeat on HeartbeatPaced (False: on HeartbeatStream,

@@ -22,6 +22,7 @@ import time
 from datetime import timedelta
 
 from lighthouse.client import LIGHTHOUSE_ENV, LighthouseClient
+from lighthouse.core.jobs import JOB_ENV
 from lighthouse.rpc import auth
 from lighthouse.rpc.tls import tls_from_env
 
@@ -40,7 +41,7 @@ def take_replica_group(
     gets the name of the next group that dies. Every rank of one torchrun
     gets the same name: they share `spare_id`, by default made of torchrun's
     run id, restart count and store address. The secret and TLS come from the environment, as for
-    the Manager.
+    the Manager, and so does the job (TORCHFT_JOB_ID).
     """
     addr = lighthouse_addr or os.environ.get(LIGHTHOUSE_ENV)
     if not addr:
@@ -56,7 +57,12 @@ def take_replica_group(
             spare_id = "/".join(os.environ[key] for key in keys)
         else:
             spare_id = f"{socket.gethostname()}/{os.getpid()}"
-    client = LighthouseClient(addr, secret=auth.load_secret(), tls=tls_from_env(os.environ))
+    client = LighthouseClient(
+        addr,
+        secret=auth.load_secret(),
+        tls=tls_from_env(os.environ),
+        job_id=os.environ.get(JOB_ENV) or None,
+    )
     try:
         return client.take_replica_group(spare_id, wanted, timeout)
     finally:

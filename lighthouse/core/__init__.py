@@ -16,5 +16,6 @@ so every rule is tested as a plain function. One line per room:
 - `lateness`: who went unheard, without scanning everyone;
 - `pacing`: the heartbeat period the lighthouse advises;
 - `spares`: which hot spare trains as which group;
-- `compat`: which groups of a mixed-version job can share an allreduce.
+- `compat`: which groups of a mixed-version job can share an allreduce;
+- `jobs/`: many jobs on one lighthouse: ids, each job's rule and secret, bounds.
 """

@@ -32,8 +32,8 @@ MIN_TIMEOUT_S = 0.001
 
 class AsyncCalls:
     """Calls to the server at `target` (`host:port`), each carrying the
-    secret; TLS with `tls`. `peer` names the server in errors, e.g.
-    "lighthouse http://h:29510"; `connect_timeout` bounds the wait for
+    secret and naming `job` (a lighthouse's); TLS with `tls`. `peer` names
+    the server in errors, e.g. "lighthouse http://h:29510"; `connect_timeout` bounds the wait for
     grpcio's connection (ours is bounded by lean.client.CONNECT_S)."""
 
     def __init__(
@@ -43,16 +43,17 @@ class AsyncCalls:
         connect_timeout: timedelta,
         secret: str | None,
         tls: TLSConfig | None,
+        job: str | None = None,
     ) -> None:
         self.peer = peer
         self._target = target
         self._connect_timeout = connect_timeout
         self._tls = tls
-        self.grpcio = aio_channel(target, secret, tls)
+        self.grpcio = aio_channel(target, secret, tls, job)
         self.lean = (
             None
             if tls is not None or not lean_client.usable(target)
-            else lean_client.LeanChannel(target, auth.metadata(secret))
+            else lean_client.LeanChannel(target, auth.metadata(secret, job))
         )
         """Our own channel; None where grpcio's must carry every call."""
 

@@ -41,6 +41,7 @@ from typing import Any
 import grpc
 from grpc import aio
 
+from lighthouse.core.jobs import DEFAULT_JOB
 from lighthouse.rpc.address import is_loopback
 
 logger = logging.getLogger(__name__)
@@ -49,6 +50,9 @@ SECRET_ENV = "TORCHFT_SECRET"
 SECRET_FILE_ENV = "TORCHFT_SECRET_FILE"
 METADATA_KEY = "authorization"
 """gRPC metadata key (lower case, as gRPC requires) and HTTP header of the secret."""
+JOB_METADATA_KEY = "torchft-job"
+"""gRPC metadata that names a lighthouse call's job (lighthouse.core.jobs);
+a call without it is in the default job."""
 _SCHEME = "Bearer "
 
 
@@ -162,13 +166,52 @@ def refusal(presented: str | None, secret: str | None, service: str) -> str | No
     )
 
 
+class Secrets:
+    """The secret each call must carry, by the job it names: a job's own
+    (`by_job`), else `default` (None: open). A lighthouse with one secret
+    has it as `default` and no job of its own; a ManagerServer is one job's."""
+
+    __slots__ = ("default", "by_job")
+
+    def __init__(self, default: str | None, by_job: Mapping[str, str] | None = None) -> None:
+        self.default = default
+        self.by_job = dict(by_job or {})
+
+    @classmethod
+    def of(cls, secret: str | Secrets | None) -> Secrets | None:
+        """`secret` as Secrets; None when no call needs one."""
+        if isinstance(secret, Secrets):
+            return secret if secret.default is not None or secret.by_job else None
+        return None if secret is None else cls(secret)
+
+    def validate(self, service: str) -> None:
+        """Raises ValueError for a secret that cannot travel in a header."""
+        if self.default is not None:
+            validate_secret(self.default, f"the {service}'s `secret` argument")
+        for job, secret in self.by_job.items():
+            validate_secret(secret, f"job {job!r}'s secret")
+
+    def refusal(self, presented: str | None, job: str | None, service: str) -> str | None:
+        """`refusal` for a call naming `job` (None: the default job)."""
+        own = self.by_job.get(job) if job is not None else None
+        if own is not None:
+            return refusal(presented, own, f"{service}'s job {job!r}")
+        return refusal(presented, self.default, service)
+
+
 def header_value(secret: str) -> str:
     return _SCHEME + secret
 
 
-def metadata(secret: str | None) -> tuple[tuple[str, str], ...]:
-    """gRPC metadata that carries `secret`: none without one."""
-    return () if secret is None else ((METADATA_KEY, header_value(secret)),)
+def metadata(secret: str | None, job: str | None = None) -> tuple[tuple[str, str], ...]:
+    """gRPC metadata that carries `secret` and names `job`: none for
+    neither (None, or the default job: what every older client sends)."""
+    pairs: tuple[tuple[str, str], ...] = ()
+    if secret is not None:
+        pairs = ((METADATA_KEY, header_value(secret)),)
+    if job is not None and job != DEFAULT_JOB:
+        pairs += ((JOB_METADATA_KEY, job),)
+    return pairs
 
 
 def http_headers(secret: str | None) -> dict[str, str]:
@@ -224,8 +267,8 @@ class SecretServerInterceptor(aio.ServerInterceptor):
     method's, so it covers RPCs added later without knowing them.
     """
 
-    def __init__(self, secret: str, service: str) -> None:
-        self._secret = secret
+    def __init__(self, secrets: Secrets, service: str) -> None:
+        self._secrets = secrets
         self._service = service
         self._log = RefusalLog()
 
@@ -236,13 +279,14 @@ class SecretServerInterceptor(aio.ServerInterceptor):
         ],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        presented = None
+        presented = job = None
         for key, value in handler_call_details.invocation_metadata or ():
             if key == METADATA_KEY:
                 presented = value.decode(errors="replace") if isinstance(value, bytes) else value
-                break
+            elif key == JOB_METADATA_KEY:
+                job = value.decode(errors="replace") if isinstance(value, bytes) else value
         handler = await continuation(handler_call_details)
-        why = refusal(presented, self._secret, self._service)
+        why = self._secrets.refusal(presented, job, self._service)
         if why is None or handler is None:
             return handler
         return self._denying_handler(handler, handler_call_details.method, why)
@@ -276,16 +320,17 @@ def _same_kind(
     )
 
 
-def server_interceptors(secret: str | None, service: str) -> list[aio.ServerInterceptor]:
-    """Interceptors for `aio.server(interceptors=...)`: none when the secret is None.
+def server_interceptors(secret: str | Secrets | None, service: str) -> list[aio.ServerInterceptor]:
+    """Interceptors for `aio.server(interceptors=...)`: none when no call needs a secret.
 
     Raises:
-        ValueError: the secret is empty or cannot travel in a header.
+        ValueError: a secret is empty or cannot travel in a header.
     """
-    if secret is None:
+    secrets = Secrets.of(secret)
+    if secrets is None:
         return []
-    validate_secret(secret, f"the {service}'s `secret` argument")
-    return [SecretServerInterceptor(secret, service)]
+    secrets.validate(service)
+    return [SecretServerInterceptor(secrets, service)]
 
 
 # ---- gRPC clients --------------------------------------------------------------
@@ -301,8 +346,8 @@ class _CallDetails(
     pass
 
 
-def _with_secret(metadata: Any, value: str) -> tuple[tuple[str, str], ...]:
-    return (*tuple(metadata or ()), (METADATA_KEY, value))
+def _with(metadata: Any, pairs: tuple[tuple[str, str], ...]) -> tuple[tuple[str, str], ...]:
+    return (*tuple(metadata or ()), *pairs)
 
 
 class _SyncSecretInterceptor(
@@ -311,16 +356,16 @@ class _SyncSecretInterceptor(
     grpc.StreamUnaryClientInterceptor,
     grpc.StreamStreamClientInterceptor,
 ):
-    """Adds the secret to the metadata of every call on a blocking channel."""
+    """Adds the secret and the job to the metadata of every call on a blocking channel."""
 
-    def __init__(self, secret: str) -> None:
-        self._value = header_value(secret)
+    def __init__(self, pairs: tuple[tuple[str, str], ...]) -> None:
+        self._pairs = pairs
 
     def _details(self, d: Any) -> _CallDetails:
         return _CallDetails(
             d.method,
             d.timeout,
-            _with_secret(d.metadata, self._value),
+            _with(d.metadata, self._pairs),
             d.credentials,
             getattr(d, "wait_for_ready", None),
             getattr(d, "compression", None),
@@ -340,17 +385,17 @@ class _SyncSecretInterceptor(
 
 
 class _AioSecret:
-    """Adds the secret to the metadata of every call on an asyncio channel.
+    """Adds the secret and the job to the metadata of every call on an asyncio channel.
 
     One subclass per call kind: aio files an interceptor under the first
     kind it implements only, so one class for all four would miss three.
     """
 
-    def __init__(self, secret: str) -> None:
-        self._value = header_value(secret)
+    def __init__(self, pairs: tuple[tuple[str, str], ...]) -> None:
+        self._pairs = pairs
 
     def _details(self, d: aio.ClientCallDetails) -> aio.ClientCallDetails:
-        metadata = aio.Metadata.from_tuple(_with_secret(d.metadata, self._value))
+        metadata = aio.Metadata.from_tuple(_with(d.metadata, self._pairs))
         return d._replace(metadata=metadata)  # type: ignore[attr-defined,no-any-return]
 
 
@@ -374,16 +419,24 @@ class _AioStreamStream(_AioSecret, aio.StreamStreamClientInterceptor):
         return await continuation(self._details(details), requests)
 
 
-def intercept_channel(channel: grpc.Channel, secret: str | None) -> grpc.Channel:
-    """A blocking channel whose every call carries the secret (`channel` itself if None)."""
-    if secret is None:
+def intercept_channel(
+    channel: grpc.Channel, secret: str | None, job: str | None = None
+) -> grpc.Channel:
+    """A blocking channel whose every call carries the secret and names the
+    job (`channel` itself when there is nothing to add: `metadata`)."""
+    pairs = metadata(secret, job)
+    if not pairs:
         return channel
-    return grpc.intercept_channel(channel, _SyncSecretInterceptor(secret))
+    return grpc.intercept_channel(channel, _SyncSecretInterceptor(pairs))
 
 
-def aio_client_interceptors(secret: str | None) -> list[aio.ClientInterceptor]:
-    """Interceptors for `aio.insecure_channel(interceptors=...)`: none without a secret."""
-    if secret is None:
+def aio_client_interceptors(
+    secret: str | None, job: str | None = None
+) -> list[aio.ClientInterceptor]:
+    """Interceptors for `aio.insecure_channel(interceptors=...)`: none when
+    there is nothing to add (`metadata`)."""
+    pairs = metadata(secret, job)
+    if not pairs:
         return []
     kinds = (_AioUnaryUnary, _AioUnaryStream, _AioStreamUnary, _AioStreamStream)
-    return [kind(secret) for kind in kinds]
+    return [kind(pairs) for kind in kinds]

@@ -32,20 +32,25 @@ CHANNEL_OPTIONS = [
 ]
 
 
-def blocking_channel(target: str, secret: str | None, tls: TLSConfig | None = None) -> grpc.Channel:
+def blocking_channel(
+    target: str, secret: str | None, tls: TLSConfig | None = None, job: str | None = None
+) -> grpc.Channel:
     """A channel to `target` (`host:port`) whose every call carries the
-    secret; TLS with `tls` (the server's certificate must be valid for the
-    host of `target`), plaintext without."""
+    secret and names `job` (a lighthouse's: lighthouse.core.jobs); TLS with
+    `tls` (the server's certificate must be valid for the host of `target`),
+    plaintext without."""
     if tls is None:
         channel = grpc.insecure_channel(target, options=CHANNEL_OPTIONS)
     else:
         channel = grpc.secure_channel(target, tls.channel_credentials(), options=CHANNEL_OPTIONS)
-    return auth.intercept_channel(channel, secret)
+    return auth.intercept_channel(channel, secret, job)
 
 
-def aio_channel(target: str, secret: str | None, tls: TLSConfig | None = None) -> aio.Channel:
+def aio_channel(
+    target: str, secret: str | None, tls: TLSConfig | None = None, job: str | None = None
+) -> aio.Channel:
     """asyncio twin of `blocking_channel`."""
-    interceptors = auth.aio_client_interceptors(secret)
+    interceptors = auth.aio_client_interceptors(secret, job)
     if tls is None:
         return aio.insecure_channel(target, options=CHANNEL_OPTIONS, interceptors=interceptors)
     return aio.secure_channel(
@@ -129,9 +134,10 @@ class BlockingCalls:
         connect_timeout: timedelta,
         secret: str | None,
         tls: TLSConfig | None,
+        job: str | None = None,
     ) -> None:
         self.peer = peer
-        self.channel = blocking_channel(target, secret, tls)
+        self.channel = blocking_channel(target, secret, tls, job)
         """For the caller's stub."""
         self._target = target
         self._connect_timeout = connect_timeout

@@ -70,6 +70,11 @@ class FreshStartRefusedError(QuorumTimeoutError):
     client logs it and asks again until its own deadline."""
 
 
+class JobLimitError(QuorumError):
+    """The lighthouse holds as many jobs, or a job as many replicas, as it
+    may (--max-jobs, --max-members-per-job); the text says which and what to do."""
+
+
 MAX_DETAILS_CHARS = 4000
 """Longest status text sent: it travels in trailing metadata, which gRPC caps
 at 16 KiB, and a reason quoting huge ids (bad input) would break the answer."""
@@ -84,6 +89,7 @@ _STATUS_OF: tuple[tuple[type[Exception], grpc.StatusCode], ...] = (
     (DuplicateGroupError, grpc.StatusCode.ALREADY_EXISTS),
     (IncompatibleGroupError, grpc.StatusCode.FAILED_PRECONDITION),
     (PermissionError, grpc.StatusCode.PERMISSION_DENIED),
+    (JobLimitError, grpc.StatusCode.RESOURCE_EXHAUSTED),
     (QuorumError, grpc.StatusCode.ABORTED),
 )
 """The one exception <-> status table, read in both directions."""

@@ -47,7 +47,7 @@ class GrpcioServer:
 
     def __init__(
         self,
-        secret: str | None,
+        secret: str | auth.Secrets | None,
         service: str,
         stream_message_rate: tuple[float, float] | None = None,
     ) -> None:

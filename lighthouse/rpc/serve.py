@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from lighthouse.rpc import auth
 from lighthouse.rpc.address import join_host_port
 from lighthouse.rpc.decode_guard import add_servicer
 from lighthouse.rpc.grpcio_server import GrpcioServer
@@ -27,13 +28,14 @@ RPC_SERVERS = tuple(RUNTIMES)
 def new_server(
     add_to_server: Callable[[Any, Any], None],
     servicer: Any,
-    secret: str | None,
+    secret: str | auth.Secrets | None,
     service: str,
     rpc_server: str = "grpcio",
     stream_message_rate: tuple[float, float] | None = None,
 ) -> Any:
     """A server (`rpc_server`: one of RPC_SERVERS) serving `servicer`,
-    refusing calls without the secret (`service` names it in refusals) and
+    refusing calls without the secret (one, or each job's: auth.Secrets;
+    `service` names it in refusals) and
     undecodable requests, and (our runtime) streaming calls past
     `stream_message_rate` messages."""
     runtime = RUNTIMES.get(rpc_server)

@@ -29,15 +29,16 @@ from lighthouse.core.effects import (
     Placed,
 )
 from lighthouse.core.gone import Gone
+from lighthouse.core.jobs import DEFAULT_JOB, member_refusal
 from lighthouse.core.membership import Membership
 from lighthouse.core.quorum import LighthouseConfig, Quorum, QuorumMember
 from lighthouse.core.views import QuorumViews
 from lighthouse.rpc import errors
 from lighthouse.rpc.call import Call
-from lighthouse.rpc.errors import QuorumTimeoutError
+from lighthouse.rpc.errors import JobLimitError, QuorumTimeoutError
 from lighthouse.rpc.h2 import corking
 from lighthouse.rpc.proto import torchft_pb2 as pb
-from lighthouse.shell.metrics import LighthouseMetrics
+from lighthouse.shell.metrics import JobMetrics
 from lighthouse.shell.parked import Deadlines, Parked
 from lighthouse.shell.state_file import StateFile
 from lighthouse.status.view import StatusView
@@ -46,6 +47,9 @@ logger = logging.getLogger("lighthouse.shell.server")
 
 COST_FACTOR = 10
 """Paced work waits for 10x its previous run's cost (Paced)."""
+ANSWER_SLICE = 512
+"""Callers of one issued quorum answered per loop turn (Coordinator._answer):
+~5 ms of work at most."""
 
 
 class Paced:
@@ -107,9 +111,17 @@ class Outbox(Protocol):
     def write(self, message: pb.LighthouseHeartbeatAdvice, /) -> bool: ...
 
 
+class JobLog(logging.LoggerAdapter):  # type: ignore[type-arg]
+    """The server's logger, each line naming the job it is about."""
+
+    def process(self, msg: Any, kwargs: Any) -> tuple[Any, Any]:
+        return f"job {self.extra['job']}: {msg}", kwargs  # type: ignore[index]
+
+
 class Coordinator:
-    """The shell around lighthouse.core.membership: the clock, the waiting
-    calls, the metrics and the status page's memory, all on one loop.
+    """One job's shell around lighthouse.core.membership: the clock, the
+    waiting calls, the metrics and the status page's memory, all on one loop
+    (lighthouse.shell.jobs holds one per job).
 
     With `collect_after_issue`, the collector's young generations run in the
     turn after a quorum's answers went out (lighthouse.cli.tune_gc: the
@@ -119,10 +131,15 @@ class Coordinator:
     def __init__(
         self,
         config: LighthouseConfig,
-        metrics: LighthouseMetrics,
+        metrics: JobMetrics,
         state: StateFile | None,
         collect_after_issue: bool = False,
+        job: str = DEFAULT_JOB,
+        max_members: int = 20_000,
     ) -> None:
+        self.job = job
+        self.log = JobLog(logger, {"job": job})
+        self.max_members = max_members
         self.collect_after_issue = collect_after_issue
         self.metrics = metrics
         self.state = state
@@ -175,7 +192,7 @@ class Coordinator:
         elif isinstance(effect, Handed):
             if effect.promotion:
                 self.metrics.spare_promotions.inc()
-            logger.info(
+            self.log.info(
                 "%s %s trains as replica group %s%s",
                 "spare" if effect.promotion else "process",
                 effect.spare_id,
@@ -183,7 +200,7 @@ class Coordinator:
                 " (its replicas died)" if effect.promotion else "",
             )
         elif isinstance(effect, Log):
-            logger.log(effect.level, effect.msg, *effect.args)
+            self.log.log(effect.level, effect.msg, *effect.args)
         elif isinstance(effect, DecideSoon) and not effect.now:
             self.decide_soon()
         elif isinstance(effect, AdviceChanged):
@@ -200,8 +217,8 @@ class Coordinator:
         # A new quorum is news, and so is the end of a logged stall; the
         # same members again (every step) is not.
         level = logging.INFO if issued.news else logging.DEBUG
-        if logger.isEnabledFor(level):  # the member list costs O(members) to format
-            logger.log(
+        if self.log.isEnabledFor(level):  # the member list costs O(members) to format
+            self.log.log(
                 level,
                 "quorum %d issued (%s): %s",
                 quorum.quorum_id,
@@ -210,24 +227,44 @@ class Coordinator:
             )
         if self.state is not None:  # before any caller hears of it (lighthouse.shell.state_file)
             self.state.issued(time.monotonic(), quorum, self.membership.high_water_step)
-        now = time.monotonic()
-        with corking.corked():  # the answers go out in one tight loop, a send per connection
-            self._answer(issued.tickets, quorum, now)
+        self._answer(issued.tickets, quorum)
         if self.collect_after_issue:
             asyncio.get_running_loop().call_soon(gc.collect, 1)
 
-    def _answer(self, tickets: tuple[int, ...], quorum: Quorum, now: float) -> None:
+    def _answer(self, tickets: tuple[int, ...], quorum: Quorum, start: int = 0) -> None:
+        """Answers the callers of an issued quorum, ANSWER_SLICE a loop turn:
+        the other jobs' calls get the loop between slices, so a job of
+        thousands delays another's quorum by a slice, not by all its answers."""
+        end = start + ANSWER_SLICE
+        if end < len(tickets):
+            asyncio.get_running_loop().call_soon(self._answer, tickets, quorum, end)
+        now = time.monotonic()
         parked, observe = self.parked, self.metrics.quorum_latency.observe
-        for ticket in tickets:
-            waiting = parked.pop(ticket, None)
-            if waiting is not None:
-                if waiting.slot >= 0:
-                    self.deadlines.remove(waiting.slot, ticket)
-                waiting.call.answer(self.quorum_response(quorum, waiting.viewer))
-                observe(now - waiting.since)
+        with corking.corked():  # the slice goes out in one tight loop, a send per connection
+            for ticket in tickets[start:end]:
+                waiting = parked.pop(ticket, None)
+                if waiting is not None:
+                    if waiting.slot >= 0:
+                        self.deadlines.remove(waiting.slot, ticket)
+                    waiting.call.answer(self.quorum_response(quorum, waiting.viewer))
+                    observe(now - waiting.since)
+
+    def admit(self, replica_id: str) -> None:
+        """Raises JobLimitError for a replica new to a job that holds its most."""
+        known = self.membership.heartbeats
+        if replica_id not in known and len(known) >= self.max_members:
+            raise JobLimitError(member_refusal(self.job, replica_id, len(known), self.max_members))
+
+    def busy(self) -> bool:
+        """Whether anyone is in the job: a replica known, a call waiting, a
+        stream open (lighthouse.core.jobs.idle_jobs)."""
+        m = self.membership
+        return bool(m.heartbeats or m.open_streams or self.parked or self.outboxes)
 
     def heartbeat(self, replica_id: str) -> None:
-        """Raises DuplicateGroupError for a second live replica of one group."""
+        """Raises DuplicateGroupError for a second live replica of one group,
+        JobLimitError for one past the job's bound."""
+        self.admit(replica_id)
         now = time.monotonic()
         self.apply(self.membership.heartbeat(now, replica_id), now)
         self.metrics.heartbeats.inc()
@@ -245,6 +282,7 @@ class Coordinator:
         when `budget_s` (None: no deadline) is up. Returns its record while
         it waits (None: answered in this turn); `call` withdraws it if it
         ends otherwise."""
+        self.admit(member.replica_id)
         now = time.monotonic()
         outcome = self.membership.join(now, member)
         parked = None
@@ -417,4 +455,28 @@ class Coordinator:
         self.metrics.healthy_replicas.set(self.membership.num_healthy(now))
 
     def snapshot(self) -> dict[str, Any]:
-        return self.view.snapshot(time.monotonic(), time.time())
+        return {"job": self.job, **self.view.snapshot(time.monotonic(), time.time())}
+
+    def summary(self, now: float, wall: float, protected: bool) -> dict[str, Any]:
+        """The job's line on the status page's list; of a job with a secret
+        of its own, only its name (its page needs the secret)."""
+        if protected:
+            return {"job": self.job, "protected": True}
+        m = self.membership
+        quorum = m.prev_quorum
+        return {
+            "job": self.job,
+            "protected": False,
+            "members": len(m.heartbeats),
+            "healthy": m.num_healthy(now),
+            "step": m.high_water_step,
+            "quorum_id": quorum.quorum_id if quorum else None,
+            "quorum_age_s": round(wall - quorum.created, 3) if quorum else None,
+            "last_failure": self.view.last_failure(),
+        }
+
+    def close(self) -> None:
+        """The job is forgotten: its timers go (it has no call waiting)."""
+        self._deciding.cancel()
+        self._telling.cancel()
+        self.deadlines.close()

@@ -16,19 +16,21 @@ import time
 from typing import Any
 
 from lighthouse import wire
+from lighthouse.core.jobs import DEFAULT_JOB, JobPolicy
 from lighthouse.core.quorum import LighthouseConfig, QuorumMember
 from lighthouse.loop import BackgroundLoop, reply_budget_s
 from lighthouse.rpc import auth, errors, serve
 from lighthouse.rpc.address import advertised_host, join_host_port, parse_bind
 from lighthouse.rpc.call import Call
-from lighthouse.rpc.errors import DuplicateGroupError, QuorumError
+from lighthouse.rpc.errors import DuplicateGroupError, JobLimitError, QuorumError
 from lighthouse.rpc.h2.limits import LIMITS
 from lighthouse.rpc.proto import torchft_pb2 as pb
 from lighthouse.rpc.proto import torchft_pb2_grpc as pb_grpc
 from lighthouse.rpc.tls import TLSConfig, scheme
 from lighthouse.shell.coordinator import Coordinator, Outbox
+from lighthouse.shell.jobs import Jobs
 from lighthouse.shell.metrics import LighthouseMetrics
-from lighthouse.shell.state_file import StateFile, log_start
+from lighthouse.shell.state_file import StateFiles, log_start
 from lighthouse.status import kill_button
 from lighthouse.status.server import StatusServer
 
@@ -38,19 +40,21 @@ logger = logging.getLogger(__name__)
 class _LighthouseServicer:
     """LighthouseService, registered by its method names, on either runtime
     (one call shape: lighthouse.rpc.call). Thin: converts, calls the
-    coordinator, converts back, maps errors (lighthouse.rpc.errors)."""
+    coordinator of the call's job (lighthouse.shell.jobs), converts back,
+    maps errors (lighthouse.rpc.errors)."""
 
-    def __init__(self, coordinator: Coordinator) -> None:
-        self._coord = coordinator
+    def __init__(self, jobs: Jobs) -> None:
+        self._jobs = jobs
 
     async def Quorum(self, request: pb.LighthouseQuorumRequest, call: Call) -> None:
         """Parks the call: the coordinator answers it in the turn that issues
         its quorum, or fails it, at the latest at its reply budget."""
         budget_s = reply_budget_s(call.time_remaining())
         try:
+            coord = self._jobs.of(call)
             member = wire.quorum_request_from_proto(request)
             viewer = wire.viewer_from_proto(request, member)
-            self._coord.park(member, call, viewer, budget_s)
+            coord.park(member, call, viewer, budget_s)
         except Exception as e:
             await errors.abort(call, e)
 
@@ -60,8 +64,8 @@ class _LighthouseServicer:
         if not request.replica_id:
             await errors.abort(call, ValueError("replica_id must be a non-empty string"))
         try:
-            self._coord.heartbeat(request.replica_id)
-        except DuplicateGroupError as e:
+            self._jobs.of(call).heartbeat(request.replica_id)
+        except (ValueError, DuplicateGroupError, JobLimitError) as e:
             await errors.abort(call, e)
         return pb.LighthouseHeartbeatResponse()
 
@@ -79,15 +83,19 @@ class _LighthouseServicer:
         our own runtime). `outbox` gets the advice from here, and gone
         notices from the coordinator (lighthouse.core.gone) as soon as they
         are decided."""
-        stream = _HeartbeatStream(self._coord, outbox)
+        try:
+            coord = self._jobs.of(call)
+        except (ValueError, JobLimitError) as e:
+            await errors.abort(call, e)
+        stream = _HeartbeatStream(coord, outbox)
         try:
             await call.deliver(stream.take)
-        except (ValueError, DuplicateGroupError) as e:
+        except (ValueError, DuplicateGroupError, JobLimitError) as e:
             await errors.abort(call, e)
         finally:
             # Also on cancellation: the client's connection closed under us.
             if stream.replica_id:
-                self._coord.stream_ended(stream.replica_id, outbox)
+                coord.stream_ended(stream.replica_id, outbox)
 
     async def TakeReplicaGroup(self, request: pb.TakeReplicaGroupRequest, call: Call) -> None:
         """Parks the call: the coordinator answers it with the group to train
@@ -95,7 +103,7 @@ class _LighthouseServicer:
         again: a spare may wait for hours)."""
         budget_s = reply_budget_s(call.time_remaining())
         try:
-            self._coord.park_spare(request.spare_id, request.wanted, call, budget_s)
+            self._jobs.of(call).park_spare(request.spare_id, request.wanted, call, budget_s)
         except Exception as e:
             await errors.abort(call, e)
 
@@ -104,7 +112,11 @@ class _LighthouseServicer:
     ) -> pb.LighthouseLeaveResponse:
         if not request.replica_id:
             await errors.abort(call, ValueError("replica_id must be a non-empty string"))
-        self._coord.leave(request.replica_id)
+        try:
+            coord = self._jobs.of(call)
+        except (ValueError, JobLimitError) as e:
+            await errors.abort(call, e)
+        coord.leave(request.replica_id)
         return pb.LighthouseLeaveResponse()
 
 
@@ -127,7 +139,7 @@ class LighthouseServer:
             lighthouse.LighthouseConfig (join_timeout_ms, quorum_tick_ms,
             heartbeat_timeout_ms, suspect_phi, suspect_min_ms, allow_fresh_start).
         http_bind: `host:port` of the status page and /metrics; None: no page.
-        secret: the job's shared secret, or None.
+        secret: the shared secret of every job without one of its own, or None.
         tls: serve TLS with this configuration, or None for plaintext.
         kill_button: offer a kill form per replica on the status page.
         state_file: keep the job's high-water mark and last quorum in this
@@ -135,6 +147,12 @@ class LighthouseServer:
         rpc_server: what serves the gRPC port (lighthouse.rpc.serve.RPC_SERVERS).
         collect_after_issue: run the collector's young generations once a
             quorum's answers are out (the standalone process: lighthouse.cli.tune_gc).
+        job_secrets: job id -> the secret of that job alone (lighthouse.core.jobs):
+            its calls must carry it, and it is refused in every other job.
+        job_rules: job id -> {min_replicas, join_timeout_ms} of that job.
+        max_jobs: the most jobs held at once (a new one past it is refused).
+        max_members_per_job: the most replicas one job may have.
+        job_idle_s: a job with no member for this long is forgotten.
 
     Raises:
         ValueError: a bad option or an unparsable bind address.
@@ -154,15 +172,30 @@ class LighthouseServer:
         state_file: str | None = None,
         rpc_server: str = "lean",
         collect_after_issue: bool = False,
+        job_secrets: dict[str, str] | None = None,
+        job_rules: dict[str, dict[str, int]] | None = None,
+        max_jobs: int = 1000,
+        max_members_per_job: int = 20_000,
+        job_idle_s: float = 3600.0,
         **rule: Any,
     ) -> None:
         if tls is not None:
             tls.require_server("lighthouse")
         self.config = _rule(min_replicas, rule)
+        self.policy = JobPolicy(
+            self.config,
+            job_rules or {},
+            secret,
+            job_secrets or {},
+            max_jobs,
+            max_members_per_job,
+            job_idle_s,
+        )
         host, port = parse_bind(bind)
         self.metrics = LighthouseMetrics()
-        self._state = StateFile(state_file) if state_file else None
-        self._coord = Coordinator(self.config, self.metrics, self._state, collect_after_issue)
+        states = StateFiles(state_file) if state_file else None
+        self.jobs = Jobs(self.policy, self.metrics, states, collect_after_issue)
+        self._coord = self.jobs.default
         self._loop = BackgroundLoop("lighthouse_loop")
         self._http = None
         self._stopped = False
@@ -174,14 +207,18 @@ class LighthouseServer:
             self._port = self._loop.run(self._start(host, port))
             self._host = advertised_host(host)
             if http_bind is not None:
-                self._http = StatusServer(http_bind, self.status, self.metrics.render, self.kill)
+                self._http = StatusServer(
+                    http_bind, self.status, self.metrics.render, self.kill, self.protected
+                )
         except BaseException:
             self.shutdown()
             raise
         logger.info("lighthouse listening on %s (gRPC, bind %s)", self.address(), bind)
-        logger.info("access control: %s", "on (shared secret)" if secret else "off (no secret)")
+        logger.info("access control: %s", _access(secret, self.policy))
         logger.info("transport: %s", _describe(tls))
-        log_start(self._state, self.config.allow_fresh_start)
+        log_start(self._coord.state, self.config.allow_fresh_start)
+        if len(self.jobs.by_id) > 1:
+            logger.info("state files: %d other jobs restored", len(self.jobs.by_id) - 1)
         warning = auth.exposure_warning(secret, host, "lighthouse")
         if warning:
             logger.warning("%s", warning)
@@ -189,8 +226,8 @@ class LighthouseServer:
     async def _start(self, host: str, port: int) -> int:
         self._server = serve.new_server(
             pb_grpc.add_LighthouseServiceServicer_to_server,
-            _LighthouseServicer(self._coord),
-            self._secret,
+            _LighthouseServicer(self.jobs),
+            auth.Secrets(self._secret, self.policy.secrets),
             "lighthouse",
             self._rpc_server,
             LIMITS.stream_message_rate,  # a heartbeat an advised interval
@@ -207,7 +244,7 @@ class LighthouseServer:
         while True:
             await asyncio.sleep(self.config.quorum_tick_ms / 1000)
             try:
-                self._coord.tick()
+                self.jobs.tick()
             except Exception:
                 logger.exception("lighthouse tick failed; continuing")
 
@@ -217,21 +254,52 @@ class LighthouseServer:
     def http_address(self) -> str | None:
         return self._http.address() if self._http else None
 
-    def status(self) -> dict[str, Any]:
-        """The status page's data (thread-safe: read on the server's loop)."""
-        snapshot: dict[str, Any] = self._loop.run(self._async(self._coord.snapshot), timeout=5)
-        snapshot["kill"] = {"enabled": self._kill_button, "secret_set": self._secret is not None}
+    def status(self, job: str = DEFAULT_JOB) -> dict[str, Any]:
+        """The status page's data of `job`, and every job's line (thread-safe:
+        read on the server's loop).
+
+        Raises:
+            KeyError: the lighthouse holds no such job.
+        """
+
+        def read() -> dict[str, Any]:
+            coord = self.jobs.by_id.get(job)
+            if coord is None:
+                raise KeyError(job)
+            return {**coord.snapshot(), "jobs": self.jobs.summaries()}
+
+        snapshot: dict[str, Any] = self._loop.run(self._async(read), timeout=5)
+        snapshot["kill"] = {
+            "enabled": self._kill_button,
+            "secret_set": self.policy.secret_of(job) is not None,
+        }
         return snapshot
 
-    def kill(self, replica_id: str, typed_secret: str, peer: str) -> tuple[int, str]:
-        """The status page's kill button (lighthouse.status.kill_button)."""
-        described = self._coord.membership.described
+    def protected(self, job: str) -> str | None:
+        """The secret only whose holders may see `job`'s page, or None (open)."""
+        return self.policy.secrets.get(job)
+
+    def kill(
+        self, replica_id: str, typed_secret: str, peer: str, job: str = DEFAULT_JOB
+    ) -> tuple[int, str]:
+        """The status page's kill button of `job` (lighthouse.status.kill_button):
+        the secret typed must be that job's."""
 
         def lookup() -> QuorumMember | None:
-            return self._loop.run(self._async(lambda: described.get(replica_id)), 5)  # type: ignore[no-any-return]
+            def find() -> QuorumMember | None:
+                coord = self.jobs.by_id.get(job)
+                return coord.membership.described.get(replica_id) if coord else None
+
+            return self._loop.run(self._async(find), 5)  # type: ignore[no-any-return]
 
         return kill_button.kill(
-            replica_id, typed_secret, peer, self._secret, self._kill_button, lookup, self._tls
+            replica_id,
+            typed_secret,
+            peer,
+            self.policy.secret_of(job),
+            self._kill_button,
+            lookup,
+            self._tls,
         )
 
     @staticmethod
@@ -254,15 +322,18 @@ class LighthouseServer:
         # Answer waiting calls before the server cancels their handlers (a
         # cancelled handler is logged by grpc as an unhandled error); a spare
         # hears "ask again": it outlives a lighthouse restart.
-        waiting = bool(self._coord.parked)
-        for ticket in list(self._coord.parked):
-            self._coord.end(ticket, QuorumError("the lighthouse is shutting down"))
-        self._coord.deadlines.close()
+        waiting = False
+        for coord in self.jobs:
+            waiting = waiting or bool(coord.parked)
+            for ticket in list(coord.parked):
+                coord.end(ticket, QuorumError("the lighthouse is shutting down"))
+            coord.deadlines.close()
         if waiting:
             await asyncio.sleep(0.05)  # lets their handlers send the answer
         await self._server.stop(grace=None)
-        if self._state is not None:
-            self._state.flush(time.monotonic(), force=True)
+        for coord in self.jobs:
+            if coord.state is not None:
+                coord.state.flush(time.monotonic(), force=True)
 
 
 class _HeartbeatStream:
@@ -303,9 +374,15 @@ def _rule(min_replicas: int, options: dict[str, Any]) -> LighthouseConfig:
             f"LighthouseServer got unknown option(s) {', '.join(unknown)}; the quorum rule's "
             f"are {', '.join(sorted(known))} (lighthouse.LighthouseConfig), the server's "
             "bind, min_replicas, http_bind, secret, tls, kill_button, state_file, rpc_server, "
-            "collect_after_issue"
+            "collect_after_issue, job_secrets, job_rules, max_jobs, max_members_per_job, "
+            "job_idle_s"
         )
     return LighthouseConfig(min_replicas=min_replicas, **options)
+
+
+def _access(secret: str | None, policy: JobPolicy) -> str:
+    own = f"; {len(policy.secrets)} jobs with a secret of their own" if policy.secrets else ""
+    return ("on (shared secret)" if secret else "off (no secret)") + own
 
 
 def _describe(tls: TLSConfig | None) -> str:

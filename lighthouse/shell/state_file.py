@@ -6,7 +6,11 @@ from letting groups at step 0 start the job over (quorum.fresh_start_refusal);
 the members let it issue its first quorum the moment they are all back,
 instead of waiting half a heartbeat timeout for stragglers it cannot know of.
 
-One small JSON file, replaced atomically (write a temporary file, rename), so
+Each job has its own file: the default job the file named (`PATH`, as a
+single-job lighthouse always had), every other job `PATH.jobs/JOB.json`
+(StateFiles). A job forgotten for being idle takes its file with it.
+
+One small JSON file per job, replaced atomically (write a temporary file, rename), so
 a crash leaves the old one or the new one, never half of one. A quorum with
 new members or a new id is written (and fsynced) before any caller hears of
 it: a restarted lighthouse that reissued an id under which the groups already
@@ -23,6 +27,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from lighthouse.core.jobs import DEFAULT_JOB, job_id_refusal
 from lighthouse.core.quorum import JobMark, Quorum
 
 logger = logging.getLogger(__name__)
@@ -159,6 +164,70 @@ class StateFile:
                 self._saved = JobMark()
             return
         self._saved, self._written_at = mark, now
+
+
+def job_path(path: str, job: str) -> str:
+    """The state file of `job` in the lighthouse's `--state-file PATH`."""
+    return path if job == DEFAULT_JOB else os.path.join(path + ".jobs", job + ".json")
+
+
+class StateFiles:
+    """The state files of every job of one lighthouse (see the module docstring).
+
+    Raises:
+        ValueError: the folder of `path` is not writable.
+    """
+
+    def __init__(self, path: str, min_interval_s: float = 0.1) -> None:
+        self.path = path
+        self.min_interval_s = min_interval_s
+        folder = os.path.dirname(os.path.abspath(path))
+        if not os.access(folder, os.W_OK):
+            raise ValueError(
+                f"state file {path}: its folder {folder} does not exist or is not writable"
+            )
+
+    def saved_jobs(self) -> list[str]:
+        """The jobs with a state file, the default job first if it has one;
+        a file whose name is no job id is left alone, with a warning."""
+        jobs = [DEFAULT_JOB] if os.path.exists(self.path) else []
+        try:
+            names = sorted(os.listdir(self.path + ".jobs"))
+        except FileNotFoundError:
+            return jobs
+        except OSError as e:
+            raise ValueError(
+                f"cannot list the jobs' state files in {self.path}.jobs: {e}"
+            ) from None
+        for name in names:
+            job = name[: -len(".json")] if name.endswith(".json") else ""
+            if job and job != DEFAULT_JOB and job_id_refusal(job) is None:
+                jobs.append(job)
+            elif not name.startswith(".lighthouse-state-"):
+                logger.warning(
+                    "state files: %s.jobs/%s is no job's file; left alone", self.path, name
+                )
+        return jobs
+
+    def for_job(self, job: str) -> StateFile:
+        """`job`'s file, restored if it exists. Raises ValueError (StateFile)."""
+        path = job_path(self.path, job)
+        if job != DEFAULT_JOB:
+            try:
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+            except OSError as e:
+                raise ValueError(f"cannot make the jobs' state folder {path}: {e}") from None
+        return StateFile(path, self.min_interval_s)
+
+    def forget(self, job: str) -> None:
+        """Removes a forgotten job's file (never the default job's)."""
+        if job != DEFAULT_JOB:
+            try:
+                os.unlink(job_path(self.path, job))
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                logger.error("could not remove the state file of forgotten job %s: %s", job, e)
 
 
 def log_start(state: StateFile | None, allow_fresh_start: bool) -> None:

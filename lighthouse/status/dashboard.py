@@ -70,11 +70,12 @@ def _table(cls: str, head: list[str], rows: list[list[str]], empty: str) -> str:
     return "\n".join(out) + "</table>"
 
 
-def _kill_cell(replica_id: str, kill: dict[str, Any]) -> str:
+def _kill_cell(replica_id: str, kill: dict[str, Any], job: str) -> str:
     if not kill["enabled"] or not kill["secret_set"]:
         return '<span class="note">off</span>'
     return (
         '<form method="post" action="/kill">'
+        f'<input type="hidden" name="job" value="{html.escape(job)}">'
         f'<input type="hidden" name="replica_id" value="{html.escape(replica_id)}">'
         '<input type="password" name="secret" placeholder="job secret" required '
         'autocomplete="off"> <button type="submit">kill</button></form>'
@@ -98,8 +99,39 @@ def _kill_note(kill: dict[str, Any]) -> str:
     )
 
 
+def _jobs(jobs: list[dict[str, Any]], job: str, now: float) -> str:
+    """The list of the lighthouse's jobs, each a link to its page; none
+    while the lighthouse serves the default job alone."""
+    if len(jobs) <= 1:
+        return ""
+    rows = []
+    for j in jobs:
+        name = html.escape(j["job"])
+        link = f'<a href="/job/{name}">{name}</a>' + (" (this page)" if j["job"] == job else "")
+        if j["protected"]:
+            rows.append(
+                [link, '<span class="note">its own secret: its page needs it</span>'] + [""] * 4
+            )
+            continue
+        failure = j.get("last_failure")
+        left = ", ".join(html.escape(c["replica_id"]) for c in failure["left"]) if failure else ""
+        rows.append(
+            [
+                link,
+                f"{j['healthy']} of {j['members']}",
+                str(j["step"]),
+                "" if j["quorum_id"] is None else str(j["quorum_id"]),
+                "" if j["quorum_age_s"] is None else f"{j['quorum_age_s']:.1f} s",
+                f"{_age(now, failure['time'])}: {left} left" if failure else "none",
+            ]
+        )
+    head = ["job", "healthy members", "step", "quorum id", "quorum age", "last failure"]
+    return "<h2>Jobs</h2>\n" + _table("jobs", head, rows, "")
+
+
 def render_page(status: dict[str, Any]) -> str:
     now = status.get("now", time.time())
+    job = status.get("job", "default")
     kill = status.get("kill", {"enabled": False, "secret_set": False})
     groups = {g["name"]: g for g in status.get("groups", [])}
     replicas = []
@@ -117,7 +149,7 @@ def render_page(status: dict[str, Any]) -> str:
                 "yes" if r["in_quorum"] else "",
                 "yes" if r["waiting"] else "",
                 html.escape(r["address"]),
-                _kill_cell(r["replica_id"], kill),
+                _kill_cell(r["replica_id"], kill, job),
             ]
         )
     group_rows = [
@@ -174,7 +206,8 @@ def render_page(status: dict[str, Any]) -> str:
     return f"""<!doctype html>
 <html><head><meta charset="utf-8"><title>torchft_like lighthouse</title>
 <style>{_STYLE}</style>{_RELOAD}</head><body>
-<h1>Lighthouse</h1>
+<h1>Lighthouse{"" if job == "default" else f": job {html.escape(job)}"}</h1>
+{_jobs(status.get("jobs", []), job, now)}
 <p>Quorum id: <b id="quorum-id">{quorum_id}</b> &middot; members:
 {len(status["quorum_members"])} &middot; min_replicas: {status["min_replicas"]}
 &middot; goodput: <b id="goodput">{_pct(goodput.get("value"))}</b></p>

@@ -8,9 +8,14 @@ open lets a browser and a Prometheus scraper read it without a token. Bind
 it to 127.0.0.1 (`--http-bind`) or turn it off (empty) where even the job's
 layout is not to be seen.
 
+A lighthouse of many jobs (lighthouse.core.jobs) has a page per job,
+`/job/JOB` and `/job/JOB/status.json`; `/` is the default job's, with the
+list of jobs. A job with a secret of its own is listed by name only, and
+its pages need its secret (`Authorization: Bearer ...`, 401 without).
+
 Its one action, the kill button (`POST /kill`), is off unless the lighthouse
-runs with `--kill-button` and a secret, and each kill needs the secret typed
-into the form (the browser has no token to send). GET never changes state
+runs with `--kill-button` and a secret, and each kill needs the job's secret
+typed into the form (the browser has no token to send). GET never changes state
 (GET /kill is a 404); other methods and paths are refused with 405.
 """
 
@@ -25,6 +30,8 @@ from http.server import BaseHTTPRequestHandler
 from typing import Any
 from urllib.parse import parse_qs
 
+from lighthouse.core.jobs import DEFAULT_JOB
+from lighthouse.rpc import auth
 from lighthouse.rpc.address import advertised_host, join_host_port, parse_bind
 from lighthouse.status.dashboard import render_page
 from lighthouse.web.server import server_class
@@ -43,18 +50,21 @@ class StatusServer:
 
     Args:
         bind: `host:port` to listen on (port 0 picks one).
-        status: returns the status as a JSON-able dict (see render_page).
+        status: `status(job)`, the job's status as a JSON-able dict (see
+            render_page); KeyError for a job the lighthouse does not hold.
         metrics: returns the Prometheus text exposition.
-        kill: the kill button, `kill(replica_id, typed_secret, peer_host)` ->
-            (HTTP status, message); None: POST /kill is refused with 405.
+        kill: the kill button, `kill(replica_id, typed_secret, peer_host, job)`
+            -> (HTTP status, message); None: POST /kill is refused with 405.
+        protected: `protected(job)`, the secret that guards the job's pages, or None.
     """
 
     def __init__(
         self,
         bind: str,
-        status: Callable[[], dict[str, Any]],
+        status: Callable[[str], dict[str, Any]],
         metrics: Callable[[], bytes],
-        kill: Callable[[str, str, str], tuple[int, str]] | None = None,
+        kill: Callable[[str, str, str, str], tuple[int, str]] | None = None,
+        protected: Callable[[str], str | None] = lambda job: None,
     ) -> None:
         host, port = parse_bind(bind)
 
@@ -63,14 +73,27 @@ class StatusServer:
 
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 path = self.path.split("?", 1)[0]
-                if path == "/":
-                    self._send(200, "text/html; charset=utf-8", render_page(status()).encode())
-                elif path == "/status.json":
-                    self._send(200, "application/json", json.dumps(status()).encode())
-                elif path == "/metrics":
-                    self._send(200, "text/plain; version=0.0.4", metrics())
+                if path == "/metrics":
+                    return self._send(200, "text/plain; version=0.0.4", metrics())
+                job, page = DEFAULT_JOB, path
+                if path.startswith("/job/"):
+                    job, _, rest = path[len("/job/") :].partition("/")
+                    page = "/" + rest
+                if page not in ("/", "/status.json"):
+                    return self._send(
+                        404, "text/plain", b"not found; try /, /status.json, /job/JOB or /metrics\n"
+                    )
+                why = auth.http_refusal(self.headers, protected(job), f"status page of job {job!r}")
+                if why is not None:
+                    return self._send(401, "text/plain", why.encode(), auth.WWW_AUTHENTICATE)
+                try:
+                    data = status(job)
+                except KeyError:
+                    return self._send(404, "text/plain", b"this lighthouse holds no such job\n")
+                if page == "/":
+                    self._send(200, "text/html; charset=utf-8", render_page(data).encode())
                 else:
-                    self._send(404, "text/plain", b"not found; try /, /status.json or /metrics\n")
+                    self._send(200, "application/json", json.dumps(data).encode())
 
             def _read_only(self) -> None:
                 self._send(
@@ -96,8 +119,9 @@ class StatusServer:
                 replica_id = form.get("replica_id", [""])[0]
                 if not replica_id:
                     return self._answer(400, "the kill form needs a replica_id")
+                job = form.get("job", [DEFAULT_JOB])[0]
                 code, message = kill(
-                    replica_id, form.get("secret", [""])[0], self.client_address[0]
+                    replica_id, form.get("secret", [""])[0], self.client_address[0], job
                 )
                 self._answer(code, message)
 

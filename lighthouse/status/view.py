@@ -90,6 +90,17 @@ class StatusView:
                 self.heals.insert(0, event)
         del self.heals[HEALS_KEPT:]
 
+    def last_failure(self) -> dict[str, Any] | None:
+        """The latest quorum some member left (wall time, who, why), or None."""
+        for entry in self.history:
+            if entry.left:
+                return {
+                    "time": entry.time,
+                    "quorum_id": entry.quorum_id,
+                    "left": [{"replica_id": c.replica_id, "why": c.why} for c in entry.left],
+                }
+        return None
+
     def snapshot(self, now: float, wall: float) -> dict[str, Any]:
         """The status page's data (lighthouse.status.dashboard.render_page)."""
         m = self.membership

@@ -58,7 +58,7 @@ def test_h2load_heartbeats_on_the_lean_lighthouse_all_succeed(children, tmp_path
     # read): every call was a heartbeat the lighthouse took.
     with urllib.request.urlopen(http + "/metrics", timeout=5) as r:
         heartbeats = re.search(
-            r"^torchft_lighthouse_heartbeats_total (\S+)$", r.read().decode(), re.M
+            r'^torchft_lighthouse_heartbeats_total\{job="default"\} (\S+)$', r.read().decode(), re.M
         )
     assert heartbeats and float(heartbeats.group(1)) == CALLS
     assert proc.poll() is None

@@ -63,7 +63,7 @@ def test_the_advice_grows_with_the_job_and_stays_under_a_third_of_the_timeout(ti
             grown = advised_interval_ms(151, timeout_ms)
             assert grown == min(200, timeout_ms // 3)
             assert await advice_after(client, "paced:1", grown) == grown
-            assert server.metrics.heartbeat_advice._value.get() == grown / 1000
+            assert server.metrics.heartbeat_advice.labels("default")._value.get() == grown / 1000
         finally:
             await client.close()
 
@@ -76,7 +76,7 @@ def test_the_advice_grows_with_the_job_and_stays_under_a_third_of_the_timeout(ti
 def test_a_manager_server_heartbeats_at_the_advised_period():
     server = LighthouseServer(bind="127.0.0.1:0", min_replicas=1, heartbeat_timeout_ms=5000)
     others_heartbeat(server.address(), 150)  # advice: 200 ms
-    counted = server.metrics.heartbeats._value.get
+    counted = server.metrics.heartbeats.labels("default")._value.get
     others = counted()
     manager = ManagerServer(
         replica_id="follower:1",

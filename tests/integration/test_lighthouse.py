@@ -176,8 +176,8 @@ def test_status_page_and_metrics_show_the_quorum(make_server):
     ]
     with urllib.request.urlopen(server.http_address() + "/metrics", timeout=5) as r:
         metrics = r.read().decode()
-    assert "torchft_lighthouse_quorums_issued_total 1.0" in metrics
-    assert "torchft_lighthouse_quorum_size 2.0" in metrics
+    assert 'torchft_lighthouse_quorums_issued_total{job="default"} 1.0' in metrics
+    assert 'torchft_lighthouse_quorum_size{job="default"} 2.0' in metrics
     with urllib.request.urlopen(server.http_address() + "/", timeout=5) as r:
         page = r.read().decode()
     assert 'http-equiv="refresh"' in page and str(quorum.quorum_id) in page

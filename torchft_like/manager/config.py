@@ -24,6 +24,7 @@ from enum import Enum
 from typing import Any
 
 from lighthouse.client import LIGHTHOUSE_ENV, lighthouse_target
+from lighthouse.core.jobs import DEFAULT_JOB, JOB_ENV, job_id_refusal
 from lighthouse.rpc.address import BIND_HOST_ENV, HOSTNAME_ENV
 from lighthouse.rpc.auth import secret_from_env
 from lighthouse.rpc.tls import TLSConfig, tls_from_env
@@ -150,6 +151,10 @@ class ManagerConfig:
     peer); 1: one peer, as torchft. A transport that cannot stripe (e.g.
     PGTransport) always uses one. A striped heal's collectives wait for the
     whole transfer (a one-peer heal's only for its start)."""
+    job_id: str = DEFAULT_JOB
+    """The job on the lighthouse (lighthouse.core.jobs): one lighthouse may
+    serve many jobs, each apart from the others. TORCHFT_JOB_ID; the default
+    is `default`, the job of every pytorch/torchft group."""
     control_sched: str = "batch"
     """Linux scheduling policy of the threads that wake each step or on a
     timer (the ManagerServer's loop, the quorum thread, the freeze watch),
@@ -329,6 +334,7 @@ def resolve_config(
     exit_with_parent: bool = True,
     metrics_port: int | None = None,
     heal_sources: int | None = None,
+    job_id: str | None = None,
     environ: Mapping[str, str],
     machine_name: Callable[[], str] = socket.gethostname,
 ) -> ManagerConfig:
@@ -402,6 +408,10 @@ def resolve_config(
 
     secret = secret if secret is not None else secret_from_env(environ)
     tls = tls if tls is not None else tls_from_env(environ)
+    job = job_id if job_id is not None else environ.get(JOB_ENV, DEFAULT_JOB)
+    why = job_id_refusal(job)
+    if why is not None:
+        raise ManagerConfigError(why)
     given_port = _given(port, "port", MANAGER_PORT_ENV, environ)
     server_port = 0 if given_port is None else _port(given_port, "a free port, or 0 for any")
     control_sched = environ.get(CONTROL_SCHED_ENV, "").strip().lower() or "batch"
@@ -442,4 +452,5 @@ def resolve_config(
         metrics_port=metrics_port,
         heal_sources=heal_sources,
         control_sched=control_sched,
+        job_id=job,
     )

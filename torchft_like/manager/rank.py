@@ -72,7 +72,8 @@ class Manager:
     TORCHFT_MANAGER_PORT, TORCHFT_HOSTNAME, TORCHFT_BIND_HOST, the
     TORCHFT_*_SEC timeouts and TORCHFT_QUORUM_RETRIES (these two win over
     arguments), TORCHFT_SECRET_FILE / TORCHFT_SECRET, TORCHFT_TLS_*,
-    TORCHFT_METRICS_PORT and TORCHFT_HEAL_SOURCES. `config` holds them
+    TORCHFT_METRICS_PORT, TORCHFT_HEAL_SOURCES and TORCHFT_JOB_ID (the job on
+    a lighthouse shared by many). `config` holds them
     resolved. Timeouts take a timedelta or a number of seconds.
 
     Args:
@@ -123,6 +124,7 @@ class Manager:
         exit_with_parent: bool = True,
         metrics_port: int | None = None,
         heal_sources: int | None = None,
+        job_id: str | None = None,
     ) -> None:
         # First, while the locals are the arguments.
         config = resolve_config(environ=os.environ, **config_arguments(locals()))

@@ -106,6 +106,7 @@ def start_rank_servers(
             secret=config.secret,
             tls=config.tls,
             local_collectives=isinstance(pg, ProcessGroupDummy),
+            job_id=config.job_id,
             sched_batch=config.control_sched == "batch",
         )
         store.set(prefix + MANAGER_ADDR_KEY, manager_server.address())

@@ -82,7 +82,7 @@ class LeanServer:
 
     def __init__(
         self,
-        secret: str | None = None,
+        secret: str | auth.Secrets | None = None,
         service: str = "server",
         stream_message_rate: tuple[float, float] | None = None,
     ) -> None:
@@ -91,9 +91,9 @@ class LeanServer:
         self._stream_rate = stream_message_rate
         burst, rate = stream_message_rate or (0.0, 0.0)
         self._past_rate = f"more than {burst:.0f} messages, then {rate:.0f} a second, on one stream"
-        if secret is not None:
-            auth.validate_secret(secret, f"the {service}'s `secret` argument")
-        self._secret = secret
+        self._secrets = auth.Secrets.of(secret)
+        if self._secrets is not None:
+            self._secrets.validate(service)
         self._service = service
         self._refusals = auth.RefusalLog()
         self._handlers: dict[str, Any] = {}
@@ -202,6 +202,7 @@ class LeanServer:
         path = method = content_type = ""
         timeout: str | None = None
         presented: str | None = None
+        job: str | None = None
         encoding = "identity"
         metadata = []
         for name, value in headers:
@@ -226,6 +227,8 @@ class LeanServer:
                 metadata.append((name, value))
                 if name == auth.METADATA_KEY:
                     presented = value
+                elif name == auth.JOB_METADATA_KEY:
+                    job = value
         if method != "POST" or not content_type.startswith("application/grpc"):
             conn.refuse_call(stream_id, OK_HEADERS, None)  # not a gRPC request: reset
             return
@@ -234,8 +237,8 @@ class LeanServer:
             unknown = status_trailers(_UNIMPLEMENTED, f"Method not found: {echo(path)}")
             conn.refuse_call(stream_id, OK_HEADERS, unknown)
             return
-        if self._secret is not None:
-            why = auth.refusal(presented, self._secret, self._service)
+        if self._secrets is not None:
+            why = self._secrets.refusal(presented, job, self._service)
             if why is not None:
                 self._refusals.refused(conn.peer.rsplit(":", 1)[0], path, why)
                 trailers = status_trailers(grpc.StatusCode.UNAUTHENTICATED, why)

@@ -90,6 +90,7 @@ class ManagerServer:
         tls: TLSConfig | None = None,
         local_collectives: bool = False,
         sched_batch: bool = True,
+        job_id: str | None = None,
     ) -> None:
         if world_size < 1:
             raise ValueError(f"world_size ({world_size}) must be at least 1")
@@ -108,6 +109,7 @@ class ManagerServer:
             secret,
             tls,
             local_collectives,
+            job_id,
         )
         """The group's calls to the lighthouse (opened on the loop by `_start`)."""
         self._secret = secret

@@ -66,8 +66,10 @@ class LighthouseSession:
         secret: str | None,
         tls: TLSConfig | None,
         local_collectives: bool,
+        job_id: str | None = None,
     ) -> None:
         self.replica_id = replica_id
+        self.job_id = job_id
         self._logger = GroupLog(logger, replica_id)
         self.lighthouse_addr = lighthouse_addr
         self._heartbeat_interval = heartbeat_interval
@@ -98,7 +100,7 @@ class LighthouseSession:
             LighthouseUnavailableError: the lighthouse cannot be reached.
         """
         self.client = AsyncLighthouseClient(
-            self.lighthouse_addr, self._connect_timeout, self._secret, self._tls
+            self.lighthouse_addr, self._connect_timeout, self._secret, self._tls, self.job_id
         )
         self.client.on_gone = self._on_gone
         await self.client.heartbeat(self.replica_id, self._connect_timeout)
