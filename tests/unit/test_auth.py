@@ -116,3 +116,44 @@ def test_a_secret_file_that_is_not_ascii_text_is_a_clear_error(tmp_path):
     with pytest.raises(ValueError) as e:
         auth.read_secret_file(str(path))
     assert f"cannot read the secret file {str(path)!r}: 'ascii' codec can't decode" in str(e.value)
+
+
+# ---- a secret per job ----------------------------------------------------------
+
+SECRETS = auth.Secrets("global", {"a": "sa", "b": "sb"})
+
+
+@pytest.mark.parametrize(
+    "presented, job, allowed, names",
+    [
+        ("Bearer sa", "a", True, None),
+        ("Bearer sb", "a", False, "job 'a'"),  # b's secret is refused in a
+        ("Bearer global", "a", False, "job 'a'"),  # so is the lighthouse's
+        (None, "a", False, "job 'a'"),
+        ("Bearer global", None, True, None),  # the default job takes the lighthouse's
+        ("Bearer global", "c", True, None),  # so does a job without its own
+        ("Bearer sa", "c", False, "lighthouse"),
+        ("Bearer sa", None, False, "lighthouse"),
+    ],
+)
+def test_a_job_with_its_own_secret_takes_only_that_one(presented, job, allowed, names):
+    why = SECRETS.refusal(presented, job, "lighthouse")
+    assert (why is None) == allowed
+    if names is not None:
+        assert names in why
+
+
+def test_a_lighthouse_without_a_secret_still_guards_the_jobs_that_have_one():
+    secrets = auth.Secrets.of(auth.Secrets(None, {"a": "sa"}))
+    assert secrets is not None
+    assert secrets.refusal(None, "c", "lighthouse") is None
+    assert secrets.refusal(None, None, "lighthouse") is None
+    assert "job 'a'" in secrets.refusal(None, "a", "lighthouse")
+    assert auth.Secrets.of(auth.Secrets(None, {})) is None
+    assert auth.Secrets.of(None) is None
+
+
+def test_the_metadata_names_the_job_unless_it_is_the_default():
+    assert auth.metadata(None, "default") == ()
+    assert auth.metadata(None, None) == ()
+    assert auth.metadata("s", "a") == (("authorization", "Bearer s"), ("torchft-job", "a"))
