@@ -195,7 +195,6 @@ class LighthouseServer:
         self.metrics = LighthouseMetrics()
         states = StateFiles(state_file) if state_file else None
         self.jobs = Jobs(self.policy, self.metrics, states, collect_after_issue)
-        self._coord = self.jobs.default
         self._loop = BackgroundLoop("lighthouse_loop")
         self._http = None
         self._stopped = False
@@ -216,7 +215,7 @@ class LighthouseServer:
         logger.info("lighthouse listening on %s (gRPC, bind %s)", self.address(), bind)
         logger.info("access control: %s", _access(secret, self.policy))
         logger.info("transport: %s", _describe(tls))
-        log_start(self._coord.state, self.config.allow_fresh_start)
+        log_start(self.jobs.default.state, self.config.allow_fresh_start)
         if len(self.jobs.by_id) > 1:
             logger.info("state files: %d other jobs restored", len(self.jobs.by_id) - 1)
         warning = auth.exposure_warning(secret, host, "lighthouse")

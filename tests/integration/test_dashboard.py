@@ -111,7 +111,8 @@ def test_the_page_shows_who_joined_and_left_why_the_heals_and_the_progress(light
     assert status["goodput"]["value"] == pytest.approx(9 / 12)
     assert all(r["step_rate"] > 0 for r in status["replicas"])
 
-    assert 'torchft_lighthouse_goodput{job="default"} 0.75' in get(server.http_address() + "/metrics")
+    metrics = get(server.http_address() + "/metrics")
+    assert 'torchft_lighthouse_goodput{job="default"} 0.75' in metrics
     page = get(server.http_address() + "/")
     for text in ("left on purpose (Leave)", "(restarted)", "4.1 KB", "0.25 s", "75.0%",
                  '<polyline class="series" data-group="a"'):  # fmt: skip

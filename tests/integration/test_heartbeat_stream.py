@@ -298,7 +298,7 @@ def test_a_group_stepping_faster_than_its_heartbeats_sends_fewer_but_keeps_its_s
         (held here, so that a new one cannot reuse an old one's identity)."""
         return [
             b
-            for rid, bs in lighthouse._coord.outboxes.items()
+            for rid, bs in lighthouse.jobs.default.outboxes.items()
             if rid.startswith("fast")
             for b in bs
         ]

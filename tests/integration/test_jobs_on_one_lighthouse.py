@@ -217,7 +217,8 @@ def test_the_status_page_lists_the_jobs_and_a_protected_one_needs_its_secret(mak
 def test_the_kill_button_takes_the_jobs_own_secret(make_server):
     server = make_server(job_secrets={"a": SA}, secret=SG, kill_button=True)
     join(server.address(), [("a", "r0")], secret=SA)
-    assert server.kill("r0", SG, "tester", "a") == (403, "kill refused: that is not the job's secret")
+    refused = (403, "kill refused: that is not the job's secret")
+    assert server.kill("r0", SG, "tester", "a") == refused
     assert server.kill("r0", SA, "tester", "b")[0] == 403  # b has the lighthouse's secret
     code, message = server.kill("r0", SA, "tester", "a")  # past the check: a/r0 is no server
     assert code == 502 and "kill of r0 at a/r0 failed" in message
