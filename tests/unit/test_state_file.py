@@ -8,7 +8,15 @@ import os
 import pytest
 
 from lighthouse.core.quorum import JobMark, Quorum, QuorumMember
-from lighthouse.shell.state_file import StateFile, decode, encode, load, write_atomic
+from lighthouse.shell.state_file import (
+    StateFile,
+    StateFiles,
+    decode,
+    encode,
+    job_path,
+    load,
+    write_atomic,
+)
 
 
 def quorum(qid: int, *ids: str) -> Quorum:
@@ -95,3 +103,31 @@ def test_a_failed_write_of_a_new_quorum_removes_the_stale_file(tmp_path, caplog,
     # The old quorum's id must not come back after a restart: rather no file.
     assert "could not write the state file" in caplog.text and "No space left" in caplog.text
     assert not path.exists()
+
+
+# ---- every job's file ------------------------------------------------------------
+
+
+def test_each_job_has_its_file_and_a_forgotten_job_takes_its_own(tmp_path):
+    path = str(tmp_path / "lh.json")
+    files = StateFiles(path, min_interval_s=0)
+    assert files.saved_jobs() == []
+    for job in ("default", "a", "b"):
+        files.for_job(job).issued(1.0, quorum(7, "r0"), 3)
+    assert job_path(path, "default") == path
+    assert job_path(path, "a") == str(tmp_path / "lh.json.jobs" / "a.json")
+    assert files.saved_jobs() == ["default", "a", "b"]
+    assert StateFiles(path).for_job("b").restored == JobMark(3, 7, ("r0",), 5.0)
+    files.forget("a")
+    files.forget("default")  # never: it is a single-job lighthouse's file
+    files.forget("nope")
+    assert files.saved_jobs() == ["default", "b"]
+
+
+def test_a_file_in_the_jobs_folder_that_names_no_job_is_left_alone(tmp_path, caplog):
+    folder = tmp_path / "lh.json.jobs"
+    folder.mkdir()
+    for name in ("x y.json", "notes.txt", "default.json", "ok.json"):
+        (folder / name).write_text("{}")
+    assert StateFiles(str(tmp_path / "lh.json")).saved_jobs() == ["ok"]
+    assert sum("is no job's file" in r.getMessage() for r in caplog.records) == 3
