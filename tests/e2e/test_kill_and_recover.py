@@ -38,10 +38,11 @@ def start_lighthouse(
 
 def start_group(
     children, tmp_path: Path, lighthouse: str, group: int, step_sleep: float = 0.05,
-    groups: int = 2, transport: str = "http",
+    groups: int = 2, transport: str = "http", env: dict | None = None,
 ):  # fmt: skip
     """Trains until the test writes a final step into the group's stop file, so
-    no group can finish before a slow (re)start on a loaded machine catches up."""
+    no group can finish before a slow (re)start on a loaded machine catches up.
+    `env`: more variables (TORCHFT_JOB_ID, TORCHFT_SECRET_FILE)."""
     return children.spawn(
         [PYTHON, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "1",
          "examples/train_ddp.py", "--steps", "100000", "--hidden", "64",
@@ -49,7 +50,7 @@ def start_group(
          "--step-sleep", str(step_sleep), "--log-json", str(tmp_path / f"group{group}.jsonl")],
         log=tmp_path / f"group{group}.log",
         env={"TORCHFT_LIGHTHOUSE": lighthouse, "REPLICA_GROUP_ID": str(group),
-             "NUM_REPLICA_GROUPS": str(groups), "TORCHFT_TIMEOUT_SEC": "5"},
+             "NUM_REPLICA_GROUPS": str(groups), "TORCHFT_TIMEOUT_SEC": "5", **(env or {})},
     )  # fmt: skip
 
 
