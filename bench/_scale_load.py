@@ -20,6 +20,11 @@ the server, which is then opened again at the next beat) and by kind
 (`failure_kind`: refused, reset or failed), with the first 1,000 as text.
 Answers that leave groups out are counted per step (`short`).
 
+Optional: `job` names the lighthouse job the calls are in (the torchft-job
+metadata; none: the default job), and `source` the local address the
+connections bind, so a load can stand for another host (the server shares
+some budgets between hosts).
+
 The groups stand for other machines, so this process spends as little as
 it can at a step's burst, where it shares the CPU with the lighthouse: the
 calls go out from one loop over the groups, the answers are stamped as
@@ -41,6 +46,7 @@ from typing import Any
 import psutil
 
 from lighthouse.client import HEARTBEAT_PACED_METHOD, QUORUM_METHOD
+from lighthouse.rpc.auth import metadata
 from lighthouse.rpc.h2.frames import literal
 from lighthouse.rpc.lean.client import grpc_timeout, request_headers
 from lighthouse.rpc.lean.client_calls import CallFailed, GrpcConnection, Unavailable
@@ -86,6 +92,7 @@ class Load:
         host, _, port = cfg["target"].rpartition(":")
         self.host, self.port = host, int(port)
         static = literal(":authority", cfg["target"])
+        static += b"".join(literal(k, v) for k, v in metadata(None, cfg.get("job")))
         deadline = literal("grpc-timeout", grpc_timeout(QUORUM_TIMEOUT_S))
         self.quorum_headers = request_headers(QUORUM_METHOD, static) + deadline
         self.heartbeat_headers = request_headers(HEARTBEAT_METHOD, static) + deadline
@@ -319,8 +326,11 @@ async def run(cfg: dict[str, Any]) -> dict[str, Any]:
     per = cfg["groups_per_connection"]
     gids = cfg["gids"]
     conns = []
+    source = (cfg["source"], 0) if cfg.get("source") else None
     for _ in range(0, len(gids), per):
-        _, conn = await loop.create_connection(lambda: LoadConnection(load), load.host, load.port)
+        _, conn = await loop.create_connection(
+            lambda: LoadConnection(load), load.host, load.port, local_addr=source
+        )
         conns.append(conn)
     groups = [Group(g, conns[i // per], load) for i, g in enumerate(gids)]
     for group in groups:

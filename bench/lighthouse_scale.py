@@ -82,7 +82,10 @@ VENV_BIN = Path(sys.executable).parent
 HEARTBEAT_TIMEOUT_MS = 5000
 
 
-def start_server(server: str, n: int, min_replicas: int, port: int) -> subprocess.Popen[bytes]:
+def start_server(
+    server: str, n: int, min_replicas: int, port: int, extra: tuple[str, ...] = ()
+) -> subprocess.Popen[bytes]:
+    """A lighthouse on 127.0.0.1:`port`, listening; `extra`: more flags of ours."""
     timing = ["--join_timeout_ms", "60000", "--heartbeat_timeout_ms", str(HEARTBEAT_TIMEOUT_MS)]
     if server == "null":
         args = [sys.executable, "-m", "bench._null_lighthouse", "--bind", f"127.0.0.1:{port}"]
@@ -96,6 +99,7 @@ def start_server(server: str, n: int, min_replicas: int, port: int) -> subproces
     else:
         args = [sys.executable, "-m", "lighthouse", "--min-replicas", str(min_replicas)]
         args += ["--bind", f"127.0.0.1:{port}", "--http-bind", "", "--log-level", "WARNING"]
+        args += extra
     proc = subprocess.Popen(
         args + timing, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
     )
@@ -116,6 +120,39 @@ def profile(pid: int, out: Path, seconds: float) -> subprocess.Popen[bytes]:
     cmd = [spy, "record", "-p", str(pid), "-d", str(max(1, int(seconds))), "-r", "200"]
     cmd += ["-f", "raw", "-o", str(out)]
     return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
+def start_load(cfg: dict[str, Any]) -> subprocess.Popen[str]:
+    """A load process (bench/_scale_load.py) of config `cfg`; it says "ready"
+    once its groups are in a quorum, then steps on the line its stdin gets."""
+    return subprocess.Popen(
+        [sys.executable, "-m", "bench._scale_load", json.dumps(cfg)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        cwd=REPO,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
+    )
+
+
+def quorum_latencies(
+    results: list[dict[str, Any]], steps: range
+) -> tuple[list[float], list[float], list[float]]:
+    """The lighthouse's own part over `steps`: from each step's last call to
+    each answer's arrival; and per step, to the first answer (the calls
+    taken in) and from the first answer to the last (the answers sent)."""
+    latencies: list[float] = []
+    first_answer: list[float] = []
+    spread: list[float] = []
+    for step in steps:
+        rows = [tuple(r) for res in results for r in res["steps"].get(str(step), [])]
+        if rows:
+            last = max(sent for sent, _ in rows)
+            arrived = [done for _, done in rows]
+            latencies += [max(0.0, done - last) for done in arrived]
+            first_answer.append(min(arrived) - last)
+            spread.append(max(arrived) - min(arrived))
+    return latencies, first_answer, spread
 
 
 def said(proc: subprocess.Popen[str], word: str, timeout_s: float, what: str) -> None:
@@ -171,16 +208,7 @@ def run_one(server: str, args: argparse.Namespace, attack: str | None = None) ->
                 "kills": {g: s for g, s in kills.items() if int(g) in set(gids)},
                 "nice": args.nice_load,
             }
-            loads.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "bench._scale_load", json.dumps(cfg)],
-                    stdin=subprocess.PIPE,
-                    stdout=subprocess.PIPE,
-                    cwd=REPO,
-                    text=True,
-                    env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1"},
-                )
-            )
+            loads.append(start_load(cfg))
         for proc in loads:  # every group connected and answered once
             said(proc, "ready", 600, f"a load process for {server} n={n}")
         if attacker is not None:
@@ -223,18 +251,7 @@ def run_one(server: str, args: argparse.Namespace, attack: str | None = None) ->
                 proc.wait(10)
         lighthouse.kill()
         lighthouse.wait(10)
-    # The lighthouse's own part: from the step's last call to each answer.
-    latencies: list[float] = []
-    first_answer: list[float] = []  # taking the calls in (the step's burst)
-    spread: list[float] = []  # sending the answers out
-    for step in range(window_from, steps + 1):
-        rows = [tuple(r) for res in results for r in res["steps"].get(str(step), [])]
-        if rows:
-            last = max(sent for sent, _ in rows)
-            arrived = [done for _, done in rows]
-            latencies += [max(0.0, done - last) for done in arrived]
-            first_answer.append(min(arrived) - last)
-            spread.append(max(arrived) - min(arrived))
+    latencies, first_answer, spread = quorum_latencies(results, range(window_from, steps + 1))
     killed = {rid: t for res in results for rid, t in res["killed"].items()}
     gone_s = []
     for rid, at in killed.items():

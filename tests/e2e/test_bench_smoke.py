@@ -80,3 +80,34 @@ def test_benchmark_runs_in_its_smoke_configuration(name, smoke_runs):
     assert not repo_results.exists() or repo_results.stat().st_mtime_ns < START_NS, (
         f"bench.{name} wrote into the repository: {repo_results}"
     )
+
+
+@pytest.mark.timeout(120)
+def test_lighthouse_jobs_quick_writes_every_figure(tmp_path):
+    """bench.lighthouse_jobs --quick (~15 s idle): both arrangements ran every
+    job size, the fairness probe was measured with the others and alone,
+    and the short-lived jobs were all forgotten (the gauge is back to the
+    default job)."""
+    children = Children()
+    log, figures = tmp_path / "out.log", tmp_path / "figures.json"
+    args = ["-m", "bench.lighthouse_jobs", "--quick", "--json", str(figures)]
+    try:
+        proc = children.spawn([PYTHON, *args, "--out", str(tmp_path / "results")], log=log)
+        try:
+            rc: int | None = proc.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            rc = None
+        output = log.read_text(errors="replace")
+        assert rc == 0, f"exit {rc}:\n{output[-4000:]}"
+    finally:
+        children.kill_all()
+    got = json.loads(figures.read_text())
+    assert [row["size"] for row in got["sizes"]] == [60, 10, 2, "all"], got["sizes"]
+    for row in got["sizes"][:-1]:
+        assert row["ours_p99_ms"] > 0 and row["ref_p99_ms"] > 0, row
+    assert got["sizes"][-1]["ours_rss_mb"] > 0 and got["sizes"][-1]["ref_cores"] > 0
+    fair = got["fairness"]
+    assert fair["with_p99_ms"] > 0 and fair["alone_p99_ms"] > 0 and fair["p99_ratio"] > 0, fair
+    churn = got["churn"]
+    assert churn["failed"] == 0 and churn["jobs_gauge_peak"] > 1, churn
+    assert churn["jobs_gauge_after"] == 1, churn
