@@ -29,6 +29,7 @@ from lighthouse.client import LEAVE_METHOD, QUORUM_METHOD
 from lighthouse.rpc.auth import metadata
 from lighthouse.rpc.lean.client import CallFailed, LeanChannel, Unavailable
 from lighthouse.rpc.proto import torchft_pb2 as pb
+from lighthouse.shell.jobs import TRIM_EVERY_S
 from tools.procs import PeakRss, free_port, kill_tree, wait_listening
 
 CALL_S = 10.0
@@ -132,7 +133,7 @@ def measure(n: int, concurrency: int, idle_s: float, deadline_s: float) -> dict[
             time.sleep(0.2)
             gauge_after = jobs_gauge(http_port)
         forgotten_s = time.monotonic() - t0 - ran_s
-        time.sleep(1.0)  # the last sweep's frees
+        time.sleep(TRIM_EVERY_S + 1.0)  # the last sweep's frees, and the heap's trim
         rss_after = lh.memory_info().rss
         gauge_peak, rss_peak = gauge.stop(), peak.stop()
     finally:

@@ -172,8 +172,13 @@ class Coordinator:
                     self.metrics.goodput.set(goodput)
             if any(isinstance(e, DecideSoon) and e.now for e in outcome.effects):
                 # Every replica waits: decide in this turn of the loop, so the
-                # last caller's answer is ready when its handler goes on.
-                self._decide_now()
+                # last caller's answer is ready when its handler goes on; a
+                # job of thousands (its decision takes ms) in a turn of its
+                # own, after the reads already waiting, other jobs' included.
+                if len(self.membership.participants) <= ANSWER_SLICE:
+                    self._decide_now()
+                else:
+                    asyncio.get_running_loop().call_soon(self._decide_now)
         if outcome.error is not None:
             raise outcome.error
 

@@ -6,6 +6,8 @@ rules). All on the server's loop.
 from __future__ import annotations
 
 import asyncio
+import ctypes
+import gc
 import logging
 import time
 from collections.abc import Iterator
@@ -22,6 +24,7 @@ from lighthouse.core.jobs import (
 from lighthouse.rpc.auth import JOB_METADATA_KEY
 from lighthouse.rpc.call import Call
 from lighthouse.rpc.errors import JobLimitError
+from lighthouse.rpc.h2.limits import TokenBucket
 from lighthouse.shell.coordinator import Coordinator
 from lighthouse.shell.metrics import LighthouseMetrics
 from lighthouse.shell.state_file import StateFiles
@@ -30,6 +33,29 @@ logger = logging.getLogger("lighthouse.shell.server")
 
 SWEEP_S = 1.0
 """How often idle jobs are looked for."""
+NOTES_RATE = (50.0, 1.0)
+"""Job opening and end lines logged at INFO: 50, then one a second."""
+TRIM_AFTER_JOBS = 64
+TRIM_EVERY_S = 5.0
+"""Forgotten jobs' memory is collected and the heap trimmed (trim_heap) at
+most every 5 s, once 64 jobs were forgotten since the last time or the
+forgetting paused: a job's
+objects hold each other, and the standalone process runs a full collection
+seldom (lighthouse.cli.tune_gc)."""
+
+
+def trim_heap() -> None:
+    """Hands the C heap's free pages back to the system (glibc's malloc_trim;
+    elsewhere nothing): glibc keeps the pages of what it frees."""
+    try:
+        trim = ctypes.CDLL(None).malloc_trim  # the process's own symbols: glibc's
+    except (OSError, AttributeError):
+        return
+    started = time.perf_counter()
+    trim(0)
+    logger.info(
+        "heap trimmed after forgotten jobs, in %.1f ms", 1000 * (time.perf_counter() - started)
+    )
 
 
 def job_of(call: Call) -> str:
@@ -58,6 +84,13 @@ class Jobs:
         self.by_id: dict[str, Coordinator] = {}
         self._empty_since: dict[str, float] = {}
         self._swept_at = time.monotonic()
+        self._notes = TokenBucket(NOTES_RATE)
+        self._unsaid = 0
+        """Opening and end lines not said at INFO since the last summary."""
+        self._unsaid_told_at = float("-inf")
+        self._forgotten = 0
+        """Jobs forgotten since the heap was last trimmed (trim_heap)."""
+        self._trimmed_at = float("-inf")
         self._turn: list[Coordinator] = []
         """Busy jobs still to tick in this round (`tick`)."""
         saved = states.saved_jobs() if states is not None else []
@@ -112,13 +145,23 @@ class Jobs:
         self.metrics.jobs.set(len(self.by_id))
         if job != DEFAULT_JOB:
             restored = state.restored if state is not None else None
-            coord.log.info(
+            self._note(
+                coord,
                 "job opened%s",
                 ""
                 if restored is None
                 else f" from its state file (high-water mark step {restored.high_water_step})",
             )
         return coord
+
+    def _note(self, coord: Coordinator, msg: str, *args: Any) -> None:
+        """A job's opening or end, at INFO within NOTES_RATE, else counted:
+        a peer that opens job after job cannot fill the log."""
+        if self._notes.take():
+            coord.log.info(msg, *args)
+        else:
+            self._unsaid += 1
+            coord.log.debug(msg, *args)
 
     def __iter__(self) -> Iterator[Coordinator]:
         return iter(list(self.by_id.values()))
@@ -162,6 +205,19 @@ class Jobs:
         gone = idle_jobs(activity, now, self.policy.idle_s)
         for job in gone:
             self.forget(job)
+        if self._unsaid and now - self._unsaid_told_at >= 60:
+            logger.info("%d more jobs opened or forgotten (lines at DEBUG)", self._unsaid)
+            self._unsaid, self._unsaid_told_at = 0, now
+        self._forgotten += len(gone)
+        quiet = not gone  # the churn paused: what it left goes now
+        if (
+            self._forgotten
+            and (self._forgotten >= TRIM_AFTER_JOBS or quiet)
+            and now - self._trimmed_at >= TRIM_EVERY_S
+        ):
+            self._forgotten, self._trimmed_at = 0, now
+            gc.collect()  # a job is cycles: the standalone process seldom collects them
+            trim_heap()
         return gone
 
     def forget(self, job: str) -> None:
@@ -172,7 +228,7 @@ class Jobs:
         self.metrics.jobs.set(len(self.by_id))
         if self.states is not None:
             self.states.forget(job)
-        coord.log.info("job forgotten: no member for %.0f s (--job-idle-s)", self.policy.idle_s)
+        self._note(coord, "job forgotten: no member for %.0f s (--job-idle-s)", self.policy.idle_s)
 
     def summaries(self) -> list[dict[str, Any]]:
         """One line per job for the status page's list."""
