@@ -33,6 +33,8 @@ def test_every_private_bench_module_is_used_by_an_entry_point():
     assert [h for h in helpers if h not in entries] == []
 
 
+WITH_JSON = {"lighthouse_jobs"}
+"""Benchmarks whose smoke run also writes --json, whose figures a test below reads."""
 CONCURRENT = 2
 """Smoke runs at a time: their processes mostly start up (imports) and wait
 (kills detected, steps paced), so two at once take 148 s for the lot
@@ -49,8 +51,9 @@ def smoke_runs(tmp_path_factory):
     def run(name: str) -> tuple[int | None, str, Path]:
         tmp = tmp_path_factory.mktemp(f"smoke_{name}")
         log, out = tmp / "out.log", tmp / "results"
+        figures = ["--json", str(tmp / "figures.json")] if name in WITH_JSON else []
         proc = children.spawn(
-            [PYTHON, "-m", f"bench.{name}", "--smoke", "--out", str(out)], log=log
+            [PYTHON, "-m", f"bench.{name}", "--smoke", "--out", str(out), *figures], log=log
         )
         try:
             rc: int | None = proc.wait(timeout=TIMEOUT_S)
@@ -82,25 +85,15 @@ def test_benchmark_runs_in_its_smoke_configuration(name, smoke_runs):
     )
 
 
-@pytest.mark.timeout(120)
-def test_lighthouse_jobs_quick_writes_every_figure(tmp_path):
-    """bench.lighthouse_jobs --quick (~15 s idle): both arrangements ran every
+@pytest.mark.timeout(2 * TIMEOUT_S + 15)
+def test_lighthouse_jobs_smoke_writes_every_figure(smoke_runs):
+    """bench.lighthouse_jobs --smoke (~15 s idle): both arrangements ran every
     job size, the fairness probe was measured with the others and alone,
     and the short-lived jobs were all forgotten (the gauge is back to the
     default job)."""
-    children = Children()
-    log, figures = tmp_path / "out.log", tmp_path / "figures.json"
-    args = ["-m", "bench.lighthouse_jobs", "--quick", "--json", str(figures)]
-    try:
-        proc = children.spawn([PYTHON, *args, "--out", str(tmp_path / "results")], log=log)
-        try:
-            rc: int | None = proc.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            rc = None
-        output = log.read_text(errors="replace")
-        assert rc == 0, f"exit {rc}:\n{output[-4000:]}"
-    finally:
-        children.kill_all()
+    rc, output, out = smoke_runs["lighthouse_jobs"].result(timeout=2 * TIMEOUT_S)
+    assert rc == 0, f"exit {rc}:\n{output[-4000:]}"
+    figures = out.parent / "figures.json"
     got = json.loads(figures.read_text())
     assert [row["size"] for row in got["sizes"]] == [60, 10, 2, "all"], got["sizes"]
     for row in got["sizes"][:-1]:
