@@ -72,9 +72,8 @@ class Manager:
     TORCHFT_MANAGER_PORT, TORCHFT_HOSTNAME, TORCHFT_BIND_HOST, the
     TORCHFT_*_SEC timeouts and TORCHFT_QUORUM_RETRIES (these two win over
     arguments), TORCHFT_SECRET_FILE / TORCHFT_SECRET, TORCHFT_TLS_*,
-    TORCHFT_METRICS_PORT, TORCHFT_HEAL_SOURCES and TORCHFT_JOB_ID (the job on
-    a lighthouse shared by many). `config` holds them
-    resolved. Timeouts take a timedelta or a number of seconds.
+    TORCHFT_METRICS_PORT, TORCHFT_HEAL_SOURCES, TORCHFT_JOB_ID. `config` holds
+    them resolved. Timeouts take a timedelta or a number of seconds.
 
     Args:
         pg: reconfigurable process group for the cross-replica allreduce.
@@ -326,8 +325,7 @@ class Manager:
         if not self._use_async_quorum or (self._init_sync and self._step == 0):
             self.wait_quorum()
             if not self._use_async_quorum and self._step_state.quorum_error is not None:
-                # Synchronous callers get the failure where they asked, as
-                # from torchft; it is also recorded, so the step cannot commit.
+                # Synchronous callers get it here, as from torchft (recorded: no commit).
                 raise self._step_state.quorum_error
             if self._settled.healing and self._errored is None:
                 self._apply_pending_state_dict()
