@@ -174,6 +174,13 @@ example:
         help="most replicas one job may have; a new one past it is refused (default 20000)",
     )
     p.add_argument(
+        "--max-members",
+        type=int,
+        default=100_000,
+        help="most replicas all jobs together may have; a new one past it is refused "
+        "(default 100000)",
+    )
+    p.add_argument(
         "--job-idle-s",
         type=float,
         default=3600.0,
@@ -336,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
             job_rules=parse_job_rules(args.job_rule),
             max_jobs=args.max_jobs,
             max_members_per_job=args.max_members_per_job,
+            max_members=args.max_members,
             job_idle_s=args.job_idle_s,
         )
     except (ValueError, OSError) as e:

@@ -29,7 +29,7 @@ from lighthouse.core.effects import (
     Placed,
 )
 from lighthouse.core.gone import Gone
-from lighthouse.core.jobs import DEFAULT_JOB, member_refusal
+from lighthouse.core.jobs import DEFAULT_JOB, member_refusal, total_refusal
 from lighthouse.core.membership import Membership
 from lighthouse.core.quorum import LighthouseConfig, Quorum, QuorumMember
 from lighthouse.core.views import QuorumViews
@@ -111,6 +111,24 @@ class Outbox(Protocol):
     def write(self, message: pb.LighthouseHeartbeatAdvice, /) -> bool: ...
 
 
+class ReplicaCount:
+    """The replicas every job of a lighthouse knows, against `cap`: counted
+    up as each new one is admitted, and recounted exactly by the jobs'
+    sweep (lighthouse.shell.jobs), which sees those forgotten."""
+
+    __slots__ = ("cap", "total")
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        self.total = 0
+
+    def take(self) -> bool:
+        if self.total >= self.cap:
+            return False
+        self.total += 1
+        return True
+
+
 class JobLog(logging.LoggerAdapter):  # type: ignore[type-arg]
     """The server's logger, each line naming the job it is about."""
 
@@ -136,8 +154,10 @@ class Coordinator:
         collect_after_issue: bool = False,
         job: str = DEFAULT_JOB,
         max_members: int = 20_000,
+        replicas: ReplicaCount | None = None,
     ) -> None:
         self.job = job
+        self.replicas = replicas if replicas is not None else ReplicaCount(max_members)
         self.log = JobLog(logger, {"job": job})
         self.max_members = max_members
         self.collect_after_issue = collect_after_issue
@@ -257,8 +277,12 @@ class Coordinator:
     def admit(self, replica_id: str) -> None:
         """Raises JobLimitError for a replica new to a job that holds its most."""
         known = self.membership.heartbeats
-        if replica_id not in known and len(known) >= self.max_members:
+        if replica_id in known:
+            return
+        if len(known) >= self.max_members:
             raise JobLimitError(member_refusal(self.job, replica_id, len(known), self.max_members))
+        if not self.replicas.take():
+            raise JobLimitError(total_refusal(replica_id, self.replicas.total, self.replicas.cap))
 
     def busy(self) -> bool:
         """Whether anyone is in the job: a replica known, a call waiting, a

@@ -25,7 +25,7 @@ from lighthouse.rpc.auth import JOB_METADATA_KEY
 from lighthouse.rpc.call import Call
 from lighthouse.rpc.errors import JobLimitError
 from lighthouse.rpc.h2.limits import TokenBucket
-from lighthouse.shell.coordinator import Coordinator
+from lighthouse.shell.coordinator import Coordinator, ReplicaCount
 from lighthouse.shell.metrics import LighthouseMetrics
 from lighthouse.shell.state_file import StateFiles
 
@@ -82,6 +82,7 @@ class Jobs:
         self.states = states
         self.collect_after_issue = collect_after_issue
         self.by_id: dict[str, Coordinator] = {}
+        self.replicas = ReplicaCount(policy.max_total)
         self._empty_since: dict[str, float] = {}
         self._swept_at = time.monotonic()
         self._notes = TokenBucket(NOTES_RATE)
@@ -139,6 +140,7 @@ class Jobs:
             self.collect_after_issue,
             job,
             self.policy.max_members,
+            self.replicas,
         )
         self.by_id[job] = coord
         self._empty_since[job] = time.monotonic()
@@ -195,6 +197,7 @@ class Jobs:
 
     def sweep(self, now: float) -> list[str]:
         """Forgets the jobs empty for --job-idle-s; returns them."""
+        self.replicas.total = sum(len(c.membership.heartbeats) for c in self.by_id.values())
         activity = {}
         for job, coord in self.by_id.items():
             if coord.busy():

@@ -152,6 +152,7 @@ class LighthouseServer:
         job_rules: job id -> {min_replicas, join_timeout_ms} of that job.
         max_jobs: the most jobs held at once (a new one past it is refused).
         max_members_per_job: the most replicas one job may have.
+        max_members: the most replicas all jobs together may have.
         job_idle_s: a job with no member for this long is forgotten.
 
     Raises:
@@ -176,6 +177,7 @@ class LighthouseServer:
         job_rules: dict[str, dict[str, int]] | None = None,
         max_jobs: int = 1000,
         max_members_per_job: int = 20_000,
+        max_members: int = 100_000,
         job_idle_s: float = 3600.0,
         **rule: Any,
     ) -> None:
@@ -189,6 +191,7 @@ class LighthouseServer:
             job_secrets or {},
             max_jobs,
             max_members_per_job,
+            max_members,
             job_idle_s,
         )
         host, port = parse_bind(bind)
@@ -374,7 +377,7 @@ def _rule(min_replicas: int, options: dict[str, Any]) -> LighthouseConfig:
             f"are {', '.join(sorted(known))} (lighthouse.LighthouseConfig), the server's "
             "bind, min_replicas, http_bind, secret, tls, kill_button, state_file, rpc_server, "
             "collect_after_issue, job_secrets, job_rules, max_jobs, max_members_per_job, "
-            "job_idle_s"
+            "max_members, job_idle_s"
         )
     return LighthouseConfig(min_replicas=min_replicas, **options)
 

@@ -175,6 +175,29 @@ def test_jobs_and_members_are_bounded(make_server):
     client.close()
 
 
+def test_the_replicas_of_every_job_together_are_bounded(make_server):
+    server = make_server(max_members=3, max_members_per_job=2)
+    clients = {job: LighthouseClient(server.address(), T, job_id=job) for job in ("a", "b")}
+    clients["a"].heartbeat("r0")
+    clients["a"].heartbeat("r1")
+    clients["b"].heartbeat("r0")
+    with pytest.raises(QuorumError) as refused:
+        clients["b"].heartbeat("r1")
+    assert "--max-members 3" in str(refused.value)
+    clients["a"].leave("r0")  # its place comes back at the next sweep (each second)
+    wait_until(lambda: try_heartbeat(clients["b"], "r1"), 10, "room for one more replica")
+    for client in clients.values():
+        client.close()
+
+
+def try_heartbeat(client: LighthouseClient, replica_id: str) -> bool:
+    try:
+        client.heartbeat(replica_id)
+        return True
+    except QuorumError:
+        return False
+
+
 def test_an_idle_job_is_forgotten_and_its_memory_and_series_go(make_server):
     server = make_server(job_idle_s=0.3, max_jobs=2, http_bind="127.0.0.1:0")
     addr, page = server.address(), server.http_address()

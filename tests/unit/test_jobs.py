@@ -13,6 +13,7 @@ from lighthouse.core.jobs import (
     job_refusal,
     member_refusal,
     parse_rule,
+    total_refusal,
 )
 from lighthouse.core.quorum import LighthouseConfig
 
@@ -83,6 +84,7 @@ def test_without_a_lighthouse_secret_a_job_without_its_own_is_open():
     [
         ({"max_jobs": 0}, "--max-jobs"),
         ({"max_members": 0}, "--max-members-per-job"),
+        ({"max_total": 0}, "--max-members)"),
         ({"idle_s": 0}, "--job-idle-s"),
         ({"rules": {"a": {"heartbeat_timeout_ms": 5}}}, "cannot be set per job"),
         ({"rules": {"a": {"min_replicas": 0}}}, "min_replicas (0) must be at least 1"),
@@ -113,9 +115,11 @@ def test_a_new_job_past_max_jobs_is_refused(known, exists, max_jobs, refused):
         assert f"--max-jobs {max_jobs}" in why and "--job-idle-s" in why
 
 
-def test_a_member_past_the_bound_is_told_which_flag():
+def test_a_member_past_a_bound_is_told_which_flag():
     why = member_refusal("j", "r" * 1000, 5, 5)
     assert "--max-members-per-job 5" in why and len(why) < 500
+    why = total_refusal("r" * 1000, 7, 7)
+    assert "--max-members 7" in why and len(why) < 500
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,13 @@ from lighthouse.core.jobs.ids import (
     job_id_refusal,
     parse_rule,
 )
-from lighthouse.core.jobs.limits import JobActivity, idle_jobs, job_refusal, member_refusal
+from lighthouse.core.jobs.limits import (
+    JobActivity,
+    idle_jobs,
+    job_refusal,
+    member_refusal,
+    total_refusal,
+)
 from lighthouse.core.jobs.policy import JobPolicy
 
 __all__ = [
@@ -33,4 +39,5 @@ __all__ = [
     "job_refusal",
     "member_refusal",
     "parse_rule",
+    "total_refusal",
 ]

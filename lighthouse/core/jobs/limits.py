@@ -29,6 +29,15 @@ def member_refusal(job: str, replica_id: str, known: int, max_members: int) -> s
     )
 
 
+def total_refusal(replica_id: str, total: int, max_total: int) -> str:
+    """What a new replica is told when the lighthouse's jobs together know `max_total`."""
+    return (
+        f"the lighthouse's jobs already have {total} replicas, the most it holds "
+        f"(--max-members {max_total}); replica {replica_id[:200]!r} is refused until some "
+        "leave or are forgotten"
+    )
+
+
 @dataclass(frozen=True)
 class JobActivity:
     """What decides whether a job may be forgotten: whether anyone is in

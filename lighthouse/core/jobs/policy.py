@@ -18,8 +18,9 @@ class JobPolicy:
     `rule` is every job's quorum rule; `rules` override its RULE_FIELDS per
     job. `secret` guards every job without one of its own in `secrets`
     (None: open). A peer can make the lighthouse hold `max_jobs` jobs of
-    `max_members` replicas each; a job left with no member for `idle_s` is
-    forgotten (the default job never is: it is a single-job lighthouse's).
+    `max_members` replicas each, `max_total` replicas in all; a job left with
+    no member for `idle_s` is forgotten (the default job never is: it is a
+    single-job lighthouse's).
     """
 
     rule: LighthouseConfig
@@ -28,6 +29,7 @@ class JobPolicy:
     secrets: Mapping[str, str] = dataclasses.field(default_factory=dict)
     max_jobs: int = 1000
     max_members: int = 20_000
+    max_total: int = 100_000
     idle_s: float = 3600.0
 
     def __post_init__(self) -> None:
@@ -37,6 +39,8 @@ class JobPolicy:
             raise ValueError(
                 f"max_members ({self.max_members}) must be at least 1 (--max-members-per-job)"
             )
+        if self.max_total < 1:
+            raise ValueError(f"max_total ({self.max_total}) must be at least 1 (--max-members)")
         if not self.idle_s > 0:
             raise ValueError(f"idle_s ({self.idle_s}) must be positive (--job-idle-s)")
         for job in (*self.rules, *self.secrets):
