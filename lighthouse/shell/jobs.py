@@ -200,11 +200,12 @@ class Jobs:
         self.replicas.total = sum(len(c.membership.heartbeats) for c in self.by_id.values())
         activity = {}
         for job, coord in self.by_id.items():
-            if coord.busy():
+            busy = coord.busy()
+            if busy:
                 self._empty_since.pop(job, None)
             else:
                 self._empty_since.setdefault(job, now)
-            activity[job] = JobActivity(coord.busy(), self._empty_since.get(job))
+            activity[job] = JobActivity(busy, self._empty_since.get(job))
         gone = idle_jobs(activity, now, self.policy.idle_s)
         for job in gone:
             self.forget(job)
