@@ -155,6 +155,15 @@ class Budget:
         return self.sent >= self.max_bytes or time.monotonic() >= self.deadline
 
 
+def _ready(sock: socket.socket, event: int, timeout_s: float) -> bool:
+    """Whether `sock` is ready for `event` within `timeout_s`: poll, not
+    select, which refuses descriptors past 1,023 (an attack's thousand
+    connections, a test process that ran others before)."""
+    poller = select.poll()
+    poller.register(sock, event)
+    return bool(poller.poll(max(0.0, timeout_s) * 1000))
+
+
 class Peer:
     """One attacking connection, started with the connection preface and a SETTINGS frame.
 
@@ -236,7 +245,7 @@ class Peer:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False
-                select.select([], [self.sock], [], min(left, 0.05))
+                _ready(self.sock, select.POLLOUT, min(left, 0.05))
                 continue
             except OSError as e:
                 self.closed = f"{type(e).__name__} while sending"
@@ -277,7 +286,7 @@ class Peer:
         something; False once the connection has ended."""
         if self.closed:
             return False
-        readable = select.select([self.sock], [], [], wait)[0]
+        readable = _ready(self.sock, select.POLLIN, wait)
         while readable and not self.closed:
             try:
                 chunk = self.sock.recv(1 << 20)
